@@ -1,0 +1,152 @@
+"""Saving and loading model directories: safetensors only, atomic writes, file digests.
+
+A PIT checkpoint is a Hugging Face-style directory: ``config.json`` with a ``pit`` block,
+``model.safetensors`` holding ``pit_interface.Z``, ``pit_interface.L_offdiag``,
+``pit_interface.L_diag`` and the transformer weights (no embedding or head tensor), the
+generation config and the tokenizer. Directories are written to a temporary sibling and
+renamed into place, so an interrupted save never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PreTrainedModel
+
+from .convert import PIT_CONFIG_KEY, empty_pit_model
+from .errors import PitError
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
+    """Refuse to overwrite an existing non-empty directory unless ``force``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PitError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise PitError(f"--out {out} exists and is not empty; pass --force to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
+
+    On any exception the temporary directory is removed and ``out`` is untouched. With
+    ``force`` an existing ``out`` is replaced only after the new one is complete.
+    """
+    out = check_output_dir(out, force).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            trash = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(trash)
+            tmp.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_model(
+    model: PreTrainedModel,
+    out: str | os.PathLike,
+    tokenizer=None,
+    force: bool = False,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write ``model`` (PIT or plain) and its tokenizer to ``out`` atomically, as safetensors.
+
+    Tensors that share storage (a tied plain model) are stored once, under the embedding's
+    name; ``tie_word_embeddings`` in the config restores the sharing on load.
+    """
+    with atomic_directory(out, force) as tmp:
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(tmp)
+        state: dict[str, torch.Tensor] = {}
+        seen: set[tuple] = set()
+        for name, tensor in model.state_dict().items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            state[name] = tensor.detach().contiguous().cpu()
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+    return Path(out)
+
+
+def read_config_dict(path: str | os.PathLike) -> dict | None:
+    """``config.json`` of a directory as a dict, or ``None`` if absent."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as exc:
+        raise PitError(f"{cfg} is not valid JSON ({exc}); the checkpoint is corrupt") from None
+
+
+def is_pit_directory(path: str | os.PathLike) -> bool:
+    cfg = read_config_dict(path)
+    return bool(cfg and PIT_CONFIG_KEY in cfg)
+
+
+def load_pit_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a PIT checkpoint written by :func:`save_model` (or ``save_pretrained``).
+
+    The state dict must match the architecture exactly; a missing or extra tensor is an
+    error, not a silently re-initialized weight.
+    """
+    path = Path(path)
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise PitError(f"{path} has no {WEIGHTS_NAME}; it is not a complete PIT checkpoint")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    model = empty_pit_model(config, dtype)
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise PitError(f"cannot read {weights}: {exc}; the file is corrupt or truncated") from None
+    missing, unexpected = _compare_keys(model, state)
+    if missing or unexpected:
+        raise PitError(
+            f"{weights} does not match its config: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}; the checkpoint is incomplete or from another model"
+        )
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
+    model.eval()
+    return model
+
+
+def _compare_keys(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> tuple[list, list]:
+    expected = set(model.state_dict())
+    return sorted(expected - set(state)), sorted(set(state) - expected)

