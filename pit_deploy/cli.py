@@ -1,0 +1,143 @@
+"""The ``pit-deploy`` command line.
+
+Each sub-command is one ``add_<name>`` function that declares its arguments and one
+``run_<name>`` function that does the work. User mistakes surface as
+:class:`~pit_deploy.errors.PitError`: one line on stderr, exit code 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Callable, Sequence
+
+from .errors import PitError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def stage(message: str) -> None:
+    """A progress line on stderr (stdout stays clean for ``--json``)."""
+    print(f"[pit-deploy {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# convert
+# --------------------------------------------------------------------------------------
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:
+    from .core import DIAGONAL_MAPS, T_INITS
+
+    p = sub.add_parser("convert", help="convert a causal LM into a PIT model")
+    p.add_argument("--model", required=True, help="default | GGUF file | HF directory | hub id")
+    p.add_argument("--out", required=True, help="output directory (PIT checkpoint)")
+    p.add_argument("--t-init", default="identity", help=f"T initialization: {' | '.join(T_INITS)}")
+    p.add_argument("--diagonal", default="softplus", help=f"map to L's diagonal: {' | '.join(DIAGONAL_MAPS)}")
+    p.add_argument("--train-z", action="store_true", help="mark Z trainable (retracted after each step)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code (off by default)")
+    p.set_defaults(handler=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from .checkpoint import check_output_dir, save_model
+    from .core import DIAGONAL_MAPS, T_INITS, PITSpec
+    from .convert import convert_model
+    from .diagnostics import diagnose_model
+    from .sources import load_source
+
+    if args.t_init not in T_INITS:
+        raise PitError(f"unknown --t-init {args.t_init!r}; choose one of {', '.join(T_INITS)}")
+    if args.diagonal not in DIAGONAL_MAPS:
+        raise PitError(f"unknown --diagonal {args.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
+    check_output_dir(args.out, args.force)  # fail before the slow load
+    stage(f"loading {args.model}")
+    loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
+    if loaded.is_pit:
+        raise PitError(f"{args.model} is already a PIT model; nothing to convert")
+    stage(f"converting to PIT (T init: {args.t_init})")
+    model = convert_model(
+        loaded.model, args.t_init, PITSpec(diagonal=args.diagonal, train_z=args.train_z), loaded.source
+    )
+    report = diagnose_model(model)
+    stage(f"delta_ti = {report.delta_ti:.3e}; saving to {args.out}")
+    save_model(model, args.out, loaded.tokenizer, force=args.force)
+    stage("done")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# diagnose
+# --------------------------------------------------------------------------------------
+
+
+def add_diagnose(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("diagnose", help="token-interface metrics of a model (PIT, tied or untied)")
+    p.add_argument("model", help="default | GGUF file | HF directory | PIT directory | hub id")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(handler=run_diagnose)
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    from .diagnostics import diagnose_model
+    from .sources import load_source
+
+    stage(f"loading {args.model}")
+    loaded = load_source(args.model, trust_remote_code=args.trust_remote_code, with_tokenizer=False)
+    stage("computing interface metrics (float64)")
+    report = diagnose_model(loaded.model)
+    report.extra["source"] = loaded.source
+    print(report.to_json() if args.json else report)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_convert, add_diagnose)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pit-deploy",
+        description="Pseudo-Inverse Tying for compact LMs: convert, train, export, verify.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show library warnings")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Keep third-party chatter (deprecations, progress bars) off the user's terminal."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.verbose:
+        _quiet_libraries()
+    try:
+        return int(args.handler(args) or 0)
+    except PitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing partial was left behind", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
