@@ -1,0 +1,65 @@
+"""Tiny random models of each supported family, built in code (no network, no files).
+
+Used by the test suites and by users who want to try the pipeline in seconds. Sizes are
+small but keep the structure that matters: GQA for Llama/Qwen3/Granite, Granite's
+multipliers, GPT-2's learned positions, tied embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GraniteConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+)
+
+FAMILIES: tuple[str, ...] = ("llama", "qwen3", "granite", "gpt2")
+
+
+def tiny_config(
+    family: str,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    max_positions: int = 128,
+    tie_word_embeddings: bool = True,
+) -> PretrainedConfig:
+    """A small config of ``family`` (one of :data:`FAMILIES`)."""
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family in ("llama", "qwen3", "granite"):
+        llama_like = dict(
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_positions,
+            **common,
+        )
+        if family == "llama":
+            return LlamaConfig(**llama_like)
+        if family == "qwen3":
+            return Qwen3Config(head_dim=hidden_size // 4, **llama_like)
+        return GraniteConfig(
+            embedding_multiplier=12.0, logits_scaling=4.0, residual_multiplier=0.22,
+            attention_multiplier=0.0625, **llama_like,
+        )
+    if family == "gpt2":
+        return GPT2Config(
+            n_embd=hidden_size, n_layer=num_layers, n_head=4, n_positions=max_positions,
+            **common,
+        )
+    raise ValueError(f"unknown tiny family {family!r}; choose one of {FAMILIES}")
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> PreTrainedModel:
+    """A randomly initialized tiny causal LM of ``family``, in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
+    return model.eval()
