@@ -80,6 +80,7 @@ def add_diagnose(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("diagnose", help="token-interface metrics of a model (PIT, tied or untied)")
     p.add_argument("model", help="default | GGUF file | HF directory | PIT directory | hub id")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--extended", action="store_true", help="also the polar-factor distance (slower)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(handler=run_diagnose)
 
@@ -91,7 +92,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code, with_tokenizer=False)
     stage("computing interface metrics (float64)")
-    report = diagnose_model(loaded.model)
+    report = diagnose_model(loaded.model, extended=args.extended)
     report.extra["source"] = loaded.source
     print(report.to_json() if args.json else report)
     return 0
@@ -122,6 +123,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    for noisy in ("huggingface_hub", "urllib3", "torchao", "torch.utils._pytree", "torch._dynamo"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

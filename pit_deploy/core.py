@@ -105,6 +105,11 @@ def random_stiefel(
     return orthonormalize(g, method)
 
 
+def _solve_dtype(t: torch.Tensor) -> torch.dtype:
+    """FP32 for the solves, or float64 when the parameters already are (gradient checks)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _softplus_inverse(y: torch.Tensor) -> torch.Tensor:
     """``x`` with ``softplus(x) = y`` for ``y > 0``, stable for large and tiny ``y``."""
     return y + torch.log(-torch.expm1(-y))
@@ -184,10 +189,14 @@ class PITInterface(nn.Module):
 
     # ---- T and its factor ---------------------------------------------------------------
     def cholesky_factor(self) -> torch.Tensor:
-        """``L`` ``(d, d)``: lower-triangular with positive diagonal, FP32 (autocast off)."""
+        """``L`` ``(d, d)``: lower-triangular, positive diagonal, FP32 (autocast off).
+
+        Float64 parameters stay float64 (used by gradient checks and exports).
+        """
+        dtype = _solve_dtype(self.L_diag)
         with torch.autocast(device_type=self.L_diag.device.type, enabled=False):
-            off = torch.tril(self.L_offdiag.float(), -1)
-            raw = self.L_diag.float()
+            off = torch.tril(self.L_offdiag.to(dtype), -1)
+            raw = self.L_diag.to(dtype)
             diag = F.softplus(raw) if self.spec.diagonal == "softplus" else raw.exp()
             if self.spec.clamp_min is not None or self.spec.clamp_max is not None:
                 diag = diag.clamp(self.spec.clamp_min, self.spec.clamp_max)
@@ -211,7 +220,7 @@ class PITInterface(nn.Module):
         rows = self.Z[input_ids.reshape(-1)]
         with torch.autocast(device_type=rows.device.type, enabled=False):
             lf = self.cholesky_factor()
-            solved = torch.cholesky_solve(rows.float().T, lf, upper=False).T
+            solved = torch.cholesky_solve(rows.to(lf.dtype).T, lf, upper=False).T
         out_dtype = torch.float32 if torch.is_autocast_enabled() else self.Z.dtype
         return solved.to(out_dtype).reshape(*input_ids.shape, self.hidden_size)
 

@@ -10,7 +10,8 @@ For an effective input embedding ``E`` (V×d) and head ``W_out`` (d×V, ``logits
   ``min_R orthogonal ‖B̂_in R − B̂_out‖_F`` (``R`` from the SVD of the d×d ``B̂_inᵀ B̂_out``).
 * ``principal_angle``: mean per-token angle, ``2·atan2(‖a−b‖, ‖a+b‖)`` on unit vectors.
 
-Extra, not in the paper's tables: ``polar_distance = ‖U_E − U_{W_outᵀ}‖_F / √d``, the distance
+Extra, not in the paper's tables, computed only when asked (``extended=True``, CLI
+``--extended``; it costs two more polar decompositions): ``polar_distance = ‖U_E − U_{W_outᵀ}‖_F / √d``, the distance
 between the orthonormal polar factors of ``E`` and ``W_outᵀ``. Under exact transpose tying it
 is 0 by construction (so it cannot show TT's drift); it is reported for completeness. Rows
 where either basis vector is zero (padded vocabulary) are left out of the per-token means
@@ -43,8 +44,8 @@ class InterfaceReport:
     cosine_distance: float
     procrustes_error: float
     principal_angle: float
-    polar_distance: float
     degenerate_rows: int
+    polar_distance: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,8 +64,9 @@ class InterfaceReport:
             ("cosine_distance", f"{self.cosine_distance:.4e}"),
             ("procrustes_error", f"{self.procrustes_error:.4e}"),
             ("principal_angle (rad)", f"{self.principal_angle:.4e}"),
-            ("polar_distance (extra)", f"{self.polar_distance:.4e}"),
         ]
+        if self.polar_distance is not None:
+            rows.append(("polar_distance (extra)", f"{self.polar_distance:.4e}"))
         rows += [(k, f"{v:.4e}" if isinstance(v, float) else str(v)) for k, v in self.extra.items()]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -75,13 +77,16 @@ def pseudo_inverse_rows(w_out: torch.Tensor) -> torch.Tensor:
     w = w_out.to(torch.float64)
     gram = w @ w.T
     chol, info = torch.linalg.cholesky_ex(gram)
-    if int(info) == 0:
+    pivots = torch.diagonal(chol)
+    # A (numerically) singular Gram matrix can still factor with a tiny positive pivot;
+    # pivot ratio² bounds its condition number from below, so refuse beyond ~1e14.
+    if int(info) == 0 and pivots.min() > pivots.max() * 1e-7:
         return torch.cholesky_solve(w, chol).T
     return torch.linalg.pinv(w)  # rank-deficient head: SVD of the d×V matrix, still no V×V
 
 
 def interface_metrics(e: torch.Tensor, w_out: torch.Tensor, tying: str = "untied",
-                      extra: dict[str, Any] | None = None) -> InterfaceReport:
+                      extra: dict[str, Any] | None = None, extended: bool = False) -> InterfaceReport:
     """Compute every metric of the module docstring for ``E`` (V×d) and ``W_out`` (d×V)."""
     e = e.to(torch.float64)
     w = w_out.to(torch.float64)
@@ -104,10 +109,7 @@ def interface_metrics(e: torch.Tensor, w_out: torch.Tensor, tying: str = "untied
     u, _, vh = torch.linalg.svd(a_hat.T @ b_hat)
     procrustes = float(torch.linalg.matrix_norm(a_hat @ (u @ vh) - b_hat))
 
-    try:
-        polar = float(torch.linalg.matrix_norm(polar_factor(e)[0] - polar_factor(w.T)[0]) / math.sqrt(d))
-    except ValueError:  # rank-deficient: polar factor not unique
-        polar = float("nan")
+    polar = _polar_distance(e, w) if extended else None
     return InterfaceReport(
         vocab_size=v,
         hidden_size=d,
@@ -122,7 +124,15 @@ def interface_metrics(e: torch.Tensor, w_out: torch.Tensor, tying: str = "untied
     )
 
 
-def diagnose_model(model: torch.nn.Module) -> InterfaceReport:
+def _polar_distance(e: torch.Tensor, w: torch.Tensor) -> float:
+    try:
+        diff = polar_factor(e)[0] - polar_factor(w.T)[0]
+    except ValueError:  # rank-deficient: the polar factor is not unique
+        return float("nan")
+    return float(torch.linalg.matrix_norm(diff) / math.sqrt(e.shape[1]))
+
+
+def diagnose_model(model: torch.nn.Module, extended: bool = False) -> InterfaceReport:
     """:func:`interface_metrics` of a model's effective interface (PIT, tied or untied)."""
     e, w, tying = effective_interface(model)  # type: ignore[arg-type]
     extra: dict[str, Any] = {}
@@ -131,4 +141,4 @@ def diagnose_model(model: torch.nn.Module) -> InterfaceReport:
         extra["z_orthogonality_error"] = interface.orthogonality_error()
         t = interface.transform().detach().to(torch.float64)
         extra["t_condition_number"] = float(torch.linalg.cond(t))
-    return interface_metrics(e, w, tying, extra)
+    return interface_metrics(e, w, tying, extra, extended)

@@ -102,6 +102,7 @@ def _has_gguf_magic(path: Path) -> bool:
 def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, kind: str) -> LoadedModel:
     if not _has_gguf_magic(path):
         raise PitError(f"{path} is not a GGUF file (bad magic bytes); pass a GGUF model file")
+    _check_gguf_has_weights(path)
     log.info("loading GGUF %s (de-quantizing to %s)", path.name, dtype)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -120,6 +121,23 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, kind: str) 
     return LoadedModel(model, tokenizer, source)
 
 
+def _check_gguf_has_weights(path: Path) -> None:
+    """Refuse GGUF files without a token-embedding tensor (vocab-only or adapter files).
+
+    Without this, transformers builds a model from default config values (a 7B Llama) and
+    then fails or exhausts memory; reading the tensor index is cheap (memory-mapped).
+    """
+    from gguf import GGUFReader
+
+    try:
+        names = {t.name for t in GGUFReader(str(path)).tensors}
+    except Exception as exc:
+        raise PitError(f"{path} is not a readable GGUF file ({_short(exc)})") from None
+    if "token_embd.weight" not in names:
+        what = "no tensors at all" if not names else f"{len(names)} tensors but no token embedding"
+        raise PitError(f"{path} is a GGUF file but not a language model ({what}); pass a model GGUF")
+
+
 def _load_directory(
     path: Path, dtype: torch.dtype, trust_remote_code: bool, with_tokenizer: bool
 ) -> LoadedModel:
@@ -130,6 +148,12 @@ def _load_directory(
         model = load_pit_model(path, dtype)
         tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code)
         return LoadedModel(model, tokenizer, {"kind": "pit", "path": str(path), **_digest(path)})
+    architectures = cfg.get("architectures") or []
+    if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise PitError(
+            f"{path} is a {', '.join(architectures)} checkpoint, not a causal language model; "
+            "pass a *ForCausalLM checkpoint"
+        )
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _check_supported(config, str(path))
     if not any(path.glob("*.safetensors")):

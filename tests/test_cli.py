@@ -1,0 +1,146 @@
+"""`pit-deploy convert` and `pit-deploy diagnose`, including every bad input of issue #2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+from pit_deploy.checkpoint import save_model
+from pit_deploy.cli import main
+from pit_deploy.tiny import tiny_model
+
+
+@pytest.fixture
+def plain_dir(tmp_path: Path, family: str) -> Path:
+    out = tmp_path / f"{family}-plain"
+    save_model(tiny_model(family), out)
+    return out
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_diagnose_convert_diagnose(plain_dir: Path, tmp_path: Path, capsys) -> None:
+    code, out, _ = _run(capsys, "diagnose", str(plain_dir), "--json")
+    assert code == 0
+    tied = json.loads(out)
+    assert tied["tying"] == "tied" and tied["delta_ti"] > 1e-2
+    assert {"delta_ti", "cosine_distance", "procrustes_error", "principal_angle",
+            "vocab_size", "hidden_size", "tying"} <= set(tied)
+
+    pit_dir = tmp_path / "pit"
+    code, _, err = _run(capsys, "convert", "--model", str(plain_dir), "--out", str(pit_dir), "--t-init", "output")
+    assert code == 0, err
+    assert "[pit-deploy" in err  # stage lines go to stderr
+    code, out, _ = _run(capsys, "diagnose", str(pit_dir), "--json")
+    pit = json.loads(out)
+    assert pit["tying"] == "pit" and pit["vocab_size"] == 512 and pit["hidden_size"] == 64
+    assert pit["delta_ti"] <= 1e-5 and pit["cosine_distance"] <= 1e-6 and pit["principal_angle"] <= 1e-5
+
+    code, out, _ = _run(capsys, "diagnose", str(pit_dir))
+    assert code == 0 and "delta_ti" in out and not out.lstrip().startswith("{")
+
+
+def test_existing_out_needs_force(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "src"
+    save_model(tiny_model("gpt2"), src)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    code, _, err = _run(capsys, "convert", "--model", str(src), "--out", str(out))
+    assert code == 2 and "--force" in err
+    assert (out / "keep.txt").read_text() == "user data"
+    code, _, err = _run(capsys, "convert", "--model", str(src), "--out", str(out), "--force")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def _bert_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "bert"
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64)
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+def _nonfinite_dir(tmp_path: Path) -> Path:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[7, 3] = float("nan")
+    return save_model(model, tmp_path / "nan")
+
+
+def _vocab_only_gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_string("general.name", "not a model")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _garbage_gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"this is not a gguf file at all")
+    return path
+
+
+def _pickle_only_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "pickled"
+    tiny_model("llama").save_pretrained(path, safe_serialization=False)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make_source,message",
+    [
+        (lambda p: p / "does-not-exist", "no such file or directory"),
+        (_bert_dir, "not a causal language model"),
+        (_nonfinite_dir, "non-finite"),
+        (_vocab_only_gguf, "not a language model"),
+        (_garbage_gguf, "not a GGUF file"),
+        (_pickle_only_dir, "pickle"),
+    ],
+    ids=["missing", "bert", "nonfinite", "vocab-only-gguf", "garbage-gguf", "pickle-only"],
+)
+def test_bad_sources_exit_2_and_write_nothing(tmp_path: Path, capsys, make_source, message: str) -> None:
+    source = make_source(tmp_path)
+    out = tmp_path / "out"
+    code, stdout, err = _run(capsys, "convert", "--model", str(source), "--out", str(out))
+    assert code == 2
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], err
+    assert "Traceback" not in err
+    assert not out.exists(), "a failed convert must not create --out"
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir()), "temporary dir left behind"
+
+
+def test_unknown_t_init(tmp_path: Path, capsys) -> None:
+    src = save_model(tiny_model("llama"), tmp_path / "src")
+    code, _, err = _run(capsys, "convert", "--model", str(src), "--out", str(tmp_path / "o"), "--t-init", "spd")
+    assert code == 2 and "unknown --t-init 'spd'" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_console_script_runs_as_a_process(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pit_deploy", "diagnose", str(tmp_path / "nope"), "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")

@@ -1,0 +1,155 @@
+"""Conversion of every family into PIT models that still behave as PreTrainedModels."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from pit_deploy.checkpoint import WEIGHTS_NAME, load_pit_model, save_model
+from pit_deploy.convert import (
+    PITEmbedding,
+    PITHead,
+    convert_model,
+    effective_interface,
+    find_interface,
+    materialize_model,
+)
+from pit_deploy.errors import PitError
+from pit_deploy.tiny import tiny_model
+
+IDS = torch.tensor([[5, 17, 300, 2, 41, 99, 7], [1, 1, 400, 3, 8, 256, 511]])
+
+
+def _logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("t_init", ["identity", "input", "output"])
+def test_effective_interface_is_exact(tiny, t_init: str) -> None:
+    e0, _, tying = effective_interface(tiny)
+    assert tying == "tied"
+    convert_model(tiny, t_init)
+    e, w, tying = effective_interface(tiny)
+    assert tying == "pit"
+    assert torch.linalg.matrix_norm(w @ e - torch.eye(e.shape[1], dtype=torch.float64)) < 1e-5
+    if t_init == "input":  # multipliers (Granite) are folded in: the model sees E0 again
+        assert (e - e0).norm() / e0.norm() < 1e-6
+    if t_init == "output":
+        assert (w - e0.T).norm() / e0.norm() < 1e-6
+
+
+def test_input_init_reproduces_the_source_forward_input_side(tiny) -> None:
+    """With T = H⁻¹ the embedding the decoder sees is the source one (multipliers included)."""
+    source_emb = tiny.get_input_embeddings()(IDS).detach()
+    convert_model(tiny, "input")
+    pit_emb = tiny.get_input_embeddings()(IDS)
+    assert torch.allclose(pit_emb, source_emb, atol=1e-5 * float(source_emb.abs().max()))
+
+
+def test_modules_are_replaced_and_shared(tiny) -> None:
+    convert_model(tiny)
+    emb, head = tiny.get_input_embeddings(), tiny.get_output_embeddings()
+    assert isinstance(emb, PITEmbedding) and isinstance(head, PITHead)
+    assert emb.interface is head.interface is find_interface(tiny)
+    keys = [k for k in tiny.state_dict() if "pit_interface" in k]
+    assert sorted(keys) == ["pit_interface.L_diag", "pit_interface.L_offdiag", "pit_interface.Z"]
+    assert tiny.config.tie_word_embeddings is False
+    assert tiny.config.pit["t_init"] == "identity"
+
+
+def test_generate_still_works(tiny) -> None:
+    convert_model(tiny, "output")
+    out = tiny.generate(IDS[:1, :4], max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 10)
+    plain = materialize_model(tiny)
+    out_plain = plain.generate(IDS[:1, :4], max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, out_plain)
+
+
+def test_save_load_round_trip_is_bit_exact(tiny, tmp_path) -> None:
+    convert_model(tiny, "output")
+    save_model(tiny, tmp_path / "pit")
+    loaded = load_pit_model(tmp_path / "pit")
+    assert torch.equal(_logits(tiny), _logits(loaded))
+
+
+def test_save_pretrained_round_trips_through_the_loader(tiny, tmp_path) -> None:
+    convert_model(tiny, "input")
+    tiny.save_pretrained(tmp_path / "hf")
+    loaded = load_pit_model(tmp_path / "hf")
+    assert torch.equal(_logits(tiny), _logits(loaded))
+
+
+def test_checkpoint_stores_z_once(tiny, tmp_path) -> None:
+    convert_model(tiny)
+    save_model(tiny, tmp_path / "pit")
+    v, d = 512, 64
+    with safe_open(str(tmp_path / "pit" / WEIGHTS_NAME), "pt") as fh:
+        shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    big = [k for k, s in shapes.items() if s in ((v, d), (d, v))]
+    assert big == ["pit_interface.Z"], f"V×d tensors on disk: {big}"
+    config = json.loads((tmp_path / "pit" / "config.json").read_text())
+    assert config["pit"]["family"] and config["tie_word_embeddings"] is False
+
+
+def test_materialized_checkpoint_loads_with_plain_transformers(tiny, tmp_path) -> None:
+    convert_model(tiny, "output")
+    plain = materialize_model(tiny)
+    assert find_interface(plain) is None
+    save_model(plain, tmp_path / "plain")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", use_safetensors=True)
+    assert not hasattr(reloaded.config, "pit")
+    assert torch.equal(_logits(plain), _logits(reloaded))
+    pit_logits, mat_logits = _logits(tiny), _logits(plain)
+    rel = (pit_logits - mat_logits).norm() / pit_logits.norm()
+    assert rel < 1e-5, f"materialized vs factorized PIT logits differ by {rel:.2e} (relative L2)"
+    e, w, tying = effective_interface(reloaded)
+    assert tying == "untied"
+    assert torch.linalg.matrix_norm(w @ e - torch.eye(64, dtype=torch.float64)) < 1e-5
+
+
+def test_untied_source_converts_from_input_embedding(caplog) -> None:
+    model = tiny_model("llama", tie_word_embeddings=False)
+    e0, _, tying = effective_interface(model)
+    assert tying == "untied"
+    with caplog.at_level("WARNING"):
+        convert_model(model, "input")
+    assert "untied" in caplog.text
+    assert model.config.pit["source_tying"] == "untied"
+    e, _, _ = effective_interface(model)
+    assert (e - e0).norm() / e0.norm() < 1e-6
+
+
+def test_non_finite_embedding_is_refused() -> None:
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[3, 5] = float("nan")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(PitError, match="non-finite"):
+        convert_model(model)
+    assert find_interface(model) is None
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num()) for k in before)
+
+
+def test_converting_twice_is_refused(tiny) -> None:
+    convert_model(tiny)
+    with pytest.raises(PitError, match="already a PIT model"):
+        convert_model(tiny)
+
+
+def test_bf16_model_runs_under_autocast(tiny) -> None:
+    convert_model(tiny)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        logits = tiny(IDS).logits
+    assert torch.isfinite(logits).all()
+    ref = _logits(tiny)
+    rel = (logits.float() - ref).norm() / ref.norm()
+    assert rel < 5e-2
