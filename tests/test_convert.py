@@ -153,3 +153,25 @@ def test_bf16_model_runs_under_autocast(tiny) -> None:
     ref = _logits(tiny)
     rel = (logits.float() - ref).norm() / ref.norm()
     assert rel < 5e-2
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "mistral", "qwen2"])
+def test_other_registered_layouts_convert(model_type: str) -> None:
+    """Adapters registered beyond the four tested families convert exactly as well."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = IDS.clamp(max=299)
+    before = model.get_input_embeddings()(ids).detach()
+    e0, _, _ = effective_interface(model)
+    convert_model(model, "input")
+    e, w, _ = effective_interface(model)
+    assert (e - e0).norm() / e0.norm() < 1e-6
+    assert torch.allclose(model.get_input_embeddings()(ids).detach(), before, atol=1e-5)
+    assert torch.linalg.matrix_norm(w @ e - torch.eye(32, dtype=torch.float64)) < 1e-5
+    assert torch.isfinite(_logits(model, ids)).all()
