@@ -99,10 +99,59 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# probe
+# --------------------------------------------------------------------------------------
+
+
+def add_probe(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="logit-lens trace: each layer read through the head and both token interfaces")
+    p.add_argument("model", help="default | GGUF file | HF directory | PIT directory | hub id")
+    p.add_argument("--prompt", default="def fibonacci(n):\n    return", help="text to trace (needs a tokenizer)")
+    p.add_argument("--ids", help="comma-separated token ids instead of --prompt")
+    p.add_argument("--position", type=int, default=-1, help="which position to trace (default: last)")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--plot", help="write a PNG of the trace here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(handler=run_probe)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    import torch
+
+    from .probe import logit_lens
+    from .sources import load_source
+
+    stage(f"loading {args.model}")
+    loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
+    if args.ids:
+        try:
+            ids = [int(x) for x in args.ids.split(",")]
+        except ValueError:
+            raise PitError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+        vocab = loaded.model.config.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise PitError(f"--ids must be non-empty and within [0, {vocab})")
+        input_ids = torch.tensor([ids])
+    elif loaded.tokenizer is None:
+        raise PitError(f"{args.model} has no tokenizer; pass --ids instead of --prompt")
+    else:
+        input_ids = loaded.tokenizer(args.prompt, return_tensors="pt").input_ids
+    length = input_ids.shape[1]
+    if not -length <= args.position < length:
+        raise PitError(f"--position {args.position} is outside the {length}-token prompt")
+    trace = logit_lens(loaded.model, input_ids, loaded.tokenizer, args.position, args.top_k)
+    if args.plot:
+        stage(f"plot: {trace.plot(args.plot)}")
+    print(trace.to_json() if args.json else trace)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_convert, add_diagnose)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_convert, add_diagnose, add_probe)
 
 
 def build_parser() -> argparse.ArgumentParser:
