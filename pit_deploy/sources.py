@@ -184,7 +184,7 @@ def _load_hub(
     except Exception as exc:
         raise PitError(
             f"cannot fetch {repo_id!r} from the Hugging Face Hub ({_short(exc)}); check the id "
-            "and your network, or pass a local directory"
+            "and your network — or, if you meant a local path, it does not exist"
         ) from None
     _check_supported(config, repo_id)
     try:
