@@ -72,8 +72,11 @@ def export_model(
     force: bool = False,
     progress: Progress | None = None,
     opset: int | None = None,
+    pairs: list[tuple[str, str]] | None = None,
 ) -> Manifest:
     """Export a loaded PIT model as the recipe says; returns the written manifest.
+
+    ``pairs`` (``[(runtime, mode), ...]``) restricts the recipe's runtimes × modes product.
 
     Raises:
         PitError: not a PIT model, an existing non-empty ``out`` without ``force``, a static
@@ -84,7 +87,12 @@ def export_model(
     if find_interface(model) is None:
         raise PitError("export_model needs a PIT model; use load_pit_source() to convert first")
     out = check_output_dir(out, force)
-    if "executorch" in recipe.runtimes:
+    wanted = [(r, m) for m in recipe.modes for r in recipe.runtimes]
+    if pairs is not None:
+        wanted = [p for p in wanted if p in set(pairs)]
+        if not wanted:
+            raise PitError(f"no (runtime, mode) pair of {pairs} is in the recipe")
+    if any(r == "executorch" for r, _ in wanted):
         check_max_seq_len(model.config, recipe.max_seq_len)
     dtype = getattr(torch, recipe.dtype)
     model = model.to(dtype).eval()
@@ -99,8 +107,11 @@ def export_model(
         }
         artifacts: list[Artifact] = []
         for mode in recipe.modes:
+            runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
+            if not runtimes:
+                continue
             prepared = prepare(model, mode, dtype)
-            for runtime in recipe.runtimes:
+            for runtime in runtimes:
                 name = artifact_dir_name(runtime, mode)
                 say(f"exporting {name}")
                 start = time.perf_counter()

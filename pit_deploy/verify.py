@@ -100,6 +100,13 @@ class VerifyReport:
     def passed(self) -> bool:
         return bool(self.artifacts) and all(a.passed for a in self.artifacts)
 
+    def result(self, runtime: str, mode: str) -> ArtifactResult:
+        """The result of the ``runtime``-``mode`` artifact (``KeyError`` if not verified)."""
+        for r in self.artifacts:
+            if r.runtime == runtime and r.mode == mode:
+                return r
+        raise KeyError(f"no verification result for {runtime}-{mode}")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "directory": self.directory,
