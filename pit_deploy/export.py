@@ -132,9 +132,17 @@ def export_model(
                 say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
                 artifacts.append(art)
             del prepared
+        _normalize_permissions(tmp)
         manifest = Manifest(
             source=loaded.source, reference=reference, artifacts=artifacts,
             versions=library_versions(), recipe=recipe.to_dict(),
         )
         manifest.write(tmp)  # last: a manifest means every file above is complete
     return manifest
+
+
+def _normalize_permissions(root: Path) -> None:
+    """Temp files/dirs are created private (0600/0700); an export is meant to be shared."""
+    root.chmod(0o755)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)

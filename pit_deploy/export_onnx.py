@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 from .export_passes import InterfaceProbe
 
 DECODER_NAME = "model.onnx"
+DECODER_DATA = "model.onnx_data"
 INTERFACE_NAME = "interface.onnx"
 ONNX_TASK = "text-generation-with-past"
 
@@ -62,10 +63,11 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         tokenizer.save_pretrained(out_dir)
     probe = _InterfaceGraph(InterfaceProbe(model)).eval()
     d = model.config.hidden_size
+    tmp_interface = out_dir / f".{INTERFACE_NAME}.tmp"
     torch.onnx.export(
         probe,
         (torch.arange(4, dtype=torch.long), torch.zeros(4, d)),
-        str(out_dir / INTERFACE_NAME),
+        str(tmp_interface),
         input_names=["input_ids", "hidden"],
         output_names=["embeddings", "logits"],
         dynamic_axes={"input_ids": {0: "n"}, "hidden": {0: "m"}, "embeddings": {0: "n"}, "logits": {0: "m"}},
@@ -73,7 +75,68 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         do_constant_folding=True,
         dynamo=False,
     )
-    return {"task": ONNX_TASK, "decoder": DECODER_NAME, "interface": INTERFACE_NAME}
+    shared = share_interface_weights(out_dir, tmp_interface, min_elements=d * d)
+    tmp_interface.unlink()
+    return {"task": ONNX_TASK, "decoder": DECODER_NAME, "decoder_data": DECODER_DATA,
+            "interface": INTERFACE_NAME, "interface_tensors_shared": shared}
+
+
+def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: int) -> list[str]:
+    """Make ``interface.onnx`` read its large weights from the decoder's external data file.
+
+    The decoder is re-saved with every tensor in ``model.onnx_data`` (ONNX external data: each
+    initializer records ``location``/``offset``/``length``; see onnx's "External Data" docs).
+    Each large initializer of the interface graph whose bytes equal a decoder initializer is
+    pointed at that same byte range, so the interface graph adds no weight bytes on disk and
+    reads exactly the decoder's weights.
+
+    Returns:
+        names of the interface initializers now shared with the decoder.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import ExternalDataInfo
+
+    decoder_path = out_dir / DECODER_NAME
+    decoder = onnx.load(str(decoder_path), load_external_data=True)
+    for old in out_dir.glob("*.onnx_data"):
+        old.unlink()
+    onnx.save_model(decoder, str(decoder_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=DECODER_DATA, size_threshold=1024)
+    del decoder
+    decoder = onnx.load(str(decoder_path), load_external_data=False)
+    ranges: dict[str, dict[str, str]] = {}
+    for init in decoder.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            info = ExternalDataInfo(init)
+            ranges[init.name] = {"location": info.location, "offset": str(info.offset), "length": str(info.length)}
+    data = (out_dir / DECODER_DATA).read_bytes() if ranges else b""
+    by_digest: dict[tuple, dict[str, str]] = {}
+    for init in decoder.graph.initializer:
+        if init.name in ranges:
+            r = ranges[init.name]
+            chunk = data[int(r["offset"]) : int(r["offset"]) + int(r["length"])]
+            by_digest[(hashlib.sha256(chunk).hexdigest(), init.data_type, tuple(init.dims))] = r
+    del data
+    interface = onnx.load(str(interface_path), load_external_data=True)
+    shared = []
+    for init in interface.graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.size < min_elements:
+            continue
+        key = (hashlib.sha256(arr.tobytes()).hexdigest(), init.data_type, tuple(init.dims))
+        target = by_digest.get(key)
+        if target is None:
+            continue
+        init.ClearField("raw_data")
+        del init.external_data[:]
+        init.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in target.items():
+            entry = init.external_data.add()
+            entry.key, entry.value = k, v
+        shared.append(init.name)
+    onnx.save_model(interface, str(out_dir / INTERFACE_NAME))
+    return shared
 
 
 def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, tuple[int, ...]]]:
