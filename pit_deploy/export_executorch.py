@@ -140,8 +140,11 @@ def metadata_methods(config, max_seq_len: int) -> dict[str, object]:
 
 
 @torch.no_grad()
-def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int) -> dict:
+def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_methods: bool = True) -> dict:
     """Lower ``model`` (already materialized or factorized) to ``out_dir/model.pte``.
+
+    With ``interface_methods=False`` only ``forward`` and the metadata methods are written
+    (what a stock export holds; used for the size baseline of a plain tied model).
 
     Returns:
         a dict with the method names, the metadata values and ``max_seq_len``.
@@ -171,6 +174,8 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int) -> dict:
             _HeadMethod(probe), (torch.zeros(4, d),), dynamic_shapes=({0: rows},), strict=True,
         ),
     }
+    if not interface_methods:
+        programs = {"forward": programs["forward"]}
     meta = metadata_methods(model.config, max_seq_len)
     lowered = to_edge_transform_and_lower(
         programs, partitioner=[XnnpackPartitioner()], constant_methods=meta
