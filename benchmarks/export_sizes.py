@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-seq-len", type=int, default=64)
     parser.add_argument("--pit-export", help="reuse this export directory instead of exporting PIT again")
+    parser.add_argument("--pit-out", help="write the PIT export here (kept) instead of a temporary directory")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_sizes.json"))
     args = parser.parse_args(argv)
 
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     if args.pit_export:
         pit_dir = Path(args.pit_export)
     else:
-        pit_dir = work / "pit"
+        pit_dir = Path(args.pit_out) if args.pit_out else work / "pit"
         pit_loaded = load_pit_source(args.model)
         export_model(pit_loaded, pit_dir, Recipe(max_seq_len=args.max_seq_len), progress=print)
     manifest = Manifest.read(pit_dir)
