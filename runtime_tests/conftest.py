@@ -7,7 +7,7 @@ once; each parametrized test then asserts the bounds of one artifact. The real d
 
 Point the suite at your own export directories with ``--export-dir DIR`` (repeatable) or the
 environment variable ``PIT_EXPORT_DIR`` (paths separated by ``os.pathsep``); then
-``test_user_export.py`` verifies every artifact they hold.
+``test_runtime_user_export.py`` verifies every artifact they hold.
 
 The measured figures are printed in the terminal summary (``parity figures``).
 """

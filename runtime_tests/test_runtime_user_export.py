@@ -2,7 +2,7 @@
 
 Run in your own CI after ``pit-deploy export``::
 
-    pytest runtime_tests/test_user_export.py --export-dir out/my-export
+    pytest runtime_tests/test_runtime_user_export.py --export-dir out/my-export
 
 Without a directory the parameter set is empty and pytest reports the test as skipped.
 """
