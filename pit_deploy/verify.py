@@ -183,11 +183,12 @@ class ExecuTorchDriver:
         self.forward = self.program.load_method("forward")
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.forward.execute([ids[None].contiguous(), torch.tensor([0], dtype=torch.long)])[0][0]
+        # clone: outputs may live in the method's planned memory, reused by the next call
+        return self.forward.execute([ids[None].contiguous(), torch.tensor([0], dtype=torch.long)])[0][0].clone()
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         out = self.forward.execute([torch.tensor([[token]], dtype=torch.long), torch.tensor([pos], dtype=torch.long)])
-        return out[0][0, -1]
+        return out[0][0, -1].clone()
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         emb = self.program.load_method("embed").execute([torch.arange(vocab, dtype=torch.long)])[0]
