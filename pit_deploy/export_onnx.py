@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .checkpoint import save_tokenizer
 from .export_passes import InterfaceProbe
 
 DECODER_NAME = "model.onnx"
@@ -60,7 +61,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         model, out_dir, task=ONNX_TASK, opset=opset, do_validation=False, preprocessors=None
     )
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        save_tokenizer(tokenizer, out_dir)
     probe = _InterfaceGraph(InterfaceProbe(model)).eval()
     d = model.config.hidden_size
     tmp_interface = out_dir / f".{INTERFACE_NAME}.tmp"
