@@ -32,52 +32,37 @@ def dir_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-seq-len", type=int, default=64)
     parser.add_argument("--pit-export", help="reuse this export directory instead of exporting PIT again")
     parser.add_argument("--pit-out", help="write the PIT export here (kept) instead of a temporary directory")
+    parser.add_argument("--baseline-json", help="reuse the tt_baseline block of a previous result (skips the TT exports)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_sizes.json"))
     args = parser.parse_args(argv)
 
-    import torch
-
     from pit_deploy.export import export_model, load_pit_source
-    from pit_deploy.export_executorch import export_pte
-    from pit_deploy.export_onnx import DECODER_NAME
     from pit_deploy.manifest import Manifest, library_versions
     from pit_deploy.recipes import Recipe
-    from pit_deploy.sources import load_source
 
     work = Path(tempfile.mkdtemp(prefix="pit-export-sizes-"))
-    loaded = load_source(args.model)
-    plain = loaded.model.eval()
-    v, d = plain.config.vocab_size, plain.config.hidden_size
-    vd_bytes = v * d * 4
-    results: dict = {"model": args.model, "vocab_size": v, "hidden_size": d, "vd_float32_bytes": vd_bytes,
-                     "max_seq_len": args.max_seq_len, "versions": library_versions(),
-                     "machine": {"platform": platform.platform(), "python": sys.version.split()[0]}}
-
-    # 1. TT baselines
-    baseline = {}
-    from optimum.exporters.onnx import onnx_export_from_model
-
-    start = time.perf_counter()
-    onnx_export_from_model(copy.deepcopy(plain), work / "tt-onnx", task="text-generation-with-past",
-                           do_validation=False)
-    baseline["onnx"] = {"bytes": dir_bytes(work / "tt-onnx"),
-                        "onnx_bytes": sum(p.stat().st_size for p in (work / "tt-onnx").glob("model.onnx*")),
-                        "export_seconds": round(time.perf_counter() - start, 2)}
-    print("TT onnx", baseline["onnx"], flush=True)
-    start = time.perf_counter()
-    with torch.no_grad():
-        export_pte(copy.deepcopy(plain), work / "tt-executorch", args.max_seq_len, interface_methods=False)
-    baseline["executorch"] = {"bytes": dir_bytes(work / "tt-executorch"),
-                              "export_seconds": round(time.perf_counter() - start, 2)}
-    print("TT executorch", baseline["executorch"], flush=True)
+    results: dict = {"model": args.model, "max_seq_len": args.max_seq_len, "versions": library_versions(),
+                     "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
+                     "notes": ["bytes: every file of the artifact folder (config, tokenizer included); "
+                               "weight_bytes: the graph/weight files only (*.onnx, *.onnx_data, *.pte); "
+                               "ratios and V·d differences are computed on weight_bytes"]}
+    if args.baseline_json:
+        baseline = json.loads(Path(args.baseline_json).read_text())["tt_baseline"]
+        for b in baseline.values():  # results written before weight_bytes existed
+            b.setdefault("weight_bytes", b.get("onnx_bytes", b["bytes"]))
+    else:
+        baseline = tt_baseline(args, work)
     results["tt_baseline"] = baseline
-    del plain, loaded
 
     # 2. PIT exports
     if args.pit_export:
@@ -87,23 +72,23 @@ def main(argv=None) -> int:
         pit_loaded = load_pit_source(args.model)
         export_model(pit_loaded, pit_dir, Recipe(max_seq_len=args.max_seq_len), progress=print)
     manifest = Manifest.read(pit_dir)
+    shapes = manifest.artifacts[0].shapes
+    v, d = shapes["vocab_size"], shapes["hidden_size"]
+    vd_bytes = v * d * 4
+    results.update({"vocab_size": v, "hidden_size": d, "vd_float32_bytes": vd_bytes})
     rows = []
     for art in manifest.artifacts:
         base = baseline[art.runtime]
-        size = art.bytes
+        wbytes = sum(f["bytes"] for k, f in art.files.items() if k.endswith(WEIGHT_SUFFIXES))
         row = {
-            "runtime": art.runtime, "mode": art.mode, "bytes": size,
+            "runtime": art.runtime, "mode": art.mode, "bytes": art.bytes, "weight_bytes": wbytes,
             "export_seconds": art.export_seconds,
-            "ratio_to_tt": round(size / base["bytes"], 5),
-            "delta_vs_tt_in_vd": round((size - base["bytes"]) / vd_bytes, 3),
+            "ratio_to_tt": round(wbytes / base["weight_bytes"], 5),
+            "delta_vs_tt_in_vd": round((wbytes - base["weight_bytes"]) / vd_bytes, 3),
             "files": {k: f["bytes"] for k, f in art.files.items()},
         }
-        if art.runtime == "onnx":
-            onnx_bytes = sum(f["bytes"] for k, f in art.files.items() if Path(k).name.startswith(DECODER_NAME))
-            row["decoder_bytes"] = onnx_bytes
-            row["decoder_ratio_to_tt"] = round(onnx_bytes / base["onnx_bytes"], 5)
         rows.append(row)
-        print(row["runtime"], row["mode"], row["bytes"], row["ratio_to_tt"], row["delta_vs_tt_in_vd"], flush=True)
+        print(row["runtime"], row["mode"], wbytes, row["ratio_to_tt"], row["delta_vs_tt_in_vd"], flush=True)
     results["pit"] = rows
     results["reference_bytes"] = sum(f["bytes"] for f in manifest.reference["files"].values())
     out = Path(args.out)
@@ -111,6 +96,37 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+WEIGHT_SUFFIXES = (".onnx", ".onnx_data", ".pte")
+
+
+def tt_baseline(args, work: Path) -> dict:
+    """Export the plain tied source model the stock way; sizes and seconds per runtime."""
+    import torch
+    from optimum.exporters.onnx import onnx_export_from_model
+
+    from pit_deploy.export_executorch import export_pte
+    from pit_deploy.sources import load_source
+
+    plain = load_source(args.model).model.eval()
+    baseline = {}
+
+    start = time.perf_counter()
+    onnx_export_from_model(copy.deepcopy(plain), work / "tt-onnx", task="text-generation-with-past",
+                           do_validation=False)
+    baseline["onnx"] = {"bytes": dir_bytes(work / "tt-onnx"),
+                        "weight_bytes": weight_bytes(work / "tt-onnx"),
+                        "export_seconds": round(time.perf_counter() - start, 2)}
+    print("TT onnx", baseline["onnx"], flush=True)
+    start = time.perf_counter()
+    with torch.no_grad():
+        export_pte(copy.deepcopy(plain), work / "tt-executorch", args.max_seq_len, interface_methods=False)
+    baseline["executorch"] = {"bytes": dir_bytes(work / "tt-executorch"),
+                              "weight_bytes": weight_bytes(work / "tt-executorch"),
+                              "export_seconds": round(time.perf_counter() - start, 2)}
+    print("TT executorch", baseline["executorch"], flush=True)
+    return baseline
 
 
 if __name__ == "__main__":
