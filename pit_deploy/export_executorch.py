@@ -13,8 +13,8 @@ The program follows the conventions of ExecuTorch's stock LLM runner
 * Constant methods read by the runner's metadata loader: ``get_max_seq_len`` (required),
   ``get_max_context_len``, ``use_kv_cache``, ``enable_dynamic_shape``, ``get_eos_ids``,
   ``get_bos_id``, ``get_vocab_size``.
-* Extra methods ``embed(ids: int64[N]) -> float[N, d]`` and ``head(h: float[N, d]) ->
-  float[N, V]`` expose the *effective* token interface, computed by the very same modules
+* Extra methods ``embed(ids: int64[N ≤ V]) -> float[N, d]`` and ``head(h: float[N ≤ d, d])
+  -> float[N, V]`` expose the *effective* token interface, computed by the very same modules
   as ``forward``, so ``verify`` can measure ``delta_ti`` on the runtime itself. The runner
   only calls ``forward`` and the metadata methods.
 
@@ -38,7 +38,6 @@ from .errors import PitError
 from .export_passes import InterfaceProbe
 
 PTE_NAME = "model.pte"
-PROBE_ROWS_MAX = 1 << 20  # upper bound of the dynamic row dimension of embed/head
 
 
 def _kv_geometry(config) -> tuple[int, int]:
@@ -158,7 +157,11 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
     d = model.config.hidden_size
     prompt_len = min(8, max_seq_len - 1)
     seq = torch.export.Dim("seq", min=1, max=max_seq_len - 1)
-    rows = torch.export.Dim("rows", min=1, max=PROBE_ROWS_MAX)
+    # Upper bounds matter: memory planning sizes the output buffers for them (an unbounded
+    # head of N×V floats would not even load). verify needs N = V ids and N = d basis vectors.
+    v = model.config.vocab_size
+    ids_dim = torch.export.Dim("ids", min=1, max=v)
+    rows = torch.export.Dim("rows", min=1, max=d)
     programs = {
         "forward": torch.export.export(
             decoder,
@@ -168,7 +171,7 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
         ),
         "embed": torch.export.export(
             _EmbedMethod(probe), (torch.arange(4, dtype=torch.long),),
-            dynamic_shapes=({0: rows},), strict=True,
+            dynamic_shapes=({0: ids_dim},), strict=True,
         ),
         "head": torch.export.export(
             _HeadMethod(probe), (torch.zeros(4, d),), dynamic_shapes=({0: rows},), strict=True,
