@@ -98,10 +98,30 @@ def save_model(
             state[name] = tensor.detach().contiguous().cpu()
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
     return Path(out)
+
+
+def save_tokenizer(tokenizer, out: str | os.PathLike) -> None:
+    """``tokenizer.save_pretrained(out)``, without copying a GGUF file as ``tokenizer.model``.
+
+    A tokenizer loaded from a GGUF file keeps that file as its ``vocab_file``; the default
+    save then writes the whole GGUF (weights included, ~100 MB for SmolLM2-135M) as a "slow"
+    ``tokenizer.model`` that is not a SentencePiece model at all. For such tokenizers only the
+    fast ``tokenizer.json`` format is written (``legacy_format=False``), which is what
+    ``AutoTokenizer`` loads.
+    """
+    vocab_file = getattr(tokenizer, "vocab_file", None)
+    from_gguf = False
+    if isinstance(vocab_file, (str, os.PathLike)) and Path(vocab_file).is_file():
+        with open(vocab_file, "rb") as fh:
+            from_gguf = fh.read(4) == b"GGUF"
+    if from_gguf and getattr(tokenizer, "is_fast", False):
+        tokenizer.save_pretrained(out, legacy_format=False)
+    else:
+        tokenizer.save_pretrained(out)
 
 
 def read_config_dict(path: str | os.PathLike) -> dict | None:

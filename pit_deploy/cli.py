@@ -148,10 +148,81 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a PIT model to ONNX and/or ExecuTorch (.pte)")
+    p.add_argument("model", help="PIT directory | default | GGUF file | HF directory | hub id (plain models are converted first)")
+    p.add_argument("--out", required=True, help="export directory (written atomically)")
+    p.add_argument("--recipe", help="recipe name in export/ or a .toml/.json path (flags override it)")
+    p.add_argument("--runtime", help="comma list of onnx, executorch (default: all)")
+    p.add_argument("--mode", help="comma list of materialized, factorized (default: all)")
+    p.add_argument("--dtype", help="float32 (default)")
+    p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
+    p.add_argument("--t-init", default="identity", help="T initialization when a plain model is converted first")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(handler=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import signal
+
+    from .checkpoint import check_output_dir
+    from .recipes import Recipe, load_recipe
+
+    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
+    recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
+                             max_seq_len=args.max_seq_len)
+    check_output_dir(args.out, args.force)  # fail before the slow load
+
+    def _terminate(signum, _frame):  # SIGTERM cleans up like Ctrl-C: no partial directory
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    from .export import export_model, load_pit_source
+
+    stage(f"loading {args.model}")
+    loaded = load_pit_source(args.model, args.t_init, progress=stage)
+    manifest = export_model(loaded, args.out, recipe, force=args.force, progress=stage)
+    total = sum(a.bytes for a in manifest.artifacts)
+    stage(f"done: {len(manifest.artifacts)} artifact(s), {total / 2**20:.1f} MiB in {args.out}; "
+          f"run `pit-deploy verify {args.out}`")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------------------
+
+
+def add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check an export directory's artifacts on their runtimes")
+    p.add_argument("directory", help="export directory written by `pit-deploy export`")
+    p.add_argument("--runtime", help="comma list of runtimes to verify (default: all in the manifest)")
+    p.add_argument("--mode", help="comma list of modes to verify (default: all in the manifest)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-record", action="store_true", help="do not write the results into manifest.json")
+    p.set_defaults(handler=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_directory
+
+    stage(f"verifying {args.directory}")
+    report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record)
+    print(report.to_json() if args.json else report)
+    return 0 if report.passed else 1
+
+
+# --------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_convert, add_diagnose, add_probe)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_convert, add_diagnose, add_probe, add_export, add_verify
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

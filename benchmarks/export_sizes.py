@@ -1,0 +1,133 @@
+"""Artifact sizes and export times: PIT (materialized, factorized) vs a plain tied (TT) export.
+
+For the default model (SmolLM2-135M-Instruct, or ``--model``) this script
+
+1. exports the *plain tied* source model the stock way — optimum ONNX (which stores a tied
+   table once) and an ExecuTorch/XNNPACK ``.pte`` with the same static-KV ``forward`` and
+   metadata methods (which keeps two copies of a tied table) — as the TT baseline;
+2. converts it to PIT and runs ``pit_deploy.export.export_model`` for every runtime × mode
+   (or reads an existing export directory given with ``--pit-export``);
+3. writes ``benchmarks/results/export_sizes.json``: bytes per artifact (all files of the
+   artifact folder), export seconds, the ratio to the TT baseline of the same runtime, and the
+   difference in units of ``V·d`` float32 weights.
+
+Usage::
+
+    python benchmarks/export_sizes.py [--model default] [--max-seq-len 64] [--pit-export DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def dir_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--max-seq-len", type=int, default=64)
+    parser.add_argument("--pit-export", help="reuse this export directory instead of exporting PIT again")
+    parser.add_argument("--pit-out", help="write the PIT export here (kept) instead of a temporary directory")
+    parser.add_argument("--baseline-json", help="reuse the tt_baseline block of a previous result (skips the TT exports)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_sizes.json"))
+    args = parser.parse_args(argv)
+
+    from pit_deploy.export import export_model, load_pit_source
+    from pit_deploy.manifest import Manifest, library_versions
+    from pit_deploy.recipes import Recipe
+
+    work = Path(tempfile.mkdtemp(prefix="pit-export-sizes-"))
+    results: dict = {"model": args.model, "max_seq_len": args.max_seq_len, "versions": library_versions(),
+                     "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
+                     "notes": ["bytes: every file of the artifact folder (config, tokenizer included); "
+                               "weight_bytes: the graph/weight files only (*.onnx, *.onnx_data, *.pte); "
+                               "ratios and V·d differences are computed on weight_bytes"]}
+    if args.baseline_json:
+        baseline = json.loads(Path(args.baseline_json).read_text())["tt_baseline"]
+        for b in baseline.values():  # results written before weight_bytes existed
+            b.setdefault("weight_bytes", b.get("onnx_bytes", b["bytes"]))
+    else:
+        baseline = tt_baseline(args, work)
+    results["tt_baseline"] = baseline
+
+    # 2. PIT exports
+    if args.pit_export:
+        pit_dir = Path(args.pit_export)
+    else:
+        pit_dir = Path(args.pit_out) if args.pit_out else work / "pit"
+        pit_loaded = load_pit_source(args.model)
+        export_model(pit_loaded, pit_dir, Recipe(max_seq_len=args.max_seq_len), progress=print)
+    manifest = Manifest.read(pit_dir)
+    shapes = manifest.artifacts[0].shapes
+    v, d = shapes["vocab_size"], shapes["hidden_size"]
+    vd_bytes = v * d * 4
+    results.update({"vocab_size": v, "hidden_size": d, "vd_float32_bytes": vd_bytes})
+    rows = []
+    for art in manifest.artifacts:
+        base = baseline[art.runtime]
+        wbytes = sum(f["bytes"] for k, f in art.files.items() if k.endswith(WEIGHT_SUFFIXES))
+        row = {
+            "runtime": art.runtime, "mode": art.mode, "bytes": art.bytes, "weight_bytes": wbytes,
+            "export_seconds": art.export_seconds,
+            "ratio_to_tt": round(wbytes / base["weight_bytes"], 5),
+            "delta_vs_tt_in_vd": round((wbytes - base["weight_bytes"]) / vd_bytes, 3),
+            "files": {k: f["bytes"] for k, f in art.files.items()},
+        }
+        rows.append(row)
+        print(row["runtime"], row["mode"], wbytes, row["ratio_to_tt"], row["delta_vs_tt_in_vd"], flush=True)
+    results["pit"] = rows
+    results["reference_bytes"] = sum(f["bytes"] for f in manifest.reference["files"].values())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+WEIGHT_SUFFIXES = (".onnx", ".onnx_data", ".pte")
+
+
+def tt_baseline(args, work: Path) -> dict:
+    """Export the plain tied source model the stock way; sizes and seconds per runtime."""
+    import torch
+    from optimum.exporters.onnx import onnx_export_from_model
+
+    from pit_deploy.export_executorch import export_pte
+    from pit_deploy.sources import load_source
+
+    plain = load_source(args.model).model.eval()
+    baseline = {}
+
+    start = time.perf_counter()
+    onnx_export_from_model(copy.deepcopy(plain), work / "tt-onnx", task="text-generation-with-past",
+                           do_validation=False)
+    baseline["onnx"] = {"bytes": dir_bytes(work / "tt-onnx"),
+                        "weight_bytes": weight_bytes(work / "tt-onnx"),
+                        "export_seconds": round(time.perf_counter() - start, 2)}
+    print("TT onnx", baseline["onnx"], flush=True)
+    start = time.perf_counter()
+    with torch.no_grad():
+        export_pte(copy.deepcopy(plain), work / "tt-executorch", args.max_seq_len, interface_methods=False)
+    baseline["executorch"] = {"bytes": dir_bytes(work / "tt-executorch"),
+                              "weight_bytes": weight_bytes(work / "tt-executorch"),
+                              "export_seconds": round(time.perf_counter() - start, 2)}
+    print("TT executorch", baseline["executorch"], flush=True)
+    return baseline
+
+
+if __name__ == "__main__":
+    sys.exit(main())

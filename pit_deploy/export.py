@@ -1,0 +1,148 @@
+"""The ``export`` pipeline: a model in, an export directory with a manifest out.
+
+``export_model`` resolves the source (a PIT directory, a plain/TT model or anything
+:func:`pit_deploy.sources.load_source` accepts — plain models are converted first), saves the
+PIT reference checkpoint, applies the materialize/factorize passes, runs the per-runtime
+exporters and writes ``manifest.json`` last. Everything happens in a temporary sibling
+directory that is renamed into place only when complete
+(:func:`pit_deploy.checkpoint.atomic_directory`), so an interrupted export leaves nothing
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .checkpoint import WEIGHTS_NAME, atomic_directory, check_output_dir, save_model
+from .convert import convert_model, find_interface
+from .core import T_INITS
+from .errors import PitError
+from .export_executorch import check_max_seq_len
+from .export_passes import prepare
+from .manifest import REFERENCE_DIR, Artifact, Manifest, file_table, library_versions
+from .recipes import Recipe
+from .sources import LoadedModel, load_source
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+
+
+def artifact_dir_name(runtime: str, mode: str) -> str:
+    return f"{runtime}-{mode}"
+
+
+def load_pit_source(model: str, t_init: str = "identity", progress: Progress | None = None) -> LoadedModel:
+    """Load ``model`` and convert it to PIT if it is a plain (tied or untied) model."""
+    if t_init not in T_INITS:
+        raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(T_INITS)}")
+    loaded = load_source(model)
+    if find_interface(loaded.model) is None:
+        if progress:
+            progress(f"{model} is not a PIT model: converting (T init: {t_init})")
+        convert_model(loaded.model, t_init, source=loaded.source)
+        loaded.source = {**loaded.source, "converted_at_export": True, "t_init": t_init}
+    return loaded
+
+
+def _shapes(model, mode: str, recipe: Recipe, runtime: str) -> dict:
+    cfg = model.config
+    v, d = cfg.vocab_size, cfg.hidden_size
+    shapes = {"vocab_size": v, "hidden_size": d, "num_layers": cfg.num_hidden_layers}
+    if mode == "factorized":
+        shapes["interface"] = {"Zt": [d, v], "T": [d, d], "T_inv": [d, d]}
+    else:
+        shapes["interface"] = {"E": [v, d], "W_out": [d, v]}
+    if runtime == "executorch":
+        shapes["max_seq_len"] = recipe.max_seq_len
+        shapes["forward"] = {"tokens": [1, "S"], "input_pos": [1], "logits": [1, "S", v]}
+    else:
+        shapes["decoder"] = "optimum text-generation-with-past (dynamic batch/sequence/past)"
+    return shapes
+
+
+def export_model(
+    loaded: LoadedModel,
+    out: str | Path,
+    recipe: Recipe,
+    force: bool = False,
+    progress: Progress | None = None,
+    opset: int | None = None,
+    pairs: list[tuple[str, str]] | None = None,
+) -> Manifest:
+    """Export a loaded PIT model as the recipe says; returns the written manifest.
+
+    ``pairs`` (``[(runtime, mode), ...]``) restricts the recipe's runtimes × modes product.
+
+    Raises:
+        PitError: not a PIT model, an existing non-empty ``out`` without ``force``, a static
+            cache longer than the model supports.
+    """
+    say = progress or (lambda _m: None)
+    model = loaded.model
+    if find_interface(model) is None:
+        raise PitError("export_model needs a PIT model; use load_pit_source() to convert first")
+    out = check_output_dir(out, force)
+    wanted = [(r, m) for m in recipe.modes for r in recipe.runtimes]
+    if pairs is not None:
+        wanted = [p for p in wanted if p in set(pairs)]
+        if not wanted:
+            raise PitError(f"no (runtime, mode) pair of {pairs} is in the recipe")
+    if any(r == "executorch" for r, _ in wanted):
+        check_max_seq_len(model.config, recipe.max_seq_len)
+    dtype = getattr(torch, recipe.dtype)
+    model = model.to(dtype).eval()
+
+    with atomic_directory(out, force) as tmp:
+        say(f"saving the PIT reference checkpoint to {REFERENCE_DIR}/")
+        save_model(model, tmp / REFERENCE_DIR, loaded.tokenizer)
+        reference = {
+            "path": REFERENCE_DIR,
+            "files": file_table(tmp, tmp / REFERENCE_DIR),
+            "weights": f"{REFERENCE_DIR}/{WEIGHTS_NAME}",
+        }
+        artifacts: list[Artifact] = []
+        for mode in recipe.modes:
+            runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
+            if not runtimes:
+                continue
+            prepared = prepare(model, mode, dtype)
+            for runtime in runtimes:
+                name = artifact_dir_name(runtime, mode)
+                say(f"exporting {name}")
+                start = time.perf_counter()
+                if runtime == "onnx":
+                    from .export_onnx import export_onnx
+
+                    details = export_onnx(prepared, tmp / name, loaded.tokenizer, opset)
+                else:
+                    from .export_executorch import export_pte
+
+                    details = export_pte(prepared, tmp / name, recipe.max_seq_len)
+                seconds = time.perf_counter() - start
+                art = Artifact(
+                    runtime=runtime, mode=mode, dtype=recipe.dtype, path=name,
+                    files=file_table(tmp, tmp / name), shapes=_shapes(prepared, mode, recipe, runtime),
+                    details=details, export_seconds=round(seconds, 3),
+                )
+                say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
+                artifacts.append(art)
+            del prepared
+        _normalize_permissions(tmp)
+        manifest = Manifest(
+            source=loaded.source, reference=reference, artifacts=artifacts,
+            versions=library_versions(), recipe=recipe.to_dict(),
+        )
+        manifest.write(tmp)  # last: a manifest means every file above is complete
+    return manifest
+
+
+def _normalize_permissions(root: Path) -> None:
+    """Temp files/dirs are created private (0600/0700); an export is meant to be shared."""
+    root.chmod(0o755)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)

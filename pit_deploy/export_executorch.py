@@ -1,0 +1,190 @@
+"""Export a prepared (materialized or factorized) model to an ExecuTorch ``.pte`` for XNNPACK.
+
+The program follows the conventions of ExecuTorch's stock LLM runner
+(``extension/llm/runner``: ``TextDecoderRunner`` / ``TextLLMRunner``):
+
+* ``forward(tokens: int64[1, S], input_pos: int64[1]) -> logits: float[1, S, V]``. ``S`` is a
+  dynamic dimension (``1 ≤ S < max_seq_len``) so a whole prompt prefills in one call;
+  ``input_pos`` holds the position of ``tokens[0, 0]`` (the runner passes a one-element
+  ``start_pos`` tensor when ``enable_dynamic_shape`` is true).
+* The KV cache is static: one ``[1, kv_heads, max_seq_len, head_dim]`` key and value buffer
+  per layer, registered as module buffers and mutated in place, so ``torch.export`` records
+  them as mutable buffers that live in the program's planned memory.
+* Constant methods read by the runner's metadata loader: ``get_max_seq_len`` (required),
+  ``get_max_context_len``, ``use_kv_cache``, ``enable_dynamic_shape``, ``get_eos_ids``,
+  ``get_bos_id``, ``get_vocab_size``.
+* Extra methods ``embed(ids: int64[N ≤ V]) -> float[N, d]`` and ``head(h: float[N ≤ d, d])
+  -> float[N, V]`` expose the *effective* token interface, computed by the very same modules
+  as ``forward``, so ``verify`` can measure ``delta_ti`` on the runtime itself. The runner
+  only calls ``forward`` and the metadata methods.
+
+Lowering: ``torch.export.export(..., strict=True)`` then
+``executorch.exir.to_edge_transform_and_lower(..., partitioner=[XnnpackPartitioner()])``
+(ExecuTorch docs, "Exporting to ExecuTorch" / "Building and Running ExecuTorch with XNNPACK
+Backend"). The cache wrapper is written here on top of ``transformers.StaticCache`` (its
+``early_initialization`` allocates the tensors up front; see ``transformers.cache_utils``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, StaticCache
+
+from .errors import PitError
+from .export_passes import InterfaceProbe
+
+PTE_NAME = "model.pte"
+
+
+def _kv_geometry(config) -> tuple[int, int]:
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    if heads is None:
+        heads = config.n_head  # GPT-2 naming
+    n_attn = getattr(config, "num_attention_heads", None) or config.n_head
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_attn
+    return int(heads), int(head_dim)
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the architecture supports, or ``None`` if unbounded."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return None
+
+
+def check_max_seq_len(config, max_seq_len: int) -> None:
+    """Raise :class:`PitError` if a static cache of ``max_seq_len`` cannot fit the model."""
+    if max_seq_len < 2:
+        raise PitError(f"max_seq_len {max_seq_len} is too small; use at least 2 (prompt + 1 token)")
+    limit = max_positions(config)
+    if limit is not None and max_seq_len > limit:
+        raise PitError(
+            f"a static KV cache of {max_seq_len} positions exceeds what this model supports "
+            f"({limit} positions, config max_position_embeddings/n_positions); pass "
+            f"--max-seq-len {limit} or less"
+        )
+
+
+class StaticKVDecoder(nn.Module):
+    """``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over a static KV cache."""
+
+    def __init__(self, model: PreTrainedModel, max_seq_len: int):
+        super().__init__()
+        check_max_seq_len(model.config, max_seq_len)
+        self.model = model
+        self.max_seq_len = int(max_seq_len)
+        dtype = next(model.parameters()).dtype
+        self.cache = StaticCache(config=model.config, max_cache_len=self.max_seq_len)
+        heads, head_dim = _kv_geometry(model.config)
+        self.cache.early_initialization(1, heads, head_dim, dtype, torch.device("cpu"))
+        for i, layer in enumerate(self.cache.layers):
+            # Registered so that torch.export sees them as (mutable) buffers of the program.
+            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cache_position = torch.arange(seq, dtype=torch.long) + input_pos
+        out = self.model(
+            input_ids=tokens,
+            position_ids=cache_position.unsqueeze(0),
+            cache_position=cache_position,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits
+
+
+class _EmbedMethod(nn.Module):
+    def __init__(self, probe: InterfaceProbe):
+        super().__init__()
+        self.probe = probe
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.probe.embed(input_ids)
+
+
+class _HeadMethod(nn.Module):
+    def __init__(self, probe: InterfaceProbe):
+        super().__init__()
+        self.probe = probe
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.probe.head_logits(hidden)
+
+
+def metadata_methods(config, max_seq_len: int) -> dict[str, object]:
+    """Constant methods of the stock ExecuTorch LLM runner."""
+    eos = getattr(config, "eos_token_id", None)
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    meta: dict[str, object] = {
+        "get_max_seq_len": int(max_seq_len),
+        "get_max_context_len": int(max_seq_len),
+        "use_kv_cache": True,
+        "enable_dynamic_shape": True,
+        "get_vocab_size": int(config.vocab_size),
+    }
+    if eos_ids:
+        meta["get_eos_ids"] = eos_ids
+    bos = getattr(config, "bos_token_id", None)
+    if isinstance(bos, int):
+        meta["get_bos_id"] = bos
+    return meta
+
+
+@torch.no_grad()
+def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_methods: bool = True) -> dict:
+    """Lower ``model`` (already materialized or factorized) to ``out_dir/model.pte``.
+
+    With ``interface_methods=False`` only ``forward`` and the metadata methods are written
+    (what a stock export holds; used for the size baseline of a plain tied model).
+
+    Returns:
+        a dict with the method names, the metadata values and ``max_seq_len``.
+    """
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    model.eval()
+    decoder = StaticKVDecoder(model, max_seq_len).eval()
+    probe = InterfaceProbe(model).eval()
+    d = model.config.hidden_size
+    prompt_len = min(8, max_seq_len - 1)
+    seq = torch.export.Dim("seq", min=1, max=max_seq_len - 1)
+    # Upper bounds matter: memory planning sizes the output buffers for them (an unbounded
+    # head of N×V floats would not even load). verify needs N = V ids and N = d basis vectors.
+    v = model.config.vocab_size
+    ids_dim = torch.export.Dim("ids", min=1, max=v)
+    rows = torch.export.Dim("rows", min=1, max=d)
+    programs = {
+        "forward": torch.export.export(
+            decoder,
+            (torch.zeros(1, prompt_len, dtype=torch.long), torch.tensor([0], dtype=torch.long)),
+            dynamic_shapes=({1: seq}, None),
+            strict=True,
+        ),
+        "embed": torch.export.export(
+            _EmbedMethod(probe), (torch.arange(4, dtype=torch.long),),
+            dynamic_shapes=({0: ids_dim},), strict=True,
+        ),
+        "head": torch.export.export(
+            _HeadMethod(probe), (torch.zeros(4, d),), dynamic_shapes=({0: rows},), strict=True,
+        ),
+    }
+    if not interface_methods:
+        programs = {"forward": programs["forward"]}
+    meta = metadata_methods(model.config, max_seq_len)
+    lowered = to_edge_transform_and_lower(
+        programs, partitioner=[XnnpackPartitioner()], constant_methods=meta
+    ).to_executorch()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / PTE_NAME
+    with open(path, "wb") as fh:
+        lowered.write_to_file(fh)
+    return {"methods": sorted(programs) + sorted(meta), "metadata": meta, "max_seq_len": int(max_seq_len)}

@@ -1,0 +1,194 @@
+"""Export a prepared (materialized or factorized) model to ONNX with ``optimum``.
+
+The decoder goes through ``optimum.exporters.onnx.onnx_export_from_model`` with the task
+``text-generation-with-past``: inputs ``input_ids``, ``attention_mask``, ``position_ids`` and
+``past_key_values.{i}.key/value``, outputs ``logits`` and ``present.{i}.key/value`` — the
+layout ``optimum.onnxruntime.ORTModelForCausalLM`` loads and generates with (optimum-onnx
+docs, "Export a model to ONNX with optimum.exporters.onnx"). torch's ONNX exporter writes
+weights as external data once a model passes the 2 GB protobuf limit, and optimum gathers
+them into one ``model.onnx_data`` file.
+
+Beside the decoder we write ``interface.onnx``: a two-output graph
+``(input_ids[N], hidden[N, d]) -> (embeddings[N, d], logits[N, V])`` built from the same
+modules, giving the *effective* interface as the runtime computes it. :func:`shared_weights`
+checks that its large initializers are byte-identical to initializers of the decoder.
+
+Factorized mode keeps ``Z`` once: the factorized modules (see
+:mod:`pit_deploy.export_passes`) hold ``Zᵀ`` and use it only through ``Gather(axis=1)`` and
+``MatMul``, which constant folding leaves alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .checkpoint import save_tokenizer
+from .export_passes import InterfaceProbe
+
+DECODER_NAME = "model.onnx"
+DECODER_DATA = "model.onnx_data"
+INTERFACE_NAME = "interface.onnx"
+ONNX_TASK = "text-generation-with-past"
+
+
+class _InterfaceGraph(nn.Module):
+    def __init__(self, probe: InterfaceProbe):
+        super().__init__()
+        self.probe = probe
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor):
+        return self.probe.embed(input_ids), self.probe.head_logits(hidden)
+
+
+@torch.no_grad()
+def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None) -> dict:
+    """Write ``model.onnx`` (+ config, generation config, tokenizer) and ``interface.onnx``.
+
+    Returns:
+        a dict with the task, the opset and the ONNX file names.
+    """
+    from optimum.exporters.onnx import onnx_export_from_model
+
+    model.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # do_validation=False: optimum's check only warns above atol; `pit-deploy verify` fails instead.
+    onnx_export_from_model(
+        model, out_dir, task=ONNX_TASK, opset=opset, do_validation=False, preprocessors=None
+    )
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out_dir)
+    probe = _InterfaceGraph(InterfaceProbe(model)).eval()
+    d = model.config.hidden_size
+    tmp_interface = out_dir / f".{INTERFACE_NAME}.tmp"
+    torch.onnx.export(
+        probe,
+        (torch.arange(4, dtype=torch.long), torch.zeros(4, d)),
+        str(tmp_interface),
+        input_names=["input_ids", "hidden"],
+        output_names=["embeddings", "logits"],
+        dynamic_axes={"input_ids": {0: "n"}, "hidden": {0: "m"}, "embeddings": {0: "n"}, "logits": {0: "m"}},
+        opset_version=opset or 17,
+        do_constant_folding=True,
+        dynamo=False,
+    )
+    shared = share_interface_weights(out_dir, tmp_interface, min_elements=d * d)
+    tmp_interface.unlink()
+    return {"task": ONNX_TASK, "decoder": DECODER_NAME, "decoder_data": DECODER_DATA,
+            "interface": INTERFACE_NAME, "interface_tensors_shared": shared}
+
+
+def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: int) -> list[str]:
+    """Make ``interface.onnx`` read its large weights from the decoder's external data file.
+
+    The decoder is re-saved with every tensor in ``model.onnx_data`` (ONNX external data: each
+    initializer records ``location``/``offset``/``length``; see onnx's "External Data" docs).
+    Each large initializer of the interface graph whose bytes equal a decoder initializer is
+    pointed at that same byte range, so the interface graph adds no weight bytes on disk and
+    reads exactly the decoder's weights.
+
+    Returns:
+        names of the interface initializers now shared with the decoder.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import ExternalDataInfo
+
+    decoder_path = out_dir / DECODER_NAME
+    decoder = onnx.load(str(decoder_path), load_external_data=True)
+    for old in out_dir.glob("*.onnx_data"):
+        old.unlink()
+    onnx.save_model(decoder, str(decoder_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=DECODER_DATA, size_threshold=1024)
+    del decoder
+    decoder = onnx.load(str(decoder_path), load_external_data=False)
+    ranges: dict[str, dict[str, str]] = {}
+    for init in decoder.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            info = ExternalDataInfo(init)
+            ranges[init.name] = {"location": info.location, "offset": str(info.offset), "length": str(info.length)}
+    data = (out_dir / DECODER_DATA).read_bytes() if ranges else b""
+    by_digest: dict[tuple, dict[str, str]] = {}
+    for init in decoder.graph.initializer:
+        if init.name in ranges:
+            r = ranges[init.name]
+            chunk = data[int(r["offset"]) : int(r["offset"]) + int(r["length"])]
+            by_digest[(hashlib.sha256(chunk).hexdigest(), init.data_type, tuple(init.dims))] = r
+    del data
+    interface = onnx.load(str(interface_path), load_external_data=True)
+    shared = []
+    for init in interface.graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.size < min_elements:
+            continue
+        key = (hashlib.sha256(arr.tobytes()).hexdigest(), init.data_type, tuple(init.dims))
+        target = by_digest.get(key)
+        if target is None:
+            continue
+        init.ClearField("raw_data")
+        del init.external_data[:]
+        init.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in target.items():
+            entry = init.external_data.add()
+            entry.key, entry.value = k, v
+        shared.append(init.name)
+    onnx.save_model(interface, str(out_dir / INTERFACE_NAME))
+    return shared
+
+
+def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=True)
+    out = {}
+    for init in model.graph.initializer:
+        n = 1
+        for dim in init.dims:
+            n *= dim
+        if n < min_elements:
+            continue
+        arr = numpy_helper.to_array(init)
+        out[init.name] = (hashlib.sha256(arr.tobytes()).hexdigest(), tuple(arr.shape))
+    return out
+
+
+def shared_weights(artifact_dir: Path, min_elements: int) -> tuple[bool, str]:
+    """Are the interface graph's large weights byte-identical to some of the decoder's?
+
+    Args:
+        artifact_dir: directory with ``model.onnx`` and ``interface.onnx``.
+        min_elements: only initializers with at least this many elements are compared (the
+            ``V×d`` / ``d×d`` interface constants, not small scalars).
+
+    Returns:
+        ``(ok, message)``.
+    """
+    probe = _initializer_digests(artifact_dir / INTERFACE_NAME, min_elements)
+    decoder = _initializer_digests(artifact_dir / DECODER_NAME, min_elements)
+    have = {digest for digest, _ in decoder.values()}
+    missing = [f"{name}{shape}" for name, (digest, shape) in probe.items() if digest not in have]
+    if not probe:
+        return False, "interface.onnx holds no interface weights to compare"
+    if missing:
+        return False, f"interface.onnx weights not found byte-identical in model.onnx: {missing}"
+    return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"
+
+
+def large_initializers(path: Path, min_elements: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of initializers with at least ``min_elements`` elements."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    rows = []
+    for init in model.graph.initializer:
+        n = 1
+        for dim in init.dims:
+            n *= dim
+        if n >= min_elements:
+            rows.append((init.name, tuple(init.dims)))
+    return rows

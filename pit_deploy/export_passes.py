@@ -1,0 +1,210 @@
+"""Module rewrites that prepare a PIT model for export: *materialize* and *factorize*.
+
+Both passes take a PIT model (see :mod:`pit_deploy.convert`) and return a new model whose
+effective token interface is PIT's, written with operators every export runtime has:
+
+* :func:`materialize` — a vanilla untied Hugging Face model with ``E = Z T⁻¹`` and
+  ``W_out = T Zᵀ`` computed in float64 and stored as plain weights
+  (:func:`pit_deploy.convert.materialize_model`).
+* :func:`factorize` — the same architecture with :class:`FactorizedEmbedding` and
+  :class:`FactorizedHead`, twins of ``PITEmbedding`` / ``PITHead`` that hold ``Z`` **once**
+  (stored transposed, ``Zᵀ`` of shape ``d×V``), ``T`` and ``T⁻¹`` as constants computed in
+  float64 and cast once. There is no triangular solve in the graph: neither ONNX nor the
+  ExecuTorch portable/XNNPACK kernels have one (DESIGN.md, *Known traps*).
+
+Why ``Zᵀ`` and not ``Z``: the head is then a plain ``MatMul(h T, Zᵀ)`` and the embedding a
+gather along axis 1 of the same tensor followed by a transpose of the (dynamic) result, so an
+exporter's constant folding never has a reason to create a second ``V×d`` constant (a
+``Transpose`` of a constant weight is exactly what the ONNX exporter folds).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .convert import INTERFACE_ATTR, PIT_CONFIG_KEY, _unwrap, find_interface, materialize_model
+from .errors import PitError
+from .families import adapter_for
+from .recipes import MODES
+
+FACTORS_ATTR = "pit_factors"
+
+
+class PITFactors(nn.Module):
+    """The constants of a factorized interface, registered once on the model.
+
+    Buffers (all in the export dtype, computed in float64 from ``(Z, L)``):
+        ``Zt``: ``(d, V)`` — ``Zᵀ``, the one copy of the token memory.
+        ``T``: ``(d, d)`` — ``L Lᵀ``.
+        ``T_inv``: ``(d, d)`` — ``T⁻¹`` by a float64 Cholesky solve.
+    """
+
+    def __init__(self, zt: torch.Tensor, t: torch.Tensor, t_inv: torch.Tensor):
+        super().__init__()
+        self.register_buffer("Zt", zt.contiguous())
+        self.register_buffer("T", t.contiguous())
+        self.register_buffer("T_inv", t_inv.contiguous())
+
+    @classmethod
+    @torch.no_grad()
+    def from_interface(cls, interface, dtype: torch.dtype = torch.float32) -> "PITFactors":
+        lf = interface.cholesky_factor().detach().to(torch.float64)
+        t = lf @ lf.T
+        t_inv = interface.inverse_transform()
+        z = interface.Z.detach().to(torch.float64)
+        return cls(z.T.to(dtype), t.to(dtype), t_inv.to(dtype))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.Zt.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.Zt.shape[0]
+
+
+class FactorizedEmbedding(nn.Module):
+    """``ids ↦ (Zᵀ[:, ids])ᵀ T⁻¹ / m``: the PIT embedding with ``T⁻¹`` precomputed."""
+
+    def __init__(self, factors: PITFactors, multiplier: float = 1.0):
+        super().__init__()
+        object.__setattr__(self, "_factors", factors)  # registered once on the model
+        self.multiplier = float(multiplier)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self._factors.vocab_size
+
+    @property
+    def embedding_dim(self) -> int:
+        return self._factors.hidden_size
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        f = self._factors
+        cols = torch.index_select(f.Zt, 1, input_ids.reshape(-1))  # (d, N)
+        rows = cols.transpose(0, 1) @ f.T_inv  # (N, d)
+        if self.multiplier != 1.0:
+            rows = rows / self.multiplier
+        return rows.reshape(*input_ids.shape, f.hidden_size)
+
+
+class FactorizedHead(nn.Module):
+    """``h ↦ (h T) Zᵀ / c (+ bias)``: the PIT head reading the same ``Zᵀ`` constant."""
+
+    def __init__(self, factors: PITFactors, multiplier: float = 1.0, bias: torch.Tensor | None = None):
+        super().__init__()
+        object.__setattr__(self, "_factors", factors)
+        self.multiplier = float(multiplier)
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @property
+    def in_features(self) -> int:
+        return self._factors.hidden_size
+
+    @property
+    def out_features(self) -> int:
+        return self._factors.vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        f = self._factors
+        out = (hidden @ f.T) @ f.Zt
+        if self.multiplier != 1.0:
+            out = out / self.multiplier
+        return out if self.bias is None else out + self.bias
+
+
+def _require_pit(model: nn.Module):
+    interface = find_interface(model)
+    if interface is None:
+        raise PitError(
+            "export needs a PIT model; this one has plain embeddings — run `pit-deploy convert` "
+            "first or pass the source model to `pit-deploy export`, which converts it"
+        )
+    return interface
+
+
+def materialize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A vanilla untied copy of a PIT ``model`` (E, W_out from float64), in ``dtype``."""
+    _require_pit(model)
+    return materialize_model(model, dtype)
+
+
+@torch.no_grad()
+def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A copy of PIT ``model`` whose embedding/head are the factorized twins.
+
+    The copy's state dict holds ``pit_factors.Zt`` / ``.T`` / ``.T_inv`` (and the head bias, if
+    any) instead of ``Z`` and ``L``. The original model is not modified.
+    """
+    base = _unwrap(model)
+    interface = _require_pit(base)
+    factors = PITFactors.from_interface(interface, dtype)
+    twin = copy.deepcopy(base)
+    adapter = adapter_for(twin.config)
+    old_head = twin.get_output_embeddings()
+    bias = getattr(old_head, "bias", None)
+    delattr(twin, INTERFACE_ATTR)
+    setattr(twin, FACTORS_ATTR, factors)
+    twin.set_input_embeddings(FactorizedEmbedding(factors, adapter.embedding_multiplier(twin.config)))
+    twin.set_output_embeddings(
+        FactorizedHead(factors, adapter.logits_multiplier(twin.config),
+                       None if bias is None else bias.to(dtype))
+    )
+    strip_pit_config(twin)
+    twin.to(dtype)
+    twin.eval()
+    return twin
+
+
+class InterfaceProbe(nn.Module):
+    """What an exported model's own weights say the *effective* interface is.
+
+    ``embed(ids)`` returns effective rows ``E_eff[ids]`` (the embedding module's output times
+    the family's embedding multiplier); ``head(h)`` returns effective logits ``h W_out_eff``
+    (head output times the logits multiplier, head bias excluded, since ``delta_ti`` is about
+    the linear map). Both reuse the model's own embedding/head modules, so an exporter sees
+    the very same weight tensors as in the decoder.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__()
+        adapter = adapter_for(model.config)
+        self.embedding = model.get_input_embeddings()
+        self.head = model.get_output_embeddings()
+        if isinstance(self.embedding, FactorizedEmbedding):
+            self.factors = self.embedding._factors  # register for export (shared object)
+        self.emb_mult = float(adapter.embedding_multiplier(model.config))
+        self.logit_mult = float(adapter.logits_multiplier(model.config))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.embedding(input_ids)
+        return out if self.emb_mult == 1.0 else out * self.emb_mult
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.head, FactorizedHead):
+            out = (hidden @ self.head._factors.T) @ self.head._factors.Zt
+            return out  # multipliers cancel: the effective head is T Zᵀ
+        out = hidden @ self.head.weight.T
+        return out if self.logit_mult == 1.0 else out * self.logit_mult
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor):
+        return self.embed(input_ids), self.head_logits(hidden)
+
+
+def strip_pit_config(model: PreTrainedModel) -> None:
+    """Drop the ``pit`` block from an exported model's config (it describes ``(Z, L)``)."""
+    if hasattr(model.config, PIT_CONFIG_KEY):
+        delattr(model.config, PIT_CONFIG_KEY)
+
+
+def prepare(model: PreTrainedModel, mode: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Apply the pass named ``mode`` (one of :data:`MODES`)."""
+    if mode == "materialized":
+        return materialize(model, dtype)
+    if mode == "factorized":
+        return factorize(model, dtype)
+    raise PitError(f"unknown export mode {mode!r}; choose from {', '.join(MODES)}")

@@ -1,0 +1,175 @@
+"""``manifest.json`` of an export directory: what was exported, from what, and its digests.
+
+Layout of an export directory::
+
+    manifest.json                     this file (written last: its presence means "complete")
+    reference/                        the PIT checkpoint the artifacts were made from
+    <runtime>-<mode>/...              one folder per artifact (e.g. onnx-factorized/model.onnx)
+
+The manifest records, per artifact: runtime, mode, dtype, shapes, files with their sha256 and
+size, export time; globally: the source model's description and digest, the sha256 of the
+reference weights, library versions, and — after ``pit-deploy verify`` — the verification
+results. Updates (verification results) are written to a temporary file and renamed over the
+old one (``os.replace`` is atomic on POSIX and Windows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import sha256_file
+from .errors import PitError
+
+MANIFEST_NAME = "manifest.json"
+REFERENCE_DIR = "reference"
+FORMAT = "pit-deploy-export"
+FORMAT_VERSION = 1
+_LIBRARIES = ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "executorch", "pit-deploy")
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions of the libraries that shape an artifact."""
+    out: dict[str, str | None] = {}
+    for name in _LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def file_table(root: Path, folder: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {sha256, bytes}}`` of every file under ``folder`` (sorted)."""
+    table = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        table[path.relative_to(root).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return table
+
+
+@dataclass
+class Artifact:
+    """One exported artifact (a runtime × mode pair)."""
+
+    runtime: str
+    mode: str
+    dtype: str
+    path: str  #: folder relative to the export directory
+    files: dict[str, dict[str, Any]]
+    shapes: dict[str, Any]
+    details: dict[str, Any] = field(default_factory=dict)
+    export_seconds: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.runtime}-{self.mode}"
+
+    @property
+    def bytes(self) -> int:
+        return sum(f["bytes"] for f in self.files.values())
+
+
+@dataclass
+class Manifest:
+    """The whole ``manifest.json``."""
+
+    source: dict[str, Any]
+    reference: dict[str, Any]
+    artifacts: list[Artifact]
+    versions: dict[str, str | None]
+    recipe: dict[str, Any] = field(default_factory=dict)
+    verification: dict[str, Any] | None = None
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, directory: Path) -> Path:
+        """Write atomically to ``directory/manifest.json``."""
+        return write_json_atomic(directory / MANIFEST_NAME, self.to_dict())
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike) -> "Manifest":
+        """Read and validate ``directory/manifest.json``.
+
+        Raises:
+            PitError: no such directory, no manifest (not an export or an interrupted one),
+                invalid JSON or an unknown format.
+        """
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise PitError(f"{directory} is not a directory; pass an export directory written by `pit-deploy export`")
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise PitError(
+                f"{directory} has no {MANIFEST_NAME}: it is not an export directory (or the export "
+                "did not finish); run `pit-deploy export MODEL --out DIR` first"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PitError(f"{path} is not valid JSON ({exc}); re-run the export") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise PitError(f"{path} is not a pit-deploy export manifest (format {data.get('format')!r})")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise PitError(
+                f"{path} has format_version {data.get('format_version')}, this pit-deploy reads "
+                f"{FORMAT_VERSION}; re-export with this version"
+            )
+        try:
+            arts = [Artifact(**a) for a in data.pop("artifacts")]
+            return cls(artifacts=arts, **data)
+        except TypeError as exc:
+            raise PitError(f"{path} is malformed ({exc}); re-run the export") from None
+
+    def artifact(self, runtime: str, mode: str) -> Artifact | None:
+        for art in self.artifacts:
+            if art.runtime == runtime and art.mode == mode:
+                return art
+        return None
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
+    """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def check_digests(directory: Path, manifest: Manifest) -> list[str]:
+    """Compare every recorded sha256 with the files on disk.
+
+    Returns:
+        one message per problem (missing file, digest mismatch); empty when all match.
+    """
+    problems = []
+    tables = [("reference", manifest.reference.get("files", {}))] + [
+        (art.key, art.files) for art in manifest.artifacts
+    ]
+    for owner, files in tables:
+        for rel, info in files.items():
+            path = directory / rel
+            if not path.is_file():
+                problems.append(f"{rel} ({owner}) is missing")
+                continue
+            actual = sha256_file(path)
+            if actual != info["sha256"]:
+                problems.append(
+                    f"{rel} ({owner}) has sha256 {actual[:16]}…, the manifest records "
+                    f"{info['sha256'][:16]}… — the file was modified or corrupted"
+                )
+    return problems

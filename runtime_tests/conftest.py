@@ -1,0 +1,133 @@
+"""Fixtures of the runtime parity suite.
+
+Tiny random PIT models of every family (with a non-trivial ``T``) are exported once per
+session into a temporary directory (all runtimes × modes, static cache of 64) and verified
+once; each parametrized test then asserts the bounds of one artifact. The real default model
+(SmolLM2-135M-Instruct) is exported once for ONNX (both modes) and ExecuTorch (factorized).
+
+Point the suite at your own export directories with ``--export-dir DIR`` (repeatable) or the
+environment variable ``PIT_EXPORT_DIR`` (paths separated by ``os.pathsep``); then
+``test_runtime_user_export.py`` verifies every artifact they hold.
+
+The measured figures are printed in the terminal summary (``parity figures``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pit_deploy.recipes import MODES, RUNTIMES, Recipe
+
+TINY_MAX_SEQ_LEN = 64
+REAL_MAX_SEQ_LEN = 64  # prompts (< 32 tokens) + 32 greedy tokens
+REAL_PAIRS = [("onnx", "materialized"), ("onnx", "factorized"), ("executorch", "factorized")]
+
+_FIGURES: list[tuple[str, dict]] = []
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--export-dir", action="append", default=[],
+        help="an export directory to verify (repeatable; also env PIT_EXPORT_DIR)",
+    )
+
+
+def user_export_dirs(config) -> list[str]:
+    dirs = list(config.getoption("--export-dir") or [])
+    env = os.environ.get("PIT_EXPORT_DIR", "")
+    dirs += [d for d in env.split(os.pathsep) if d]
+    return dirs
+
+
+def pytest_generate_tests(metafunc):
+    if "user_artifact" in metafunc.fixturenames:
+        from pit_deploy.manifest import Manifest
+
+        params = []
+        for d in user_export_dirs(metafunc.config):
+            for art in Manifest.read(d).artifacts:
+                params.append(pytest.param((d, art.runtime, art.mode), id=f"{Path(d).name}-{art.key}"))
+        metafunc.parametrize("user_artifact", params)
+
+
+@pytest.fixture(scope="session")
+def record_figures():
+    """``record_figures(label, result)`` keeps one artifact's figures for the terminal summary."""
+
+    def record(label: str, result) -> None:
+        _FIGURES.append((label, result))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FIGURES:
+        return
+    tr = terminalreporter
+    tr.section("parity figures (measured on the runtimes)")
+    tr.write_line(f"{'artifact':<38}{'rel_l2':>10}{'max_abs':>10}{'top1':>9}{'greedy':>8}{'delta_ti':>10}  result")
+    for label, r in _FIGURES:
+        tr.write_line(
+            f"{label:<38}{r.logits_rel_l2:>10.2e}{r.logits_max_abs:>10.2e}{r.top1_agreement:>9.2%}"
+            f"{'yes' if r.greedy_match else 'NO':>8}{r.delta_ti:>10.2e}  {'pass' if r.passed else 'FAIL'}"
+        )
+
+
+def tiny_pit_model(family: str):
+    """A tiny random model of ``family`` converted to PIT, with a perturbed, non-identity ``T``."""
+    from pit_deploy.convert import convert_model, find_interface
+    from pit_deploy.tiny import tiny_model
+
+    model = convert_model(tiny_model(family, seed=0))
+    interface = find_interface(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        interface.L_offdiag.add_(0.05 * torch.randn(interface.L_offdiag.shape, generator=gen))
+        interface.L_diag.add_(0.3 * torch.randn(interface.L_diag.shape, generator=gen))
+    return model
+
+
+class _Exports:
+    """Session cache: export + verify each family once."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.reports: dict[str, object] = {}
+        self.dirs: dict[str, Path] = {}
+
+    def tiny(self, family: str):
+        if family not in self.reports:
+            from pit_deploy.export import export_model
+            from pit_deploy.sources import LoadedModel
+            from pit_deploy.verify import verify_directory
+
+            out = self.root / f"tiny-{family}"
+            loaded = LoadedModel(tiny_pit_model(family), None, {"kind": "tiny", "family": family})
+            recipe = Recipe(runtimes=RUNTIMES, modes=MODES, max_seq_len=TINY_MAX_SEQ_LEN, name="tiny-ci")
+            export_model(loaded, out, recipe)
+            self.dirs[family] = out
+            self.reports[family] = verify_directory(out)
+        return self.dirs[family], self.reports[family]
+
+    def real(self):
+        if "real" not in self.reports:
+            from pit_deploy.export import export_model, load_pit_source
+            from pit_deploy.verify import verify_directory
+
+            out = self.root / "real-default"
+            loaded = load_pit_source("default")
+            recipe = Recipe(max_seq_len=REAL_MAX_SEQ_LEN, name="real-ci")
+            export_model(loaded, out, recipe, pairs=REAL_PAIRS)
+            self.dirs["real"] = out
+            self.reports["real"] = verify_directory(out)
+        return self.dirs["real"], self.reports["real"]
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory) -> _Exports:
+    return _Exports(tmp_path_factory.mktemp("exports"))
+

@@ -1,0 +1,78 @@
+"""The materialize / factorize passes on tiny models of every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pit_deploy.convert import convert_model, find_interface
+from pit_deploy.errors import PitError
+from pit_deploy.export_passes import (
+    FactorizedEmbedding, FactorizedHead, InterfaceProbe, factorize, materialize, prepare,
+)
+from pit_deploy.tiny import FAMILIES, tiny_model
+
+
+def _pit(family):
+    model = convert_model(tiny_model(family))
+    it = find_interface(model)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        it.L_offdiag.add_(0.05 * torch.randn(it.L_offdiag.shape, generator=gen))
+        it.L_diag.add_(0.3 * torch.randn(it.L_diag.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_passes_preserve_logits(family):
+    model = _pit(family)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        for twin in (factorize(model), materialize(model)):
+            got = twin(ids).logits
+            rel = float((got - ref).norm() / ref.norm())
+            assert rel < 1e-5, rel
+
+
+def test_factorized_state_holds_z_once_and_no_solve():
+    model = _pit("llama")
+    twin = factorize(model)
+    state = twin.state_dict()
+    big = [k for k, v in state.items() if v.numel() == 512 * 64]
+    assert big == ["pit_factors.Zt"]
+    assert tuple(state["pit_factors.Zt"].shape) == (64, 512)
+    assert not any(k.startswith("pit_interface") for k in state)
+    assert isinstance(twin.get_input_embeddings(), FactorizedEmbedding)
+    assert isinstance(twin.get_output_embeddings(), FactorizedHead)
+    assert "pit" not in twin.config.to_dict()
+    # the original is untouched
+    assert find_interface(model) is not None
+
+
+def test_t_inverse_is_float64_accurate():
+    model = _pit("qwen3")
+    f = factorize(model).pit_factors
+    eye = torch.eye(64, dtype=torch.float64)
+    assert float((f.T.double() @ f.T_inv.double() - eye).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["granite", "gpt2"])
+def test_probe_gives_effective_interface(family):
+    model = _pit(family)
+    e_ref, w_ref = find_interface(model).materialize()
+    for twin in (factorize(model), materialize(model)):
+        probe = InterfaceProbe(twin)
+        with torch.no_grad():
+            e = probe.embed(torch.arange(512)).double()
+            w = probe.head_logits(torch.eye(64)).double()
+        assert torch.allclose(e, e_ref, atol=1e-5) and torch.allclose(w, w_ref, atol=1e-5)
+        delta = torch.linalg.matrix_norm(w @ e - torch.eye(64, dtype=torch.float64))
+        assert delta < 1e-5
+
+
+def test_passes_refuse_plain_models_and_unknown_modes():
+    with pytest.raises(PitError, match="PIT model"):
+        factorize(tiny_model("llama"))
+    with pytest.raises(PitError, match="unknown export mode"):
+        prepare(_pit("llama"), "quantized")

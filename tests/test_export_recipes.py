@@ -1,0 +1,63 @@
+"""Export recipes and the manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pit_deploy.errors import PitError
+from pit_deploy.manifest import Manifest
+from pit_deploy.recipes import Recipe, available_recipes, load_recipe, parse_list
+
+
+def test_shipped_recipes_load():
+    names = available_recipes()
+    assert {"default", "onnx-fp32", "executorch-xnnpack-fp32", "tiny-ci"} <= set(names)
+    for name in names:
+        r = load_recipe(name)
+        assert r.runtimes and r.modes and r.dtype == "float32" and r.max_seq_len >= 2
+    assert load_recipe("tiny-ci").max_seq_len == 64
+
+
+def test_flags_override_recipe():
+    r = load_recipe("default").override(runtimes="onnx", modes=None, max_seq_len=128)
+    assert r.runtimes == ("onnx",) and r.modes == ("materialized", "factorized") and r.max_seq_len == 128
+
+
+@pytest.mark.parametrize("bad", [dict(runtimes="onnx,tflite"), dict(modes="quantized"),
+                                 dict(dtype="int4"), dict(max_seq_len=1), dict(runtimes="")])
+def test_bad_recipe_values(bad):
+    with pytest.raises(PitError):
+        Recipe(**bad)
+
+
+def test_recipe_files(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"runtimes": ["executorch"], "modes": ["factorized"], "max_seq_len": 96}))
+    r = load_recipe(str(path))
+    assert r.runtimes == ("executorch",) and r.max_seq_len == 96 and r.name == "mine"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('runtimes = ["onnx"]\nquantize = "int8"\n')
+    with pytest.raises(PitError, match="unknown field"):
+        load_recipe(str(bad))
+    with pytest.raises(PitError, match="unknown recipe"):
+        load_recipe("no-such-recipe")
+
+
+def test_parse_list_dedups_in_order():
+    assert parse_list("factorized, materialized,factorized", ("materialized", "factorized"), "mode") == [
+        "factorized", "materialized"]
+
+
+def test_manifest_read_errors(tmp_path):
+    with pytest.raises(PitError, match="not an export directory"):
+        Manifest.read(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(PitError, match="not valid JSON"):
+        Manifest.read(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"format": "other"}')
+    with pytest.raises(PitError, match="not a pit-deploy export manifest"):
+        Manifest.read(tmp_path)
+    with pytest.raises(PitError, match="not a directory"):
+        Manifest.read(tmp_path / "missing")
