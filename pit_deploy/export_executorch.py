@@ -27,7 +27,6 @@ Backend"). The cache wrapper is written here on top of ``transformers.StaticCach
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch

@@ -63,3 +63,20 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
     return model.eval()
+
+
+def tiny_pit_model(family: str, seed: int = 0, t_seed: int = 1, **kwargs) -> PreTrainedModel:
+    """A tiny model of ``family`` converted to PIT with a perturbed, non-identity ``T``.
+
+    A fresh conversion has ``T = I``, which would let a test pass that forgot to apply ``T``
+    (or ``T⁻¹``) at all; the perturbation makes ``T`` dense and far from the identity.
+    """
+    from .convert import convert_model, find_interface
+
+    model = convert_model(tiny_model(family, seed=seed, **kwargs))
+    interface = find_interface(model)
+    gen = torch.Generator().manual_seed(t_seed)
+    with torch.no_grad():
+        interface.L_offdiag.add_(0.05 * torch.randn(interface.L_offdiag.shape, generator=gen))
+        interface.L_diag.add_(0.3 * torch.randn(interface.L_diag.shape, generator=gen))
+    return model

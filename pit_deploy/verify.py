@@ -35,7 +35,7 @@ import torch
 
 from .checkpoint import load_pit_model
 from .errors import PitError
-from .export_onnx import DECODER_NAME, INTERFACE_NAME
+from .export_onnx import INTERFACE_NAME
 from .export_executorch import PTE_NAME
 from .manifest import REFERENCE_DIR, Manifest, check_digests, write_json_atomic, MANIFEST_NAME
 from .recipes import RUNTIMES, parse_list

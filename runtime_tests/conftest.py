@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from pit_deploy.recipes import MODES, RUNTIMES, Recipe
+from pit_deploy.tiny import tiny_pit_model
 
 TINY_MAX_SEQ_LEN = 64
 REAL_MAX_SEQ_LEN = 64  # prompts (< 32 tokens) + 32 greedy tokens
@@ -77,20 +77,6 @@ def pytest_terminal_summary(terminalreporter):
             f"{label:<38}{r.logits_rel_l2:>10.2e}{r.logits_max_abs:>10.2e}{r.top1_agreement:>9.2%}"
             f"{'yes' if r.greedy_match else 'NO':>8}{r.delta_ti:>10.2e}  {'pass' if r.passed else 'FAIL'}"
         )
-
-
-def tiny_pit_model(family: str):
-    """A tiny random model of ``family`` converted to PIT, with a perturbed, non-identity ``T``."""
-    from pit_deploy.convert import convert_model, find_interface
-    from pit_deploy.tiny import tiny_model
-
-    model = convert_model(tiny_model(family, seed=0))
-    interface = find_interface(model)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        interface.L_offdiag.add_(0.05 * torch.randn(interface.L_offdiag.shape, generator=gen))
-        interface.L_diag.add_(0.3 * torch.randn(interface.L_diag.shape, generator=gen))
-    return model
 
 
 class _Exports:

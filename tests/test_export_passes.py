@@ -5,22 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pit_deploy.convert import convert_model, find_interface
+from pit_deploy.convert import find_interface
 from pit_deploy.errors import PitError
 from pit_deploy.export_passes import (
     FactorizedEmbedding, FactorizedHead, InterfaceProbe, factorize, materialize, prepare,
 )
-from pit_deploy.tiny import FAMILIES, tiny_model
+from pit_deploy.tiny import FAMILIES, tiny_model, tiny_pit_model
 
 
 def _pit(family):
-    model = convert_model(tiny_model(family))
-    it = find_interface(model)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        it.L_offdiag.add_(0.05 * torch.randn(it.L_offdiag.shape, generator=gen))
-        it.L_diag.add_(0.3 * torch.randn(it.L_diag.shape, generator=gen))
-    return model
+    return tiny_pit_model(family, t_seed=3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
