@@ -63,3 +63,30 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
     return model.eval()
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained in memory on a fixed built-in text (no files).
+
+    Ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>``, matching :func:`tiny_config`. Every byte is
+    in the alphabet, so any text encodes. Returns a ``PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = ("def class return import self for in if else while with as the of and to a is "
+             "value name data model token train loss step print list dict").split()
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + "\n" for i in range(200)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
