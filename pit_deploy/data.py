@@ -165,7 +165,9 @@ def local_refs(spec: str, cfg: DataConfig) -> tuple[list[_Ref], list[_Ref]]:
                     key = f"{rel}#{i}"
                     (val if is_validation(key, cfg.val_fraction) else train).append(_Ref(key, path, doc))
         else:
-            (val if is_validation(rel, cfg.val_fraction) else train).append(_Ref(rel, path))
+            ref = _Ref(rel, path)
+            if ref.load() is not None:  # skip empty files (read once here, lazily later)
+                (val if is_validation(rel, cfg.val_fraction) else train).append(ref)
     if not train and not val:
         raise PitError(
             f"--data {spec}: found no text (looked for {', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)} "
