@@ -336,6 +336,8 @@ def train(cfg: TrainConfig) -> TrainResult | None:
                            "options of the original run (see its run.json)")
     else:
         check_output_dir(out, cfg.force)
+    if ddp:  # every process has checked before rank 0 writes anything
+        dist.barrier()
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
 
