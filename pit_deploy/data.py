@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from .errors import PitError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 RECORD_SUFFIXES = (".jsonl", ".parquet")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass
@@ -321,8 +323,9 @@ class TextSource:
         self.is_hub = not (spec == "default" or Path(spec).expanduser().exists())
         self._hub_iter = None
         if self.is_hub:
-            if "/" not in spec and not spec.replace("-", "").replace("_", "").isalnum():
-                raise PitError(f"--data {spec}: no such file or directory, and not a hub dataset id")
+            if not _HUB_ID.match(spec):
+                raise PitError(f"--data {spec}: no such file or directory (and not a hub dataset id "
+                               "like 'org/name')")
             self.train_refs: list[_Ref] = []
             self.val_refs: list[_Ref] = []
         else:

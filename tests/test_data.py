@@ -109,3 +109,69 @@ def test_training_split_without_text_is_an_error(tmp_path, tok):
     stream = TrainStream(TextSource(cfg), tok, cfg)
     with pytest.raises(PitError, match="training split yields no text"):
         stream.next_batch(1)
+
+
+class _FakeIterable:
+    """Stands in for ``datasets.IterableDataset`` (no network in tests)."""
+
+    def __init__(self, rows, start=0, epoch=0, pred=None):
+        self.rows, self.start, self.epoch, self.pred, self.pos = rows, start, epoch, pred, start
+
+    def filter(self, fn):
+        return _FakeIterable(self.rows, self.start, self.epoch, fn)
+
+    def shuffle(self, seed, buffer_size=None):
+        return self
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.start = self.pos = state["pos"]
+
+    def __iter__(self):
+        order = self.rows if self.epoch % 2 == 0 else self.rows[::-1]
+        for i in range(self.start, len(order)):
+            self.pos = i + 1
+            if self.pred is None or self.pred(order[i]):
+                yield order[i]
+
+
+def test_hub_dataset_path_streams_splits_and_resumes(monkeypatch, tok):
+    import sys
+    import types
+
+    rows = [{"text": f"document number {i} " * (3 + i % 5)} for i in range(200)]
+    calls = []
+
+    def load_dataset(name, config=None, split=None, streaming=None):
+        calls.append((name, config, split, streaming))
+        return _FakeIterable(rows)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    cfg = DataConfig("HuggingFaceFW/fineweb-edu", seq_len=16, hub_config="sample-10BT", val_fraction=0.1)
+    src = TextSource(cfg)
+    assert src.is_hub
+    val = validation_blocks(src, tok, cfg, 2)
+    assert val is not None and calls[0] == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)
+    a = TrainStream(src, tok, cfg)
+    for _ in range(5):
+        a.next_batch(2)
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["hub_state"]["pos"] > 0
+    rest = [a.next_batch(2).ids for _ in range(5)]
+    b = TrainStream(TextSource(cfg), tok, cfg)
+    b.load_state_dict(state)
+    for expected in rest:
+        assert torch.equal(b.next_batch(2).ids, expected)
+    # held-out documents never reach training
+    val_texts = {r["text"] for r in rows if is_validation(r["text"], 0.1)}
+    assert val_texts and all(not is_validation(d.text, 0.1) for d, _ in zip(src.train_documents(0, 0, None), range(50)))
+
+
+def test_missing_local_path_is_not_taken_for_a_hub_id(tmp_path):
+    with pytest.raises(PitError, match="no such file or directory"):
+        TextSource(DataConfig(str(tmp_path / "missing" / "dir")))
