@@ -74,7 +74,11 @@ def interleaved_step_times(args, device: torch.device) -> dict:
             if i > 0:  # first round is warm-up
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    # On a shared CPU other jobs only ever add time: the minimum is the least disturbed
+    # estimate; the median is reported next to it.
     return {"pit_median_s": med["pit"], "tt_median_s": med["tt"], "ratio_pit_over_tt": med["pit"] / med["tt"],
+            "pit_min_s": best["pit"], "tt_min_s": best["tt"], "ratio_of_min_pit_over_tt": best["pit"] / best["tt"],
             "pit_times_s": times["pit"], "tt_times_s": times["tt"],
             "tokens_per_step": args.batch_size * args.seq_len}
 
@@ -98,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--timing-steps", type=int, default=6, help="interleaved timing rounds (0: skip)")
     p.add_argument("--work-dir", default=None, help="where the two runs go (default: a temp dir)")
+    p.add_argument("--reuse-runs", action="store_true", help="keep finished runs found in --work-dir (re-time only)")
     p.add_argument("--out", default="benchmarks/results/train_pit_vs_tt_cpu.json")
     args = p.parse_args(argv)
 
@@ -115,8 +120,14 @@ def main(argv=None) -> int:
             eval_every=args.eval_every, eval_blocks=args.eval_blocks, seed=args.seed, device=str(device),
             force=True, plot=False, progress=sys.stderr.isatty(),
         )
-        print(f"[bench] training {tying} for {args.tokens} tokens", file=sys.stderr, flush=True)
-        res = train(cfg)
+        summary = work / tying / "summary.json"
+        if args.reuse_runs and summary.is_file():
+            from pit_deploy.training import TrainResult
+
+            res = TrainResult(**json.loads(summary.read_text()))
+        else:
+            print(f"[bench] training {tying} for {args.tokens} tokens", file=sys.stderr, flush=True)
+            res = train(cfg)
         log = RunLog.load(work / tying, label=tying.upper())
         runs.append(log)
         results[tying] = {**asdict(res), "curves": log.curves(),
@@ -136,6 +147,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "settings": vars(args),
         "step_time_ratio_pit_over_tt": timing["ratio_pit_over_tt"] if timing else None,
+        "step_time_ratio_of_min_pit_over_tt": timing["ratio_of_min_pit_over_tt"] if timing else None,
         "step_time_ratio_from_runs": results["pit"]["median_step_time_s"] / results["tt"]["median_step_time_s"],
         "interleaved_timing": timing,
         "final": {k: {"train_loss": v["final_train_loss"], "val_loss": v["final_val_loss"],
@@ -144,7 +156,8 @@ def main(argv=None) -> int:
         "plot": png.name,
     }
     out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("step_time_ratio_pit_over_tt", "step_time_ratio_from_runs", "final")}, indent=2))
+    keys = ("step_time_ratio_pit_over_tt", "step_time_ratio_of_min_pit_over_tt", "step_time_ratio_from_runs", "final")
+    print(json.dumps({k: report[k] for k in keys}, indent=2))
     return 0
 
 
