@@ -217,11 +217,124 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="continued / from-scratch pretraining or LoRA, with PIT or transpose tying",
+        description="Train a causal LM with PIT or transpose tying (TT). Runs on CPU or CUDA; "
+        "under `torchrun --nproc-per-node N` it trains with DDP. See docs/training.md.",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default", help="default | GGUF file | HF/PIT directory | hub id")
+    g.add_argument("--tying", default="pit", choices=("pit", "tt"), help="PIT or transpose tying (baseline)")
+    g.add_argument("--t-init", default="identity", help="T init when converting: identity | input | output")
+    g.add_argument("--diagonal", default="softplus", help="map to L's diagonal: softplus | exp")
+    g.add_argument("--train-z", action="store_true", help="train Z too (polar retraction after each step)")
+    g.add_argument("--from-scratch", action="store_true", help="random init of --arch instead of --model")
+    g.add_argument("--arch", default="tiny", help="llama-0.3b | llama-0.6b | llama-1.2b | tiny")
+    g.add_argument("--tokenizer", default=None, help="tokenizer source (default: that of --model)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="default", help="default | file | directory | hub dataset id")
+    g.add_argument("--data-config", default=None, help="hub dataset config (e.g. sample-10BT)")
+    g.add_argument("--data-split", default="train", help="hub dataset split")
+    g.add_argument("--no-streaming", dest="streaming", action="store_false", help="download the hub split instead of streaming")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
+    g.add_argument("--text-field", default="text")
+    g.add_argument("--prompt-field", default="prompt")
+    g.add_argument("--completion-field", default="completion")
+    g.add_argument("--seq-len", type=int, default=256)
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=None)
+    g.add_argument("--tokens", type=int, default=None, help="token budget (instead of --steps)")
+    g.add_argument("--batch-size", type=int, default=4, help="blocks per process per micro-step")
+    g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--lr-t", type=float, default=None, help="learning rate of T (default: --lr)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="on matrices; never on Z, L, norms, biases")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g = p.add_argument_group("distillation (recovery after conversion)")
+    g.add_argument("--distill", action="store_true", help="add KL to the frozen source model's logits")
+    g.add_argument("--distill-weight", type=float, default=0.5, help="loss = (1-w)·LM + w·KL")
+    g.add_argument("--distill-temperature", type=float, default=1.0)
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on attention/MLP linears")
+    g.add_argument("--lora-rank", type=int, default=8)
+    g.add_argument("--lora-alpha", type=float, default=16.0)
+    g.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all attention/MLP linears)")
+    g.add_argument("--lora-train-t", action="store_true", help="train T next to the adapters")
+    g.add_argument("--merge", action="store_true", help="write the merged PIT model to OUT/model")
+    g = p.add_argument_group("run")
+    g.add_argument("--out", required=True, help="run directory")
+    g.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: off)")
+    g.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks per evaluation")
+    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only none)")
+    g.add_argument("--keep-checkpoints", type=int, default=2)
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
+    g.add_argument("--no-plot", dest="plot", action="store_false")
+    p.set_defaults(handler=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from .training import TrainConfig, train
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    options = {k: v for k, v in vars(args).items() if k in fields}
+    if options.get("lora_targets"):
+        options["lora_targets"] = [t.strip() for t in options["lora_targets"].split(",") if t.strip()]
+    result = train(TrainConfig(**options))
+    if result is not None:
+        stage(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
+              + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+        print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# plot
+# --------------------------------------------------------------------------------------
+
+
+def add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="overlay the loss curves of training runs (PIT vs TT)")
+    p.add_argument("runs", nargs="+", help="run directories written by `pit-deploy train`")
+    p.add_argument("--out", default="loss.png", help="PNG file to write")
+    p.add_argument("--title", default=None)
+    p.set_defaults(handler=run_plot)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from .plotting import RunLog, plot_runs
+
+    runs = [RunLog.load(r) for r in args.runs]
+    path = plot_runs(runs, args.out, args.title)
+    for run in runs:
+        print(run.summary())
+    stage(f"wrote {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_convert, add_diagnose, add_probe, add_export, add_verify
+    add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify
 )
 
 

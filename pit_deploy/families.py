@@ -67,9 +67,15 @@ GPT2 = FamilyAdapter(
     layers=lambda m: m.transformer.h,
 )
 
+# Cohere multiplies logits by ``config.logit_scale`` (CohereForCausalLM.forward); it is the
+# base of the paper's parallel-block Llama-like models (pit_deploy.architectures).
+COHERE = FamilyAdapter(
+    "cohere", ("cohere",), logits_multiplier=lambda c: float(getattr(c, "logit_scale", 1.0))
+)
+
 _REGISTRY: dict[str, FamilyAdapter] = {
     model_type: adapter
-    for adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GPT2)
+    for adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GPT2, COHERE)
     for model_type in adapter.model_types
 }
 

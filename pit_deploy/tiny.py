@@ -80,3 +80,30 @@ def tiny_pit_model(family: str, seed: int = 0, t_seed: int = 1, **kwargs) -> Pre
         interface.L_offdiag.add_(0.05 * torch.randn(interface.L_offdiag.shape, generator=gen))
         interface.L_diag.add_(0.3 * torch.randn(interface.L_diag.shape, generator=gen))
     return model
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained in memory on a fixed built-in text (no files).
+
+    Ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>``, matching :func:`tiny_config`. Every byte is
+    in the alphabet, so any text encodes. Returns a ``PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = ("def class return import self for in if else while with as the of and to a is "
+             "value name data model token train loss step print list dict").split()
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + "\n" for i in range(200)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )

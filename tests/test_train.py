@@ -1,0 +1,212 @@
+"""Training loop: PIT and TT learn, PIT keeps its identity, resume equals an uninterrupted
+run, from scratch, distillation, precision, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from train_fixtures import config, make_corpus, make_model_dir, read_metrics
+
+from pit_deploy.checkpoint import load_pit_model
+from pit_deploy.cli import main
+from pit_deploy.errors import PitError
+from pit_deploy.training import param_groups, train
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return make_model_dir(root), make_corpus(root)
+
+
+def _losses(run):
+    return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("tying", ["pit", "tt"])
+def test_tiny_model_learns(tmp_path, assets, tying):
+    model, corpus = assets
+    out = tmp_path / tying
+    result = train(config(out, model, corpus, tying=tying, steps=16, lr=1e-2))
+    records = read_metrics(out)
+    train_recs = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train_recs] == list(range(1, 17))
+    losses = [r["loss"] for r in train_recs]
+    # batches differ in content, so compare the held-out loss on fixed blocks, and the
+    # mean of the second half of training against the first steps
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 16
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
+    assert sum(losses[8:]) / 8 < sum(losses[:3]) / 3
+    for r in train_recs:
+        assert {"tokens", "ppl", "lr", "grad_norm", "tokens_per_s", "delta_ti"} <= r.keys()
+        assert math.isclose(r["ppl"], math.exp(r["loss"]), rel_tol=1e-9)
+        assert r["tokens"] == r["step"] * 4 * 32
+    if tying == "pit":
+        assert all(r["delta_ti"] <= 1e-5 for r in train_recs)
+        reloaded = load_pit_model(out / "model")
+        assert result.extra["delta_ti"] <= 1e-5 and hasattr(reloaded, "pit_interface")
+    else:
+        assert all(r["delta_ti"] > 1.0 for r in train_recs)  # TT is no pseudo-inverse
+    # warmup then cosine: peak at the end of warmup, decreasing after
+    lrs = [r["lr"] for r in train_recs]
+    assert lrs[0] < lrs[1] == pytest.approx(1e-2) and all(a >= b - 1e-12 for a, b in zip(lrs[1:], lrs[2:]))
+    assert lrs[-1] < 0.3 * lrs[1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_loss"] == evals[-1]["val_loss"]
+
+
+def test_weight_decay_spares_interface(assets):
+    from pit_deploy.convert import convert_model
+    from pit_deploy.core import PITSpec
+    from pit_deploy.tiny import tiny_model
+
+    model = convert_model(tiny_model("llama"), spec=PITSpec(train_z=True))
+    cfg = config("x", "m", "d", lr=1e-3, lr_t=1e-2)
+    groups = {g["name"]: g for g in param_groups(model, cfg)}
+    iface = model.pit_interface
+    assert groups["interface_z"]["params"] == [iface.Z] and groups["interface_z"]["weight_decay"] == 0
+    assert {id(p) for p in groups["interface_t"]["params"]} == {id(iface.L_offdiag), id(iface.L_diag)}
+    assert groups["interface_t"]["weight_decay"] == 0 and groups["interface_t"]["lr_scale"] == pytest.approx(10)
+    decayed = {id(p) for p in groups["decay"]["params"]}
+    assert all(p.ndim == 2 for p in groups["decay"]["params"]) and id(iface.Z) not in decayed
+
+
+def test_train_z_stays_on_stiefel(tmp_path, assets):
+    model, corpus = assets
+    out = tmp_path / "z"
+    train(config(out, model, corpus, train_z=True, steps=6, eval_every=0, lr=1e-2))
+    recs = [r for r in read_metrics(out) if r["kind"] == "train"]
+    assert all(r["z_orthogonality_error"] <= 1e-5 and r["delta_ti"] <= 1e-5 for r in recs)
+    before = load_pit_model  # Z moved away from its conversion value
+    from pit_deploy.convert import convert_model
+    from pit_deploy.sources import load_source
+
+    z0 = convert_model(load_source(str(model)).model).pit_interface.Z
+    z1 = before(out / "model").pit_interface.Z
+    assert (z1 - z0).abs().max() > 1e-4
+
+
+def test_kill_and_resume_gives_the_same_curve(tmp_path, assets):
+    model, corpus = assets
+    common = dict(steps=10, save_every=4, eval_every=5, lr=3e-3)
+    full = tmp_path / "full"
+    train(config(full, model, corpus, **common))
+    part = tmp_path / "part"
+    assert train(config(part, model, corpus, stop_after=6, **common)) is None  # "killed" at step 6
+    assert (part / "checkpoints" / "LATEST").read_text() == "step-0000004"
+    assert not (part / "model").exists()
+    train(config(part, model, corpus, resume=True, **common))
+    a, b = read_metrics(full), read_metrics(part)
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in ("step_time", "tokens_per_s")} for r in rs]
+    assert strip(a) == strip(b)  # bit-identical losses, lr, grad norms, delta_ti, evaluations
+    sa = (full / "model" / "model.safetensors").read_bytes()
+    assert sa == (part / "model" / "model.safetensors").read_bytes()
+
+
+def test_from_scratch_tiny_trains(tmp_path, assets):
+    model, corpus = assets
+    out = tmp_path / "scratch"
+    train(config(out, model, corpus, from_scratch=True, arch="tiny", tokenizer=str(model), steps=14,
+                 lr=1e-2, eval_every=14))
+    evals = [r["val_loss"] for r in read_metrics(out) if r["kind"] == "eval"]
+    assert len(evals) == 2 and evals[-1] < evals[0] - 0.3
+    m = load_pit_model(out / "model")
+    assert m.config.model_type == "cohere"
+    z = m.pit_interface.Z.double()
+    assert torch.linalg.matrix_norm(z.T @ z - torch.eye(z.shape[1], dtype=z.dtype)) < 1e-5
+    assert all(r["delta_ti"] <= 1e-5 for r in read_metrics(out) if r["kind"] == "train")
+
+
+def test_distill_logs_kl_and_learns(tmp_path, assets):
+    model, corpus = assets
+    out = tmp_path / "distill"
+    train(config(out, model, corpus, distill=True, distill_weight=1.0, steps=8, eval_every=0, t_init="output",
+                 lr=1e-3, warmup_steps=0))
+    recs = [r for r in read_metrics(out) if r["kind"] == "train"]
+    assert all("kl" in r and r["kl"] >= 0 for r in recs)
+    assert recs[0]["kl"] > 1e-3  # conversion disturbed the model
+    assert recs[-1]["kl"] < recs[0]["kl"]
+    # TT "distilled" to its own frozen copy starts at KL 0
+    tt = tmp_path / "tt"
+    train(config(tt, model, corpus, tying="tt", distill=True, steps=1, eval_every=0))
+    assert read_metrics(tt)[0]["kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_bf16_autocast_keeps_pit_identity(tmp_path, assets):
+    model, corpus = assets
+    out = tmp_path / "bf16"
+    train(config(out, model, corpus, precision="bf16", steps=3, eval_every=0))
+    recs = [r for r in read_metrics(out) if r["kind"] == "train"]
+    assert all(math.isfinite(r["loss"]) and r["delta_ti"] <= 1e-5 for r in recs)
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+
+def test_seq_len_beyond_positions(tmp_path, assets):
+    model, corpus = assets
+    with pytest.raises(PitError, match="exceeds the model's 128 positions"):
+        train(config(tmp_path / "r", model, corpus, seq_len=129))
+
+
+def test_resume_without_checkpoint(tmp_path, assets):
+    model, corpus = assets
+    (tmp_path / "r").mkdir()
+    with pytest.raises(PitError, match="holds no checkpoint"):
+        train(config(tmp_path / "r", model, corpus, resume=True))
+
+
+def test_resume_with_other_options_is_refused(tmp_path, assets):
+    model, corpus = assets
+    run = tmp_path / "r"
+    train(config(run, model, corpus, steps=2, save_every=2, eval_every=0))
+    with pytest.raises(PitError, match="seq_len"):
+        train(config(run, model, corpus, steps=4, seq_len=16, resume=True, eval_every=0))
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, assets):
+    model, corpus = assets
+    run = tmp_path / "r"
+    train(config(run, model, corpus, steps=2, save_every=2, eval_every=0))
+    ck = run / "checkpoints" / "step-0000002" / "model.safetensors"
+    before = ck.read_bytes()
+    with pytest.raises(PitError, match=r"non-finite at step \d+.*step-0000002"):
+        train(config(run, model, corpus, steps=8, save_every=2, eval_every=0, resume=True, lr=1e38,
+                     grad_clip=0.0, warmup_steps=0))
+    assert ck.read_bytes() == before
+    assert (run / "checkpoints" / "LATEST").read_text() == "step-0000002"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-0000002"]
+
+
+def test_existing_output_needs_force(tmp_path, assets):
+    model, corpus = assets
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "keep.txt").write_text("precious")
+    with pytest.raises(PitError, match="--force"):
+        train(config(run, model, corpus))
+    assert (run / "keep.txt").read_text() == "precious"
+
+
+def test_cli_train_and_plot(tmp_path, assets, capsys):
+    model, corpus = assets
+    runs = []
+    for tying in ("pit", "tt"):
+        out = tmp_path / tying
+        rc = main(["train", "--model", str(model), "--data", str(corpus), "--tying", tying, "--out", str(out),
+                   "--tokens", "512", "--seq-len", "32", "--batch-size", "4", "--eval-every", "2",
+                   "--val-fraction", "0.2", "--no-progress", "--lr", "3e-3"])
+        assert rc == 0
+        assert len([r for r in read_metrics(out) if r["kind"] == "train"]) == 4  # 512 / (4·32)
+        assert (out / "loss.png").stat().st_size > 1000
+        runs.append(str(out))
+    png = tmp_path / "cmp.png"
+    assert main(["plot", *runs, "--out", str(png)]) == 0 and png.stat().st_size > 1000
+    rc = main(["train", "--model", str(model), "--data", str(tmp_path / "nothing-here"), "--out",
+               str(tmp_path / "bad"), "--steps", "1", "--no-progress"])
+    assert rc == 2
+    assert "error:" in capsys.readouterr().err
