@@ -33,7 +33,7 @@ import hashlib
 import json
 import re
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 

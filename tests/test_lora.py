@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_fixtures import config, make_corpus, make_model_dir, make_pairs, read_metrics
+from train_fixtures import config, make_corpus, make_pairs, read_metrics
 
 from pit_deploy.checkpoint import load_pit_model, save_model
 from pit_deploy.convert import convert_model
