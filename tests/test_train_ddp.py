@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,22 @@ def test_ddp_two_processes_match_one(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent), out=str(ddp), model=str(model), corpus=str(corpus)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=env, capture_output=True, text=True, timeout=240,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        # torchrun forwards SIGTERM to its workers (which run in their own sessions); a plain
+        # kill of torchrun would leave them running.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        pytest.fail("torchrun with 2 processes did not finish within 240 s")
+    assert proc.returncode == 0, stderr[-3000:]
     a = [r for r in read_metrics(single) if r["kind"] == "train"]
     b = [r for r in read_metrics(ddp) if r["kind"] == "train"]
     assert len(a) == len(b) == 3
