@@ -426,7 +426,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
 
         load_model(model, str(resume_from / "model.safetensors"), strict=True, device=str(device))
         optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", map_location=device, weights_only=True))
-        extra = torch.load(resume_from / "rng.pt", weights_only=False)
+        extra = torch.load(resume_from / "rng.pt", weights_only=True)  # no unpickling of code
         _set_rng_state(extra["rng"])
         if extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])

@@ -3,7 +3,7 @@
 Tiny random PIT models of every family (with a non-trivial ``T``) are exported once per
 session into a temporary directory (all runtimes × modes, static cache of 64) and verified
 once; each parametrized test then asserts the bounds of one artifact. The real default model
-(SmolLM2-135M-Instruct, converted with ``T = H``) is exported once for ONNX (both modes) and
+(SmolLM2-135M-Instruct, converted with ``T = I``) is exported once for ONNX (both modes) and
 ExecuTorch (factorized).
 
 Point the suite at your own export directories with ``--export-dir DIR`` (repeatable) or the
@@ -25,7 +25,10 @@ from pit_deploy.tiny import tiny_pit_model
 
 TINY_MAX_SEQ_LEN = 64
 REAL_MAX_SEQ_LEN = 64  # prompts (< 32 tokens) + 32 greedy tokens
-REAL_T_INIT = "output"
+# T = I here: with T = H (cond(T) large) the XNNPACK .pte measured a relative L2 of 9.2e-5,
+# inside the 1e-4 bound but too close to it for a CI gate on unknown CPUs; the tiny models
+# cover a dense, non-identity T on every runtime.
+REAL_T_INIT = "identity"
 REAL_PAIRS = [("onnx", "materialized"), ("onnx", "factorized"), ("executorch", "factorized")]
 
 _FIGURES: list[tuple[str, dict]] = []
@@ -107,7 +110,6 @@ class _Exports:
             from pit_deploy.verify import verify_directory
 
             out = self.root / "real-default"
-            # T = H (the least disturbing init, also the main job's): a non-trivial T on device.
             loaded = load_pit_source("default", REAL_T_INIT)
             recipe = Recipe(max_seq_len=REAL_MAX_SEQ_LEN, name="real-ci")
             export_model(loaded, out, recipe, pairs=REAL_PAIRS)
