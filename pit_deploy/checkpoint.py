@@ -88,15 +88,7 @@ def save_model(
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
             model.generation_config.save_pretrained(tmp)
-        state: dict[str, torch.Tensor] = {}
-        seen: set[tuple] = set()
-        for name, tensor in model.state_dict().items():
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if key in seen:
-                continue
-            seen.add(key)
-            state[name] = tensor.detach().contiguous().cpu()
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(unique_tensors(model.state_dict()), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
         for fname, text in (extra_files or {}).items():
@@ -122,6 +114,22 @@ def save_tokenizer(tokenizer, out: str | os.PathLike) -> None:
         tokenizer.save_pretrained(out, legacy_format=False)
     else:
         tokenizer.save_pretrained(out)
+
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with tensors that share storage (tied weights) kept once, contiguous, on CPU.
+
+    safetensors refuses shared tensors; the first name wins (the embedding, in module order).
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
 
 
 def read_config_dict(path: str | os.PathLike) -> dict | None:

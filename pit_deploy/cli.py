@@ -280,6 +280,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only none)")
     g.add_argument("--keep-checkpoints", type=int, default=2)
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model over the processes (FSDP) instead of DDP")
     g.add_argument("--force", action="store_true", help="replace a non-empty --out")
     g.add_argument("--no-progress", dest="progress", action="store_false")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")

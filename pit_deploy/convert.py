@@ -117,7 +117,7 @@ def tying_of(model: PreTrainedModel) -> str:
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         return "tied"
-    return "tied" if head.weight.data_ptr() == emb.data_ptr() or head.weight is emb else "untied"
+    return "tied" if head.weight is emb or head.weight.data_ptr() == emb.data_ptr() else "untied"
 
 
 @torch.no_grad()
@@ -135,10 +135,16 @@ def effective_interface(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Ten
     adapter = adapter_for(base.config)
     m = adapter.embedding_multiplier(base.config)
     c = adapter.logits_multiplier(base.config)
-    emb = base.get_input_embeddings().weight.detach().to(torch.float64) * m
-    head = base.get_output_embeddings()
-    head_w = head.weight.detach().to(torch.float64)
+    emb = _whole(base.get_input_embeddings().weight).to(torch.float64) * m
+    head_w = _whole(base.get_output_embeddings().weight).to(torch.float64)
     return emb, head_w.T * c, tying_of(base)
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a parameter, gathering it if FSDP sharded it (a collective call:
+    every process must reach it)."""
+    weight = weight.detach()
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def _unwrap(model: nn.Module) -> PreTrainedModel:

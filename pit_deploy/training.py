@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from .checkpoint import atomic_directory, check_output_dir, save_model
+from .checkpoint import atomic_directory, check_output_dir, save_model, unique_tensors
 from .convert import INTERFACE_ATTR, _unwrap, convert_model, effective_interface, find_interface, from_scratch
 from .core import DIAGONAL_MAPS, T_INITS, PITSpec
 from .data import DataConfig, TextSource, TrainStream, validation_blocks
@@ -55,7 +55,7 @@ CHECKPOINT_DIR = "checkpoints"
 LATEST = "LATEST"
 # Options that must not change between a run and its resumption.
 RESUME_KEYS = ("model", "tying", "from_scratch", "arch", "seq_len", "batch_size", "grad_accum",
-               "seed", "data", "lora", "t_init", "train_z")
+               "seed", "data", "lora", "t_init", "train_z", "fsdp")
 
 
 @dataclass
@@ -107,6 +107,7 @@ class TrainConfig:
     save_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    fsdp: bool = False  # shard the model over the torchrun processes (pit_deploy.sharding)
     force: bool = False
     seed: int = 0
     device: str = "auto"
@@ -150,6 +151,12 @@ def validate(cfg: TrainConfig) -> None:
         raise PitError("--distill-weight must be in [0, 1] (loss = (1-w)·LM + w·KL)")
     if cfg.from_scratch and cfg.distill:
         raise PitError("--distill needs a pretrained source model; it cannot be used with --from-scratch")
+    if cfg.fsdp and cfg.lora:
+        raise PitError("--fsdp with --lora is not supported: LoRA adapters are small, use plain DDP "
+                       "(torchrun without --fsdp)")
+    if cfg.fsdp and cfg.precision == "fp16":
+        raise PitError("--fsdp supports --precision fp32 or bf16 (fp16 needs a gradient scaler "
+                       "that does not handle sharded gradients); use bf16")
     if cfg.from_scratch and cfg.lora:
         raise PitError("--lora adapts a trained model; train from scratch first, then run --lora on it")
     if cfg.merge and not cfg.lora:
@@ -392,6 +399,17 @@ def train(cfg: TrainConfig) -> TrainResult | None:
     model.to(device).train()
     interface = find_interface(model)
     z_trains = interface is not None and interface.Z.requires_grad
+    if cfg.fsdp:
+        if not ddp:
+            raise PitError("--fsdp shards the model over several processes: run under "
+                           "torchrun --nproc-per-node N (N ≥ 2)")
+        if resume_from is not None:  # full weights go in before the model is sharded
+            from safetensors.torch import load_model
+
+            load_model(model, str(resume_from / "model.safetensors"), strict=True, device=str(device))
+        from .sharding import shard_model
+
+        shard_model(model, interface.parameters() if interface is not None else ())
 
     # ---- data -----------------------------------------------------------------------------
     dcfg = cfg.data_config_obj()
@@ -424,8 +442,14 @@ def train(cfg: TrainConfig) -> TrainResult | None:
     if resume_from is not None:
         from safetensors.torch import load_model
 
-        load_model(model, str(resume_from / "model.safetensors"), strict=True, device=str(device))
-        optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", map_location=device, weights_only=True))
+        optimizer_state = torch.load(resume_from / "optimizer.pt", map_location=device, weights_only=True)
+        if cfg.fsdp:
+            from .sharding import load_full_optimizer_state
+
+            load_full_optimizer_state(model, optimizer, optimizer_state)
+        else:
+            load_model(model, str(resume_from / "model.safetensors"), strict=True, device=str(device))
+            optimizer.load_state_dict(optimizer_state)
         extra = torch.load(resume_from / "rng.pt", weights_only=True)  # no unpickling of code
         _set_rng_state(extra["rng"])
         if extra.get("scaler"):
@@ -448,7 +472,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
         dist.barrier()
 
     raw_model = model
-    if ddp:
+    if ddp and not cfg.fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -495,15 +519,27 @@ def train(cfg: TrainConfig) -> TrainResult | None:
         return total / max(count, 1.0)
 
     def save_checkpoint() -> None:
+        full = None
+        if cfg.fsdp:  # every process takes part in gathering the shards
+            from .sharding import full_state_dicts
+
+            full = full_state_dicts(model, optimizer)
         if master:
-            from safetensors.torch import save_model as save_weights
+            from safetensors.torch import save_file, save_model as save_weights
 
             root = out / CHECKPOINT_DIR
             root.mkdir(parents=True, exist_ok=True)
             name = f"step-{step:07d}"
             with atomic_directory(root / name, force=True) as tmp:
-                save_weights(raw_model, str(tmp / "model.safetensors"))
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                if full is None:
+                    save_weights(raw_model, str(tmp / "model.safetensors"))
+                    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                else:
+                    # gathered copies of tied weights no longer share storage: keep the first name
+                    names = {n for n, _ in raw_model.named_parameters()} | {n for n, _ in raw_model.named_buffers()}
+                    weights = {k: v for k, v in full[0].items() if k in names}
+                    save_file(unique_tensors(weights), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                    torch.save(full[1], tmp / "optimizer.pt")
                 torch.save({"rng": _rng_state(), "scaler": scaler.state_dict() if scaler.is_enabled() else None},
                            tmp / "rng.pt")
                 (tmp / "state.json").write_text(json.dumps(
@@ -549,7 +585,9 @@ def train(cfg: TrainConfig) -> TrainResult | None:
             ids = batch.ids[lo : lo + cfg.batch_size].to(device, non_blocking=True)
             mask = batch.mask[lo : lo + cfg.batch_size, 1:].to(device, non_blocking=True)
             sync = micro == cfg.grad_accum - 1
-            with (model.no_sync() if ddp and not sync else contextlib.nullcontext()):
+            if cfg.fsdp:
+                model.set_requires_gradient_sync(sync)
+            with (model.no_sync() if ddp and not cfg.fsdp and not sync else contextlib.nullcontext()):
                 with autocast():
                     logits = model(input_ids=ids[:, :-1], use_cache=False).logits
                 lm = token_loss(logits, ids[:, 1:], mask)
@@ -569,7 +607,14 @@ def train(cfg: TrainConfig) -> TrainResult | None:
                 stats /= world
         train_loss, train_kl = float(stats[0]), float(stats[1])
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        if cfg.fsdp:
+            from .sharding import average_replicated_grads, clip_grad_norm
+
+            average_replicated_grads(trainable, world)  # the unsharded PIT interface
+            grad_norm = clip_grad_norm(trainable, max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         if not math.isfinite(train_loss) or (not scaler.is_enabled() and not torch.isfinite(grad_norm)):
             if progress is not None:
                 progress.close()
@@ -596,8 +641,9 @@ def train(cfg: TrainConfig) -> TrainResult | None:
                       "step_time": step_time, "tokens_per_s": tokens_per_step / wall}
             if teacher is not None:
                 record["kl"] = train_kl
-            if master:
+            if master or (cfg.fsdp and interface is None):  # a sharded TT table is gathered by all
                 record["delta_ti"] = delta_ti(raw_model)
+            if master:
                 if z_trains:
                     record["z_orthogonality_error"] = interface.orthogonality_error()
             log_record(record)
@@ -622,8 +668,16 @@ def train(cfg: TrainConfig) -> TrainResult | None:
 
     # ---- artefacts -----------------------------------------------------------------------------
     result = None
+    final = raw_model
+    if cfg.fsdp:  # gather the shards (every process), then rank 0 rebuilds an ordinary model
+        from .sharding import full_state_dicts
+
+        full_state = full_state_dicts(model, optimizer)[0]
+        if master:
+            from .sharding import unsharded_model
+
+            final = unsharded_model(raw_model.config, full_state)
     if master:
-        final = raw_model
         if cfg.lora and cfg.merge:
             from .lora import merge
 
