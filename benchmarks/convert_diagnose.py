@@ -96,7 +96,6 @@ def main() -> None:
         }
         print(f"{t_init:>8}: convert {convert_s:.2f}s diagnose {diag_s:.2f}s "
               f"delta_ti {report.delta_ti:.2e} nll {nll:.3f} (source {src_nll:.3f}) KL {kl:.3f}")
-        del model
     result["least_disturbing_t_init"] = min(result["pit"], key=lambda k: result["pit"][k]["kl_from_source"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

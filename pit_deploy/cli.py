@@ -47,8 +47,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     from .checkpoint import check_output_dir, save_model
     from .core import DIAGONAL_MAPS, T_INITS, PITSpec
-    from .convert import convert_model
-    from .diagnostics import diagnose_model
+    from .convert import convert_model, interface_delta_ti
     from .sources import load_source
 
     if args.t_init not in T_INITS:
@@ -64,8 +63,7 @@ def run_convert(args: argparse.Namespace) -> int:
     model = convert_model(
         loaded.model, args.t_init, PITSpec(diagonal=args.diagonal, train_z=args.train_z), loaded.source
     )
-    report = diagnose_model(model)
-    stage(f"delta_ti = {report.delta_ti:.3e}; saving to {args.out}")
+    stage(f"delta_ti = {interface_delta_ti(model):.3e}; saving to {args.out}")
     save_model(model, args.out, loaded.tokenizer, force=args.force)
     stage("done")
     return 0

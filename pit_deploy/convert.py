@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_utils import no_init_weights
 
-from .core import PITInterface, PITSpec, init_from_embedding, init_random
+from .core import PITInterface, PITSpec, identity_defect, init_from_embedding, init_random
 from .errors import PitError
 from .families import FamilyAdapter, adapter_for
 
@@ -127,7 +127,7 @@ def effective_interface(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Ten
     For a PIT model ``E`` and ``W_out`` come from ``(Z, T)`` (float64 solve); for a plain model
     from its stored weights. Works on PEFT-wrapped models.
     """
-    base = _unwrap(model)
+    base = unwrap_model(model)
     interface = find_interface(base)
     if interface is not None:
         e, w = interface.materialize()
@@ -140,6 +140,12 @@ def effective_interface(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Ten
     return emb, head_w.T * c, tying_of(base)
 
 
+def interface_delta_ti(model: PreTrainedModel) -> float:
+    """``‖W_out E − I‖_F`` of a model's effective interface (float64); ~1e-7 for PIT."""
+    e, w, _ = effective_interface(model)
+    return identity_defect(e, w)
+
+
 def _whole(weight: torch.Tensor) -> torch.Tensor:
     """The full tensor of a parameter, gathering it if FSDP sharded it (a collective call:
     every process must reach it)."""
@@ -147,7 +153,7 @@ def _whole(weight: torch.Tensor) -> torch.Tensor:
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
-def _unwrap(model: nn.Module) -> PreTrainedModel:
+def unwrap_model(model: nn.Module) -> PreTrainedModel:
     """The underlying ``PreTrainedModel`` of a PEFT ``PeftModel`` (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model  # type: ignore[return-value]
@@ -295,7 +301,7 @@ def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None) 
     the family multipliers undone so that the *effective* interface is exactly PIT's. The
     result has no project modules: plain ``transformers`` saves and loads it.
     """
-    base = _unwrap(model)
+    base = unwrap_model(model)
     interface = find_interface(base)
     if interface is None:
         raise PitError("materialize needs a PIT model; this one has plain embeddings")

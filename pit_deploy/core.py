@@ -239,11 +239,16 @@ class PITInterface(nn.Module):
 
     # ---- materialization (float64) --------------------------------------------------------
     @torch.no_grad()
+    def transform_float64(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L, T = L Lᵀ)`` in float64, for materialization and exports."""
+        lf = self.cholesky_factor().detach().to(torch.float64)
+        return lf, lf @ lf.T
+
+    @torch.no_grad()
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(E, W_out)`` as float64 tensors ``(V, d)`` and ``(d, V)``: ``E = Z T⁻¹``, ``W_out = T Zᵀ``."""
         z = self.Z.detach().to(torch.float64)
-        lf = self.cholesky_factor().detach().to(torch.float64)
-        t = lf @ lf.T
+        lf, t = self.transform_float64()
         e = torch.cholesky_solve(z.T, lf, upper=False).T
         return e, t @ z.T
 
@@ -276,6 +281,13 @@ class PITInterface(nn.Module):
 
     def extra_repr(self) -> str:
         return f"V={self.vocab_size}, d={self.hidden_size}, diagonal={self.spec.diagonal}, train_z={self.spec.train_z}"
+
+
+def identity_defect(e: torch.Tensor, w_out: torch.Tensor) -> float:
+    """``delta_ti = ‖W_out E − I_d‖_F`` in float64, for ``E`` ``(V, d)`` and ``W_out`` ``(d, V)``."""
+    e64, w64 = e.to(torch.float64), w_out.to(torch.float64)
+    eye = torch.eye(e64.shape[1], dtype=torch.float64, device=e64.device)
+    return float(torch.linalg.matrix_norm(w64 @ e64 - eye))
 
 
 # --------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .convert import effective_interface, find_interface
-from .core import polar_factor
+from .core import identity_defect, polar_factor
 
 METRIC_KEYS = ("delta_ti", "cosine_distance", "procrustes_error", "principal_angle")
 
@@ -93,8 +93,7 @@ def interface_metrics(e: torch.Tensor, w_out: torch.Tensor, tying: str = "untied
     v, d = e.shape
     if w.shape != (d, v):
         raise ValueError(f"W_out must be {d}×{v} for E of shape {v}×{d}, got {tuple(w.shape)}")
-    eye = torch.eye(d, dtype=torch.float64, device=e.device)
-    delta = float(torch.linalg.matrix_norm(w @ e - eye))
+    delta = identity_defect(e, w)
 
     b_in, b_out = e, pseudo_inverse_rows(w)
     n_in, n_out = b_in.norm(dim=1), b_out.norm(dim=1)

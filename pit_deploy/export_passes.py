@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .convert import INTERFACE_ATTR, PIT_CONFIG_KEY, _unwrap, find_interface, materialize_model
+from .convert import INTERFACE_ATTR, PIT_CONFIG_KEY, unwrap_model, find_interface, materialize_model
 from .errors import PitError
 from .families import adapter_for
 from .recipes import MODES
@@ -52,8 +52,7 @@ class PITFactors(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_interface(cls, interface, dtype: torch.dtype = torch.float32) -> "PITFactors":
-        lf = interface.cholesky_factor().detach().to(torch.float64)
-        t = lf @ lf.T
+        _, t = interface.transform_float64()
         t_inv = interface.inverse_transform()
         z = interface.Z.detach().to(torch.float64)
         return cls(z.T.to(dtype), t.to(dtype), t_inv.to(dtype))
@@ -140,7 +139,7 @@ def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
     The copy's state dict holds ``pit_factors.Zt`` / ``.T`` / ``.T_inv`` (and the head bias, if
     any) instead of ``Z`` and ``L``. The original model is not modified.
     """
-    base = _unwrap(model)
+    base = unwrap_model(model)
     interface = _require_pit(base)
     factors = PITFactors.from_interface(interface, dtype)
     twin = copy.deepcopy(base)

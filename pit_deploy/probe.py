@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .convert import _unwrap, effective_interface
+from .convert import unwrap_model, effective_interface
 from .diagnostics import pseudo_inverse_rows
 from .families import adapter_for
 
@@ -132,7 +132,7 @@ def logit_lens(
         position: which position's hidden states to read (default: the last token).
         top_k: how many logit-lens tokens to keep per layer.
     """
-    base = _unwrap(model)
+    base = unwrap_model(model)
     adapter = adapter_for(base.config)
     norm = adapter.final_norm(base)
     head = base.get_output_embeddings()

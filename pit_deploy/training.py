@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from .checkpoint import atomic_directory, check_output_dir, save_model, unique_tensors
-from .convert import INTERFACE_ATTR, _unwrap, convert_model, effective_interface, find_interface, from_scratch
+from .convert import INTERFACE_ATTR, convert_model, find_interface, from_scratch
+from .convert import interface_delta_ti as delta_ti
 from .core import DIAGONAL_MAPS, T_INITS, PITSpec
 from .data import DataConfig, TextSource, TrainStream, validation_blocks
 from .errors import PitError
@@ -240,12 +241,6 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
 
 
 @torch.no_grad()
-def delta_ti(model: torch.nn.Module) -> float:
-    """``‖W_out E − I‖_F`` of the effective interface, in float64."""
-    e, w, _ = effective_interface(_unwrap(model))
-    return float(torch.linalg.matrix_norm(w @ e - torch.eye(e.shape[1], dtype=e.dtype, device=e.device)))
-
-
 def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():

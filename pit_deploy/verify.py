@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from .checkpoint import load_pit_model
+from .core import identity_defect
 from .errors import PitError
 from .export_onnx import INTERFACE_NAME
 from .export_executorch import PTE_NAME
@@ -244,9 +245,7 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def delta_ti_of(emb: torch.Tensor, head_logits: torch.Tensor) -> float:
     """``‖W_out E − I‖_F`` (float64) from embeddings ``(V, d)`` and head logits of ``I_d`` ``(d, V)``."""
-    e, w = emb.double(), head_logits.double()
-    eye = torch.eye(e.shape[1], dtype=torch.float64)
-    return float(torch.linalg.matrix_norm(w @ e - eye))
+    return identity_defect(emb, head_logits)
 
 
 @torch.no_grad()
