@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from pit_deploy.convert import convert_model
-from pit_deploy.core import T_INITS
-from pit_deploy.diagnostics import diagnose_model
-from pit_deploy.sources import load_source
+from pit_deploy.convert.conversion import convert_model
+from pit_deploy.model.core import T_INITS
+from pit_deploy.analysis.diagnostics import diagnose_model
+from pit_deploy.io.sources import load_source
 
 # A fixed, small slice of the stdlib: the same files on every CPython 3.x.
 SAMPLE_FILES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py", "shlex.py")

@@ -46,9 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_sizes.json"))
     args = parser.parse_args(argv)
 
-    from pit_deploy.export import export_model, load_pit_source
-    from pit_deploy.manifest import Manifest, library_versions
-    from pit_deploy.recipes import Recipe
+    from pit_deploy.export.pipeline import export_model, load_pit_source
+    from pit_deploy.io.manifest import Manifest, library_versions
+    from pit_deploy.export.recipes import Recipe
 
     work = Path(tempfile.mkdtemp(prefix="pit-export-sizes-"))
     results: dict = {"model": args.model, "max_seq_len": args.max_seq_len, "versions": library_versions(),
@@ -106,8 +106,8 @@ def tt_baseline(args, work: Path) -> dict:
     import torch
     from optimum.exporters.onnx import onnx_export_from_model
 
-    from pit_deploy.export_executorch import export_pte
-    from pit_deploy.sources import load_source
+    from pit_deploy.export.to_executorch import export_pte
+    from pit_deploy.io.sources import load_source
 
     plain = load_source(args.model).model.eval()
     baseline = {}

@@ -26,9 +26,9 @@ import torch
 @torch.no_grad()
 def source_val_loss(args) -> float:
     """Validation loss of the unconverted source (TT) model on the runs' held-out blocks."""
-    from pit_deploy.data import DataConfig, TextSource, validation_blocks
-    from pit_deploy.sources import load_source
-    from pit_deploy.training import token_loss
+    from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
+    from pit_deploy.io.sources import load_source
+    from pit_deploy.train.loop import token_loss
 
     loaded = load_source(args.model)
     dcfg = DataConfig(args.data, seq_len=args.seq_len, seed=args.seed)
@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/recovery_cpu.json")
     args = p.parse_args(argv)
 
-    from pit_deploy.plotting import RunLog, plot_runs
-    from pit_deploy.training import TrainConfig, train
+    from pit_deploy.analysis.plotting import RunLog, plot_runs
+    from pit_deploy.train.loop import TrainConfig, train
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-recovery-"))
     report = {

@@ -32,11 +32,11 @@ def interleaved_step_times(args, device: torch.device) -> dict:
     """Median fwd+bwd+AdamW step time of PIT and TT, alternating on one fixed batch."""
     import copy
 
-    from pit_deploy.convert import convert_model
-    from pit_deploy.core import PITSpec
-    from pit_deploy.data import DataConfig, TextSource, TrainStream
-    from pit_deploy.sources import load_source
-    from pit_deploy.training import PRECISIONS, TrainConfig, param_groups, token_loss
+    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.model.core import PITSpec
+    from pit_deploy.train.data import DataConfig, TextSource, TrainStream
+    from pit_deploy.io.sources import load_source
+    from pit_deploy.train.loop import PRECISIONS, TrainConfig, param_groups, token_loss
 
     loaded = load_source(args.model)
     tt = loaded.model.to(device).train()
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/train_pit_vs_tt_cpu.json")
     args = p.parse_args(argv)
 
-    from pit_deploy.plotting import RunLog, plot_runs
-    from pit_deploy.training import TrainConfig, train
+    from pit_deploy.analysis.plotting import RunLog, plot_runs
+    from pit_deploy.train.loop import TrainConfig, train
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-vs-tt-"))
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         )
         summary = work / tying / "summary.json"
         if args.reuse_runs and summary.is_file():
-            from pit_deploy.training import TrainResult
+            from pit_deploy.train.loop import TrainResult
 
             res = TrainResult(**json.loads(summary.read_text()))
         else:

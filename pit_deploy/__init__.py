@@ -1,7 +1,9 @@
 """pit_deploy: Pseudo-Inverse Tying for compact causal LMs, from conversion to on-device parity.
 
-The public entry points are re-exported lazily so that ``import pit_deploy`` stays cheap and
-the core math (``pit_deploy.core``) can be used without transformers.
+The stages are sub-packages, in pipeline order: ``model`` (the PIT interface and its modules),
+``io`` (files, checkpoints, sources, manifests), ``convert``, ``train``, ``export``, ``runtime``
+(one driver per runtime), ``evaluate`` (verify) and ``analysis`` (diagnostics, probe, plots);
+``cli`` sits on top. ``import pit_deploy`` imports none of them.
 """
 
 from __future__ import annotations

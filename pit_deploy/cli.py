@@ -31,7 +31,7 @@ def stage(message: str) -> None:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    from .core import DIAGONAL_MAPS, T_INITS
+    from .model.core import DIAGONAL_MAPS, T_INITS
 
     p = sub.add_parser("convert", help="convert a causal LM into a PIT model")
     p.add_argument("--model", required=True, help="default | GGUF file | HF directory | hub id")
@@ -45,10 +45,12 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .checkpoint import check_output_dir, save_model
-    from .core import DIAGONAL_MAPS, T_INITS, PITSpec
-    from .convert import convert_model, interface_delta_ti
-    from .sources import load_source
+    from .io.fs import check_output_dir
+    from .io.checkpoint import save_model
+    from .model.core import DIAGONAL_MAPS, T_INITS, PITSpec
+    from .convert.conversion import convert_model
+    from .model.inspect import interface_delta_ti
+    from .io.sources import load_source
 
     if args.t_init not in T_INITS:
         raise PitError(f"unknown --t-init {args.t_init!r}; choose one of {', '.join(T_INITS)}")
@@ -84,8 +86,8 @@ def add_diagnose(sub: argparse._SubParsersAction) -> None:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    from .diagnostics import diagnose_model
-    from .sources import load_source
+    from .analysis.diagnostics import diagnose_model
+    from .io.sources import load_source
 
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code, with_tokenizer=False)
@@ -117,8 +119,8 @@ def add_probe(sub: argparse._SubParsersAction) -> None:
 def run_probe(args: argparse.Namespace) -> int:
     import torch
 
-    from .probe import logit_lens
-    from .sources import load_source
+    from .analysis.probe import logit_lens
+    from .io.sources import load_source
 
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
@@ -167,8 +169,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 def run_export(args: argparse.Namespace) -> int:
     import signal
 
-    from .checkpoint import check_output_dir
-    from .recipes import Recipe, load_recipe
+    from .io.fs import check_output_dir
+    from .export.recipes import Recipe, load_recipe
 
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
@@ -179,7 +181,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
-    from .export import export_model, load_pit_source
+    from .export.pipeline import export_model, load_pit_source
 
     stage(f"loading {args.model}")
     loaded = load_pit_source(args.model, args.t_init, progress=stage)
@@ -206,7 +208,7 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_directory
+    from .evaluate.verify import verify_directory
 
     stage(f"verifying {args.directory}")
     report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record)
@@ -291,7 +293,7 @@ def run_train(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from .training import TrainConfig, train
+    from .train.loop import TrainConfig, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     options = {k: v for k, v in vars(args).items() if k in fields}
@@ -319,7 +321,7 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from .plotting import RunLog, plot_runs
+    from .analysis.plotting import RunLog, plot_runs
 
     runs = [RunLog.load(r) for r in args.runs]
     path = plot_runs(runs, args.out, args.title)

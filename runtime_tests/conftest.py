@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pit_deploy.recipes import MODES, RUNTIMES, Recipe
+from pit_deploy.export.recipes import MODES, RUNTIMES, Recipe
 from pit_deploy.tiny import tiny_pit_model
 
 TINY_MAX_SEQ_LEN = 64
@@ -50,7 +50,7 @@ def user_export_dirs(config) -> list[str]:
 
 def pytest_generate_tests(metafunc):
     if "user_artifact" in metafunc.fixturenames:
-        from pit_deploy.manifest import Manifest
+        from pit_deploy.io.manifest import Manifest
 
         params = []
         for d in user_export_dirs(metafunc.config):
@@ -92,9 +92,9 @@ class _Exports:
 
     def tiny(self, family: str):
         if family not in self.reports:
-            from pit_deploy.export import export_model
-            from pit_deploy.sources import LoadedModel
-            from pit_deploy.verify import verify_directory
+            from pit_deploy.export.pipeline import export_model
+            from pit_deploy.io.sources import LoadedModel
+            from pit_deploy.evaluate.verify import verify_directory
 
             out = self.root / f"tiny-{family}"
             loaded = LoadedModel(tiny_pit_model(family), None, {"kind": "tiny", "family": family})
@@ -106,8 +106,8 @@ class _Exports:
 
     def real(self):
         if "real" not in self.reports:
-            from pit_deploy.export import export_model, load_pit_source
-            from pit_deploy.verify import verify_directory
+            from pit_deploy.export.pipeline import export_model, load_pit_source
+            from pit_deploy.evaluate.verify import verify_directory
 
             out = self.root / "real-default"
             loaded = load_pit_source("default", REAL_T_INIT)

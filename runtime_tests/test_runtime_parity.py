@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pit_deploy.recipes import MODES, RUNTIMES
+from pit_deploy.export.recipes import MODES, RUNTIMES
 from pit_deploy.tiny import FAMILIES
-from pit_deploy.verify import DELTA_TI_BOUND, GREEDY_TOKENS, REL_L2_BOUND
+from pit_deploy.evaluate.verify import DELTA_TI_BOUND, GREEDY_TOKENS, REL_L2_BOUND
 
 # Must match REAL_PAIRS in conftest.py (what the session exports of the real model).
 REAL_PAIRS = [("onnx", "materialized"), ("onnx", "factorized"), ("executorch", "factorized")]

@@ -9,7 +9,7 @@ Without a directory the parameter set is empty and pytest reports the test as sk
 
 from __future__ import annotations
 
-from pit_deploy.verify import verify_directory
+from pit_deploy.evaluate.verify import verify_directory
 
 
 def test_user_export(user_artifact, record_figures):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
-from pit_deploy.checkpoint import save_model
+from pit_deploy.io.checkpoint import save_model
 from pit_deploy.cli import main
 from pit_deploy.tiny import tiny_model
 

@@ -10,15 +10,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from pit_deploy.checkpoint import WEIGHTS_NAME, load_pit_model, save_model
-from pit_deploy.convert import (
-    PITEmbedding,
-    PITHead,
-    convert_model,
-    effective_interface,
-    find_interface,
-    materialize_model,
-)
+from pit_deploy.io.checkpoint import WEIGHTS_NAME, load_pit_model, save_model
+from pit_deploy.model.modules import PITEmbedding, PITHead
+from pit_deploy.convert.conversion import convert_model
+from pit_deploy.model.inspect import effective_interface, find_interface
+from pit_deploy.convert.materialize import materialize_model
 from pit_deploy.errors import PitError
 from pit_deploy.tiny import tiny_model
 

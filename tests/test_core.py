@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pit_deploy.core import (
-    PITInterface,
-    PITSpec,
-    init_from_embedding,
-    init_random,
-    orthonormalize,
-    polar_factor,
-)
+from pit_deploy.model.core import PITInterface, PITSpec, init_from_embedding, init_random, orthonormalize, polar_factor
 
 
 def _random_interface(v: int, d: int, seed: int = 0, spec: PITSpec = PITSpec()) -> PITInterface:

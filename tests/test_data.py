@@ -8,7 +8,7 @@ import pytest
 import torch
 from train_fixtures import make_corpus, make_pairs
 
-from pit_deploy.data import DataConfig, TextSource, TrainStream, is_validation, local_refs, validation_blocks
+from pit_deploy.train.data import DataConfig, TextSource, TrainStream, is_validation, local_refs, validation_blocks
 from pit_deploy.errors import PitError
 from pit_deploy.tiny import tiny_tokenizer
 

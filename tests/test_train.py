@@ -10,10 +10,10 @@ import pytest
 import torch
 from train_fixtures import config, make_corpus, make_model_dir, read_metrics
 
-from pit_deploy.checkpoint import load_pit_model
+from pit_deploy.io.checkpoint import load_pit_model
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
-from pit_deploy.training import param_groups, train
+from pit_deploy.train.loop import param_groups, train
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def test_tiny_model_learns(tmp_path, assets, tying):
 
 
 def test_weight_decay_spares_interface(assets):
-    from pit_deploy.convert import convert_model
-    from pit_deploy.core import PITSpec
+    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.model.core import PITSpec
     from pit_deploy.tiny import tiny_model
 
     model = convert_model(tiny_model("llama"), spec=PITSpec(train_z=True))
@@ -82,8 +82,8 @@ def test_train_z_stays_on_stiefel(tmp_path, assets):
     recs = [r for r in read_metrics(out) if r["kind"] == "train"]
     assert all(r["z_orthogonality_error"] <= 1e-5 and r["delta_ti"] <= 1e-5 for r in recs)
     before = load_pit_model  # Z moved away from its conversion value
-    from pit_deploy.convert import convert_model
-    from pit_deploy.sources import load_source
+    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.io.sources import load_source
 
     z0 = convert_model(load_source(str(model)).model).pit_interface.Z
     z1 = before(out / "model").pit_interface.Z

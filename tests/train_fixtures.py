@@ -11,9 +11,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from pit_deploy.checkpoint import save_model  # noqa: E402
+from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.tiny import tiny_model, tiny_tokenizer  # noqa: E402
-from pit_deploy.training import TrainConfig  # noqa: E402
+from pit_deploy.train.loop import TrainConfig  # noqa: E402
 
 
 def make_model_dir(root: Path, family: str = "llama", **kwargs) -> Path:

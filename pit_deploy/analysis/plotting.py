@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import PitError
+from ..errors import PitError
 
 
 @dataclass

@@ -9,67 +9,21 @@ renamed into place, so an interrupted save never leaves a directory that looks c
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
-from .convert import PIT_CONFIG_KEY, empty_pit_model
-from .errors import PitError
+from ..errors import PitError
+from ..model.modules import PIT_CONFIG_KEY
+from ..model.pit_model import empty_pit_model
+from .fs import atomic_directory
 
 WEIGHTS_NAME = "model.safetensors"
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_output_dir(out: str | os.PathLike, force: bool) -> Path:
-    """Refuse to overwrite an existing non-empty directory unless ``force``."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise PitError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise PitError(f"--out {out} exists and is not empty; pass --force to replace it")
-    return out
-
-
-@contextlib.contextmanager
-def atomic_directory(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
-
-    On any exception the temporary directory is removed and ``out`` is untouched. With
-    ``force`` an existing ``out`` is replaced only after the new one is complete.
-    """
-    out = check_output_dir(out, force).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            trash = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(trash)
-            tmp.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_model(

@@ -42,12 +42,15 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from .checkpoint import atomic_directory, check_output_dir, save_model, unique_tensors
-from .convert import INTERFACE_ATTR, convert_model, find_interface, from_scratch
-from .convert import interface_delta_ti as delta_ti
-from .core import DIAGONAL_MAPS, T_INITS, PITSpec
+from ..io.fs import atomic_directory, check_output_dir
+from ..io.checkpoint import save_model, unique_tensors
+from ..model.modules import INTERFACE_ATTR
+from ..convert.conversion import convert_model, from_scratch
+from ..model.inspect import find_interface
+from ..model.inspect import interface_delta_ti as delta_ti
+from ..model.core import DIAGONAL_MAPS, T_INITS, PITSpec
 from .data import DataConfig, TextSource, TrainStream, validation_blocks
-from .errors import PitError
+from ..errors import PitError
 
 log = logging.getLogger(__name__)
 
@@ -170,19 +173,11 @@ def validate(cfg: TrainConfig) -> None:
         raise PitError("--val-fraction must be in [0, 1)")
 
 
-def max_positions(config) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def load_tokenizer(spec: str):
     """Tokenizer of a model source (``default``, GGUF file, directory or hub id)."""
     from transformers import AutoTokenizer
 
-    from .sources import default_gguf_path
+    from ..io.sources import default_gguf_path
 
     try:
         if spec == "default":
@@ -265,12 +260,6 @@ def latest_checkpoint(out: Path) -> Path | None:
             return candidate
     steps = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file()) if root.is_dir() else []
     return steps[-1] if steps else None
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -363,7 +352,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
             from_scratch(model, torch.Generator().manual_seed(cfg.seed), spec, "qr")
         source_info: dict[str, Any] = {"kind": "scratch", "arch": cfg.arch}
     else:
-        from .sources import load_source
+        from ..io.sources import load_source
 
         loaded = load_source(cfg.model)
         model, tokenizer, source_info = loaded.model, loaded.tokenizer, loaded.source
@@ -454,13 +443,13 @@ def train(cfg: TrainConfig) -> TrainResult | None:
         stream.load_state_dict(state["data"])
         if master:  # drop what was logged after the checkpoint; it will be logged again
             kept = [r for r in read_metrics(metrics_path) if r["step"] <= step]
-            _write_text_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_text_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
             print(f"resuming from {resume_from.name} (step {step})", file=sys.stderr)
     elif master:
         if out.exists() and cfg.force:
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(out / "run.json", json.dumps({**asdict(cfg), "world_size": world,
+        write_text_atomic(out / "run.json", json.dumps({**asdict(cfg), "world_size": world,
                                                          "source": source_info}, indent=2, default=str))
         metrics_path.write_text("")
     if ddp:
@@ -540,7 +529,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
                 (tmp / "state.json").write_text(json.dumps(
                     {"step": step, "tokens": tokens_seen, "data": stream.state_dict(),
                      "config": json.loads(json.dumps(asdict(cfg)))}))
-            _write_text_atomic(root / LATEST, name)
+            write_text_atomic(root / LATEST, name)
             for old in sorted(root.glob("step-*"))[: -cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         if ddp:
@@ -701,9 +690,9 @@ def train(cfg: TrainConfig) -> TrainResult | None:
             tokens_per_s=(tokens_per_step / steady[len(steady) // 2]) if steady else None,
             extra={"tying": cfg.tying, "world_size": world, "delta_ti": delta_ti(final)},
         )
-        _write_text_atomic(out / "summary.json", json.dumps(asdict(result), indent=2))
+        write_text_atomic(out / "summary.json", json.dumps(asdict(result), indent=2))
         if cfg.plot:
-            from .plotting import RunLog, plot_runs
+            from ..analysis.plotting import RunLog, plot_runs
 
             plot_runs([RunLog.load(out)], out / "loss.png")
     if ddp:

@@ -1,4 +1,4 @@
-"""Token-interface diagnostics, in float64, as defined in DESIGN.md.
+"""Token-interface diagnostics, in float64, as defined in ``docs/definitions.md``.
 
 For an effective input embedding ``E`` (V×d) and head ``W_out`` (d×V, ``logits = h W_out``):
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .convert import effective_interface, find_interface
-from .core import identity_defect, polar_factor
+from ..model.inspect import effective_interface, find_interface
+from ..model.core import identity_defect, polar_factor
 
 METRIC_KEYS = ("delta_ti", "cosine_distance", "procrustes_error", "principal_angle")
 

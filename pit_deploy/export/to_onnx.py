@@ -27,22 +27,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .checkpoint import save_tokenizer
-from .export_passes import InterfaceProbe
+from ..io.checkpoint import save_tokenizer
+from ..runtime.ort_driver import DECODER_DATA, DECODER_NAME, INTERFACE_NAME
+from .passes import InterfaceProbe
 
-DECODER_NAME = "model.onnx"
-DECODER_DATA = "model.onnx_data"
-INTERFACE_NAME = "interface.onnx"
 ONNX_TASK = "text-generation-with-past"
-
-
-class _InterfaceGraph(nn.Module):
-    def __init__(self, probe: InterfaceProbe):
-        super().__init__()
-        self.probe = probe
-
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor):
-        return self.probe.embed(input_ids), self.probe.head_logits(hidden)
 
 
 @torch.no_grad()
@@ -62,7 +51,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     )
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)
-    probe = _InterfaceGraph(InterfaceProbe(model)).eval()
+    probe = InterfaceProbe(model).eval()
     d = model.config.hidden_size
     tmp_interface = out_dir / f".{INTERFACE_NAME}.tmp"
     torch.onnx.export(
@@ -140,55 +129,6 @@ def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: i
     return shared
 
 
-def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path), load_external_data=True)
-    out = {}
-    for init in model.graph.initializer:
-        n = 1
-        for dim in init.dims:
-            n *= dim
-        if n < min_elements:
-            continue
-        arr = numpy_helper.to_array(init)
-        out[init.name] = (hashlib.sha256(arr.tobytes()).hexdigest(), tuple(arr.shape))
-    return out
-
-
-def shared_weights(artifact_dir: Path, min_elements: int) -> tuple[bool, str]:
-    """Are the interface graph's large weights byte-identical to some of the decoder's?
-
-    Args:
-        artifact_dir: directory with ``model.onnx`` and ``interface.onnx``.
-        min_elements: only initializers with at least this many elements are compared (the
-            ``V×d`` / ``d×d`` interface constants, not small scalars).
-
-    Returns:
-        ``(ok, message)``.
-    """
-    probe = _initializer_digests(artifact_dir / INTERFACE_NAME, min_elements)
-    decoder = _initializer_digests(artifact_dir / DECODER_NAME, min_elements)
-    have = {digest for digest, _ in decoder.values()}
-    missing = [f"{name}{shape}" for name, (digest, shape) in probe.items() if digest not in have]
-    if not probe:
-        return False, "interface.onnx holds no interface weights to compare"
-    if missing:
-        return False, f"interface.onnx weights not found byte-identical in model.onnx: {missing}"
-    return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"
-
-
-def large_initializers(path: Path, min_elements: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes of initializers with at least ``min_elements`` elements."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    rows = []
-    for init in model.graph.initializer:
-        n = 1
-        for dim in init.dims:
-            n *= dim
-        if n >= min_elements:
-            rows.append((init.name, tuple(init.dims)))
-    return rows
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None, opset: int | None = None) -> dict:
+    """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
+    return export_onnx(model, out_dir, tokenizer, opset)

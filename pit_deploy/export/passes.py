@@ -5,12 +5,12 @@ effective token interface is PIT's, written with operators every export runtime 
 
 * :func:`materialize` — a vanilla untied Hugging Face model with ``E = Z T⁻¹`` and
   ``W_out = T Zᵀ`` computed in float64 and stored as plain weights
-  (:func:`pit_deploy.convert.materialize_model`).
-* :func:`factorize` — the same architecture with :class:`FactorizedEmbedding` and
-  :class:`FactorizedHead`, twins of ``PITEmbedding`` / ``PITHead`` that hold ``Z`` **once**
+  (:func:`pit_deploy.convert.materialize.materialize_model`).
+* :func:`factorize` — the same architecture and the same ``PITEmbedding`` / ``PITHead``
+  modules, reading a :class:`PITFactors` instead of the trainable interface: ``Z`` **once**
   (stored transposed, ``Zᵀ`` of shape ``d×V``), ``T`` and ``T⁻¹`` as constants computed in
   float64 and cast once. There is no triangular solve in the graph: neither ONNX nor the
-  ExecuTorch portable/XNNPACK kernels have one (DESIGN.md, *Known traps*).
+  ExecuTorch portable/XNNPACK kernels have one (``docs/export.md``).
 
 Why ``Zᵀ`` and not ``Z``: the head is then a plain ``MatMul(h T, Zᵀ)`` and the embedding a
 gather along axis 1 of the same tensor followed by a transpose of the (dynamic) result, so an
@@ -26,9 +26,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .convert import INTERFACE_ATTR, PIT_CONFIG_KEY, unwrap_model, find_interface, materialize_model
-from .errors import PitError
-from .families import adapter_for
+from ..convert.materialize import materialize_model
+from ..errors import PitError
+from ..model.families import adapter_for
+from ..model.inspect import find_interface, unwrap_model
+from ..model.modules import INTERFACE_ATTR, PIT_CONFIG_KEY, PITEmbedding, PITHead
 from .recipes import MODES
 
 FACTORS_ATTR = "pit_factors"
@@ -65,55 +67,15 @@ class PITFactors(nn.Module):
     def hidden_size(self) -> int:
         return self.Zt.shape[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(Zᵀ[:, ids])ᵀ T⁻¹``: a gather of ``Zᵀ`` columns, then one ``d×d`` matmul."""
+        cols = torch.index_select(self.Zt, 1, input_ids.reshape(-1))  # (d, N)
+        rows = cols.transpose(0, 1) @ self.T_inv  # (N, d)
+        return rows.reshape(*input_ids.shape, self.hidden_size)
 
-class FactorizedEmbedding(nn.Module):
-    """``ids ↦ (Zᵀ[:, ids])ᵀ T⁻¹ / m``: the PIT embedding with ``T⁻¹`` precomputed."""
-
-    def __init__(self, factors: PITFactors, multiplier: float = 1.0):
-        super().__init__()
-        object.__setattr__(self, "_factors", factors)  # registered once on the model
-        self.multiplier = float(multiplier)
-
-    @property
-    def num_embeddings(self) -> int:
-        return self._factors.vocab_size
-
-    @property
-    def embedding_dim(self) -> int:
-        return self._factors.hidden_size
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        f = self._factors
-        cols = torch.index_select(f.Zt, 1, input_ids.reshape(-1))  # (d, N)
-        rows = cols.transpose(0, 1) @ f.T_inv  # (N, d)
-        if self.multiplier != 1.0:
-            rows = rows / self.multiplier
-        return rows.reshape(*input_ids.shape, f.hidden_size)
-
-
-class FactorizedHead(nn.Module):
-    """``h ↦ (h T) Zᵀ / c (+ bias)``: the PIT head reading the same ``Zᵀ`` constant."""
-
-    def __init__(self, factors: PITFactors, multiplier: float = 1.0, bias: torch.Tensor | None = None):
-        super().__init__()
-        object.__setattr__(self, "_factors", factors)
-        self.multiplier = float(multiplier)
-        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
-
-    @property
-    def in_features(self) -> int:
-        return self._factors.hidden_size
-
-    @property
-    def out_features(self) -> int:
-        return self._factors.vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        f = self._factors
-        out = (hidden @ f.T) @ f.Zt
-        if self.multiplier != 1.0:
-            out = out / self.multiplier
-        return out if self.bias is None else out + self.bias
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(h T) Zᵀ``, reading the same ``Zᵀ`` constant as the embedding."""
+        return (hidden @ self.T) @ self.Zt
 
 
 def _require_pit(model: nn.Module):
@@ -148,10 +110,9 @@ def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
     bias = getattr(old_head, "bias", None)
     delattr(twin, INTERFACE_ATTR)
     setattr(twin, FACTORS_ATTR, factors)
-    twin.set_input_embeddings(FactorizedEmbedding(factors, adapter.embedding_multiplier(twin.config)))
+    twin.set_input_embeddings(PITEmbedding(factors, adapter.embedding_multiplier(twin.config)))
     twin.set_output_embeddings(
-        FactorizedHead(factors, adapter.logits_multiplier(twin.config),
-                       None if bias is None else bias.to(dtype))
+        PITHead(factors, adapter.logits_multiplier(twin.config), None if bias is None else bias.to(dtype))
     )
     strip_pit_config(twin)
     twin.to(dtype)
@@ -174,8 +135,8 @@ class InterfaceProbe(nn.Module):
         adapter = adapter_for(model.config)
         self.embedding = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
-        if isinstance(self.embedding, FactorizedEmbedding):
-            self.factors = self.embedding._factors  # register for export (shared object)
+        if isinstance(self.embedding, PITEmbedding) and isinstance(self.embedding.interface, PITFactors):
+            self.factors = self.embedding.interface  # register for export (shared object)
         self.emb_mult = float(adapter.embedding_multiplier(model.config))
         self.logit_mult = float(adapter.logits_multiplier(model.config))
 
@@ -184,9 +145,8 @@ class InterfaceProbe(nn.Module):
         return out if self.emb_mult == 1.0 else out * self.emb_mult
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.head, FactorizedHead):
-            out = (hidden @ self.head._factors.T) @ self.head._factors.Zt
-            return out  # multipliers cancel: the effective head is T Zᵀ
+        if isinstance(self.head, PITHead):
+            return self.head.interface.logits(hidden)  # multipliers cancel: the effective head is T Zᵀ
         out = hidden @ self.head.weight.T
         return out if self.logit_mult == 1.0 else out * self.logit_mult
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM, CohereConfig, PreTrainedModel
 
-from .errors import PitError
+from ..errors import PitError
 
 PAPER_VOCAB_SIZE = 32_000
 

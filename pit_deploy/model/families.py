@@ -99,3 +99,13 @@ def adapter_for(config: PretrainedConfig) -> FamilyAdapter:
             f"unsupported architecture {model_type!r}: pit_deploy supports "
             f"{', '.join(supported_model_types())}"
         ) from None
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the architecture supports (its position table), or ``None`` if the
+    config names no limit."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

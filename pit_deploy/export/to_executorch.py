@@ -33,10 +33,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, StaticCache
 
-from .errors import PitError
-from .export_passes import InterfaceProbe
-
-PTE_NAME = "model.pte"
+from ..errors import PitError
+from ..model.families import max_positions
+from ..runtime.executorch_driver import PTE_NAME
+from .passes import InterfaceProbe
 
 
 def _kv_geometry(config) -> tuple[int, int]:
@@ -46,15 +46,6 @@ def _kv_geometry(config) -> tuple[int, int]:
     n_attn = getattr(config, "num_attention_heads", None) or config.n_head
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_attn
     return int(heads), int(head_dim)
-
-
-def max_positions(config) -> int | None:
-    """The longest sequence the architecture supports, or ``None`` if unbounded."""
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if value:
-            return int(value)
-    return None
 
 
 def check_max_seq_len(config, max_seq_len: int) -> None:
@@ -187,3 +178,13 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
     with open(path, "wb") as fh:
         lowered.write_to_file(fh)
     return {"methods": sorted(programs) + sorted(meta), "metadata": meta, "max_seq_len": int(max_seq_len)}
+
+
+def precheck(config, recipe) -> None:
+    """Before any slow work: the static cache must fit the model (registry hook)."""
+    check_max_seq_len(config, recipe.max_seq_len)
+
+
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None, opset: int | None = None) -> dict:
+    """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
+    return export_pte(model, out_dir, recipe.max_seq_len)

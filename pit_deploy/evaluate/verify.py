@@ -20,7 +20,7 @@ Per prompt (tokenized text when the reference has a tokenizer, seeded random ids
 ``V`` ids and its head applied to the ``d`` basis vectors. For ONNX the interface graph's
 large weights must also be byte-identical to the decoder's.
 
-FP32 bounds (DESIGN.md): ``logits_rel_l2 ≤ 1e-4``, ``top1_agreement = 1``, greedy identical,
+FP32 bounds (``docs/definitions.md``, :mod:`.bounds`): ``logits_rel_l2 ≤ 1e-4``, ``top1_agreement = 1``, greedy identical,
 ``delta_ti ≤ 1e-5`` — a miss fails the artifact (optimum's own validation would only warn).
 """
 
@@ -33,18 +33,20 @@ from typing import Any, Sequence
 
 import torch
 
-from .checkpoint import load_pit_model
-from .core import identity_defect
-from .errors import PitError
-from .export_onnx import INTERFACE_NAME
-from .export_executorch import PTE_NAME
-from .manifest import REFERENCE_DIR, Manifest, check_digests, write_json_atomic, MANIFEST_NAME
-from .recipes import RUNTIMES, parse_list
+from ..errors import PitError
+from ..export.recipes import MODES, RUNTIMES, parse_list
+from ..io.checkpoint import load_pit_model
+from ..io.fs import write_json_atomic
+from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, check_digests
+from ..model.core import identity_defect
+from ..runtime.base import driver_class
+from .bounds import bounds_for
 
-REL_L2_BOUND = 1e-4
-TOP1_BOUND = 1.0
-DELTA_TI_BOUND = 1e-5
-GREEDY_TOKENS = 32
+FP32 = bounds_for("float32")
+REL_L2_BOUND = FP32.logits_rel_l2
+TOP1_BOUND = FP32.top1_agreement
+DELTA_TI_BOUND = FP32.delta_ti
+GREEDY_TOKENS = FP32.greedy_tokens
 TEXT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -134,80 +136,13 @@ class VerifyReport:
 
 
 # --------------------------------------------------------------------------------------
-# Runtime drivers: prefill(ids) -> [S, V], step(token, pos) -> [V], interface() -> (E, W_out)
-# --------------------------------------------------------------------------------------
-
-
-class OnnxDriver:
-    """``ORTModelForCausalLM`` for the decoder, ``InferenceSession`` for ``interface.onnx``."""
-
-    def __init__(self, folder: Path):
-        from optimum.onnxruntime import ORTModelForCausalLM
-
-        self.folder = folder
-        self.model = ORTModelForCausalLM.from_pretrained(folder, use_cache=True, use_io_binding=False)
-        self.past = None
-        self.length = 0
-
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), use_cache=True)
-        self.past, self.length = out.past_key_values, len(ids)
-        return out.logits[0]
-
-    def step(self, token: int, pos: int) -> torch.Tensor:
-        assert pos == self.length
-        out = self.model(
-            input_ids=torch.tensor([[token]]), attention_mask=torch.ones(1, pos + 1, dtype=torch.long),
-            past_key_values=self.past, use_cache=True,
-        )
-        self.past, self.length = out.past_key_values, pos + 1
-        return out.logits[0, -1]
-
-    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        import numpy as np
-        import onnxruntime as ort
-
-        sess = ort.InferenceSession(str(self.folder / INTERFACE_NAME), providers=["CPUExecutionProvider"])
-        emb, logits = sess.run(
-            None, {"input_ids": np.arange(vocab, dtype=np.int64), "hidden": np.eye(dim, dtype=np.float32)}
-        )
-        return torch.from_numpy(emb), torch.from_numpy(logits)
-
-
-class ExecuTorchDriver:
-    """``executorch.runtime``: ``forward``, ``embed`` and ``head`` methods of one program."""
-
-    def __init__(self, folder: Path):
-        from executorch.runtime import Runtime
-
-        self.program = Runtime.get().load_program(str(folder / PTE_NAME))
-        self.forward = self.program.load_method("forward")
-
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        # clone: outputs may live in the method's planned memory, reused by the next call
-        return self.forward.execute([ids[None].contiguous(), torch.tensor([0], dtype=torch.long)])[0][0].clone()
-
-    def step(self, token: int, pos: int) -> torch.Tensor:
-        out = self.forward.execute([torch.tensor([[token]], dtype=torch.long), torch.tensor([pos], dtype=torch.long)])
-        return out[0][0, -1].clone()
-
-    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        emb = self.program.load_method("embed").execute([torch.arange(vocab, dtype=torch.long)])[0]
-        head = self.program.load_method("head").execute([torch.eye(dim, dtype=torch.float32)])[0]
-        return emb.clone(), head.clone()
-
-
-DRIVERS = {"onnx": OnnxDriver, "executorch": ExecuTorchDriver}
-
-
-# --------------------------------------------------------------------------------------
 # Reference and prompts
 # --------------------------------------------------------------------------------------
 
 
 def load_reference(directory: Path):
     """The PIT reference model and its tokenizer (or ``None``)."""
-    from .sources import _maybe_tokenizer
+    from ..io.sources import _maybe_tokenizer
 
     ref_dir = directory / REFERENCE_DIR
     model = load_pit_model(ref_dir)
@@ -251,9 +186,9 @@ def delta_ti_of(emb: torch.Tensor, head_logits: torch.Tensor) -> float:
 @torch.no_grad()
 def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None) -> ArtifactResult:
     """Compare one artifact with the reference (see the module docstring)."""
-    from .convert import effective_interface
+    from ..model.inspect import effective_interface
 
-    driver = DRIVERS[art.runtime](directory / art.path)
+    driver = driver_class(art.runtime)(directory / art.path)
     vocab, dim = art.shapes["vocab_size"], art.shapes["hidden_size"]
     max_seq = art.shapes.get("max_seq_len")
     max_prompt = (max_seq - GREEDY_TOKENS) if max_seq else 10**9
@@ -288,7 +223,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None) -
     e_ref, w_ref, _ = effective_interface(reference)
     weights_shared = None
     if art.runtime == "onnx":
-        from .export_onnx import shared_weights
+        from ..runtime.onnx_weights import shared_weights
 
         weights_shared, msg = shared_weights(directory / art.path, min_elements=dim * dim)
         notes.append(msg)
@@ -316,8 +251,6 @@ def verify_directory(
         PitError: not an export directory, a digest mismatch or a missing file, an unknown
             runtime/mode, or a filter that selects no artifact.
     """
-    from .recipes import MODES
-
     directory = Path(directory)
     manifest = Manifest.read(directory)
     problems = check_digests(directory, manifest)

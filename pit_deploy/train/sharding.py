@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .families import adapter_for
+from ..model.families import adapter_for
 
 
 def shard_model(model: nn.Module, keep_whole: Iterable[nn.Parameter] = ()) -> nn.Module:
@@ -96,7 +96,8 @@ def unsharded_model(config, state: dict[str, torch.Tensor]) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
-    from .convert import PIT_CONFIG_KEY, empty_pit_model
+    from ..model.modules import PIT_CONFIG_KEY
+    from ..model.pit_model import empty_pit_model
 
     if hasattr(config, PIT_CONFIG_KEY):
         model = empty_pit_model(config)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import sha256_file
-from .errors import PitError
+from ..errors import PitError
+from .fs import sha256_file, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 REFERENCE_DIR = "reference"
@@ -133,21 +132,6 @@ class Manifest:
             if art.runtime == runtime and art.mode == mode:
                 return art
         return None
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
-    """Write JSON to a temporary file beside ``path`` and rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def check_digests(directory: Path, manifest: Manifest) -> list[str]:

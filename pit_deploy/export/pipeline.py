@@ -1,11 +1,11 @@
 """The ``export`` pipeline: a model in, an export directory with a manifest out.
 
 ``export_model`` resolves the source (a PIT directory, a plain/TT model or anything
-:func:`pit_deploy.sources.load_source` accepts — plain models are converted first), saves the
+:func:`pit_deploy.io.sources.load_source` accepts — plain models are converted first), saves the
 PIT reference checkpoint, applies the materialize/factorize passes, runs the per-runtime
 exporters and writes ``manifest.json`` last. Everything happens in a temporary sibling
 directory that is renamed into place only when complete
-(:func:`pit_deploy.checkpoint.atomic_directory`), so an interrupted export leaves nothing
+(:func:`pit_deploy.io.fs.atomic_directory`), so an interrupted export leaves nothing
 that looks complete.
 """
 
@@ -18,15 +18,17 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import WEIGHTS_NAME, atomic_directory, check_output_dir, save_model
-from .convert import convert_model, find_interface
-from .core import T_INITS
-from .errors import PitError
-from .export_executorch import check_max_seq_len
-from .export_passes import prepare
-from .manifest import REFERENCE_DIR, Artifact, Manifest, file_table, library_versions
+from ..io.checkpoint import WEIGHTS_NAME, save_model
+from ..io.fs import atomic_directory, check_output_dir
+from ..convert.conversion import convert_model
+from ..model.inspect import find_interface
+from ..model.core import T_INITS
+from ..errors import PitError
+from .registry import exporter_for
+from .passes import prepare
+from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, file_table, library_versions
 from .recipes import Recipe
-from .sources import LoadedModel, load_source
+from ..io.sources import LoadedModel, load_source
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -47,22 +49,6 @@ def load_pit_source(model: str, t_init: str = "identity", progress: Progress | N
         convert_model(loaded.model, t_init, source=loaded.source)
         loaded.source = {**loaded.source, "converted_at_export": True, "t_init": t_init}
     return loaded
-
-
-def _shapes(model, mode: str, recipe: Recipe, runtime: str) -> dict:
-    cfg = model.config
-    v, d = cfg.vocab_size, cfg.hidden_size
-    shapes = {"vocab_size": v, "hidden_size": d, "num_layers": cfg.num_hidden_layers}
-    if mode == "factorized":
-        shapes["interface"] = {"Zt": [d, v], "T": [d, d], "T_inv": [d, d]}
-    else:
-        shapes["interface"] = {"E": [v, d], "W_out": [d, v]}
-    if runtime == "executorch":
-        shapes["max_seq_len"] = recipe.max_seq_len
-        shapes["forward"] = {"tokens": [1, "S"], "input_pos": [1], "logits": [1, "S", v]}
-    else:
-        shapes["decoder"] = "optimum text-generation-with-past (dynamic batch/sequence/past)"
-    return shapes
 
 
 def export_model(
@@ -92,8 +78,8 @@ def export_model(
         wanted = [p for p in wanted if p in set(pairs)]
         if not wanted:
             raise PitError(f"no (runtime, mode) pair of {pairs} is in the recipe")
-    if any(r == "executorch" for r, _ in wanted):
-        check_max_seq_len(model.config, recipe.max_seq_len)
+    for runtime in dict.fromkeys(r for r, _ in wanted):
+        exporter_for(runtime).precheck(model.config, recipe)
     dtype = getattr(torch, recipe.dtype)
     model = model.to(dtype).eval()
 
@@ -115,18 +101,12 @@ def export_model(
                 name = artifact_dir_name(runtime, mode)
                 say(f"exporting {name}")
                 start = time.perf_counter()
-                if runtime == "onnx":
-                    from .export_onnx import export_onnx
-
-                    details = export_onnx(prepared, tmp / name, loaded.tokenizer, opset)
-                else:
-                    from .export_executorch import export_pte
-
-                    details = export_pte(prepared, tmp / name, recipe.max_seq_len)
+                exporter = exporter_for(runtime)
+                details = exporter.export(prepared, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe, opset=opset)
                 seconds = time.perf_counter() - start
                 art = Artifact(
                     runtime=runtime, mode=mode, dtype=recipe.dtype, path=name,
-                    files=file_table(tmp, tmp / name), shapes=_shapes(prepared, mode, recipe, runtime),
+                    files=file_table(tmp, tmp / name), shapes=exporter.shapes(prepared.config, mode, recipe),
                     details=details, export_seconds=round(seconds, 3),
                 )
                 say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")

@@ -13,9 +13,9 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedModel
 
-from .convert import find_interface
-from .errors import PitError
-from .families import adapter_for
+from ..model.inspect import find_interface
+from ..errors import PitError
+from ..model.families import adapter_for
 
 
 def _is_linear(module: nn.Module) -> bool:

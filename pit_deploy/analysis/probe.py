@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .convert import unwrap_model, effective_interface
+from ..model.inspect import unwrap_model, effective_interface
 from .diagnostics import pseudo_inverse_rows
-from .families import adapter_for
+from ..model.families import adapter_for
 
 
 @dataclass

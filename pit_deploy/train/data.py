@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import PitError
+from ..errors import PitError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 RECORD_SUFFIXES = (".jsonl", ".parquet")

@@ -8,8 +8,11 @@ A recipe names the runtimes, modes, dtype and the static cache length of an expo
     max_seq_len = 256
 
 ``pit-deploy export --recipe NAME`` reads ``NAME`` as a path to such a file, or looks for
-``NAME.toml`` / ``NAME.json`` in ``./export/`` and then in the ``export/`` folder of the
-pit_deploy source tree. Command-line flags override recipe fields.
+``NAME.toml`` / ``NAME.json`` in ``./export/`` (the user's own recipes) and then among the
+recipes shipped inside the package (``pit_deploy/recipes/``, package data, so a normal
+non-editable install finds them). Command-line flags override recipe fields.
+
+Runtimes and dtypes are those the exporter registry (:mod:`.registry`) knows.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import PitError
+from ..errors import PitError
+from .registry import EXPORTERS
 
-RUNTIMES: tuple[str, ...] = ("onnx", "executorch")
+RUNTIMES: tuple[str, ...] = tuple(EXPORTERS)
 MODES: tuple[str, ...] = ("materialized", "factorized")
-DTYPES: tuple[str, ...] = ("float32",)
+DTYPES: tuple[str, ...] = tuple(dict.fromkeys(d for spec in EXPORTERS.values() for d in spec.dtypes))
+#: the recipes shipped with the package (package data)
+PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 _FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description")
 
@@ -80,7 +86,7 @@ def parse_list(value: Any, allowed: tuple[str, ...], what: str) -> list[str]:
 
 def recipe_dirs() -> list[Path]:
     """Folders searched for recipe names, in order."""
-    return [Path.cwd() / "export", Path(__file__).resolve().parents[1] / "export"]
+    return [Path.cwd() / "export", PACKAGE_RECIPES]
 
 
 def available_recipes() -> list[str]:

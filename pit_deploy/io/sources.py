@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .checkpoint import is_pit_directory, load_pit_model, read_config_dict, sha256_file
-from .errors import PitError
-from .families import adapter_for, supported_model_types
+from .checkpoint import is_pit_directory, load_pit_model, read_config_dict
+from .fs import sha256_file
+from ..errors import PitError
+from ..model.families import adapter_for, supported_model_types
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,79 @@
+"""Turn a Hugging Face causal LM into a PIT model (the paper's inits), or give a fresh model a
+random PIT interface.
+
+A converted model is still the same ``PreTrainedModel`` class (``generate`` and the rest keep
+working): its input embedding is replaced by :class:`~pit_deploy.model.modules.PITEmbedding`,
+its head by :class:`~pit_deploy.model.modules.PITHead`, both sharing one
+:class:`~pit_deploy.model.core.PITInterface` registered on the model as ``pit_interface``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import PitError
+from ..model.core import PITSpec, init_from_embedding, init_random
+from ..model.families import adapter_for
+from ..model.inspect import check_finite, effective_interface, find_interface
+from ..model.pit_model import install_interface, pit_config_block
+
+log = logging.getLogger(__name__)
+
+
+def convert_model(
+    model: PreTrainedModel,
+    t_init: str = "identity",
+    spec: PITSpec = PITSpec(),
+    source: dict[str, Any] | None = None,
+) -> PreTrainedModel:
+    """Convert a plain causal LM (tied or untied) into a PIT model, in place.
+
+    ``Z`` is the polar factor of the *effective* input embedding ``E0`` and ``T`` follows
+    ``t_init`` (see :func:`pit_deploy.core.init_from_embedding`). An untied source converts
+    from its input embedding; its separate head is discarded, which is logged and recorded
+    in the ``pit`` config block as ``source_tying: untied``.
+
+    Raises:
+        PitError: unsupported architecture, non-finite or rank-deficient embedding, a model
+            that is already PIT.
+    """
+    if find_interface(model) is not None:
+        raise PitError("the model is already a PIT model; nothing to convert")
+    try:
+        adapter = adapter_for(model.config)
+    except KeyError as exc:
+        raise PitError(str(exc.args[0])) from None
+    e_eff, w_eff, tying = effective_interface(model)
+    check_finite("the input embedding", e_eff)
+    if tying == "untied":
+        check_finite("the output head", w_eff)
+        log.warning(
+            "source model has an untied head: converting from its input embedding; the "
+            "separate head weights are discarded"
+        )
+    try:
+        interface = init_from_embedding(e_eff, t_init, spec)
+    except ValueError as exc:
+        raise PitError(f"cannot convert the embedding: {exc}") from None
+    interface = interface.to(model.get_input_embeddings().weight.dtype)
+    block = pit_config_block(
+        spec, t_init=t_init, init="polar", source_tying=tying, source=source, adapter=adapter
+    )
+    install_interface(model, interface, adapter, block)
+    interface.to(next(model.parameters()).device)
+    return model
+
+
+def from_scratch(model: PreTrainedModel, generator: torch.Generator | None = None,
+                 spec: PITSpec = PITSpec(), method: str = "qr") -> PreTrainedModel:
+    """Give a freshly initialized model a random-Stiefel PIT interface (``T = I``), in place."""
+    adapter = adapter_for(model.config)
+    v, d = model.get_input_embeddings().weight.shape
+    interface = init_random(v, d, generator, method, spec)  # type: ignore[arg-type]
+    block = pit_config_block(spec, t_init="identity", init=f"random-{method}",
+                             source_tying="none", source=None, adapter=adapter)
+    return install_interface(model, interface, adapter, block)

@@ -1,0 +1,92 @@
+"""The driver interface every runtime implements, and the registry that finds one by name.
+
+A driver loads one artifact folder and exposes what verification and benchmarking need:
+
+* ``prefill(ids)`` — logits ``(S, V)`` of a whole prompt in one call (the KV cache restarts);
+* ``step(token, pos)`` — logits ``(V,)`` of one more token at position ``pos``, through the cache;
+* ``interface(vocab, dim)`` — the artifact's *own* effective embedding of all ``V`` ids
+  ``(V, d)`` and its head applied to the ``d`` basis vectors ``(d, V)``, from which
+  ``delta_ti = ‖W_out E − I‖_F`` is computed (``docs/definitions.md``);
+* ``threads`` — the intra-op thread count the runtime uses; ``close()`` releases it.
+
+The registry maps a runtime name to ``"module:Class"`` so that listing runtimes imports none of
+them; :func:`register_driver` adds one (a new runtime is one registered class).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import PitError
+
+#: runtime name → ``"module:Class"`` of its driver (imported on first use).
+DRIVERS: dict[str, str] = {
+    "onnx": "pit_deploy.runtime.ort_driver:OnnxDriver",
+    "executorch": "pit_deploy.runtime.executorch_driver:ExecuTorchDriver",
+    "torch": "pit_deploy.runtime.torch_driver:TorchDriver",
+}
+
+#: runtime name → the Python distribution that must be installed to run it.
+RUNTIME_PACKAGES: dict[str, str] = {"onnx": "onnxruntime", "executorch": "executorch", "torch": "torch"}
+
+
+class Driver(ABC):
+    """One loaded artifact on one runtime (see the module docstring for the contract)."""
+
+    runtime: str = ""
+
+    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+        self.folder = Path(folder)
+        if threads is not None and threads < 1:
+            raise PitError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
+
+    @abstractmethod
+    def prefill(self, ids: Any) -> Any:
+        """Logits ``(S, V)`` of ``ids`` (a 1-D LongTensor) from an empty cache."""
+
+    @abstractmethod
+    def step(self, token: int, pos: int) -> Any:
+        """Logits ``(V,)`` of ``token`` at position ``pos`` (``pos`` = tokens already cached)."""
+
+    @abstractmethod
+    def interface(self, vocab: int, dim: int) -> tuple[Any, Any]:
+        """``(E (V, d), head logits of I_d (d, V))`` computed by the runtime itself."""
+
+    def close(self) -> None:
+        """Release the runtime's resources (default: nothing to do)."""
+
+    def __enter__(self) -> "Driver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def register_driver(name: str, target: str, package: str | None = None) -> None:
+    """Register the driver ``target`` (``"module:Class"``) for runtime ``name``."""
+    DRIVERS[name] = target
+    if package:
+        RUNTIME_PACKAGES[name] = package
+
+
+def driver_class(name: str) -> Callable[..., Driver]:
+    """The driver class of runtime ``name``.
+
+    Raises:
+        PitError: an unknown runtime, or one whose library is not installed.
+    """
+    if name not in DRIVERS:
+        raise PitError(f"unknown runtime {name!r}; known runtimes: {', '.join(sorted(DRIVERS))}")
+    module_name, cls_name = DRIVERS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        package = RUNTIME_PACKAGES.get(name, name)
+        raise PitError(
+            f"the {name} runtime is not installed ({exc}); install it with `pip install {package}`"
+        ) from None
+    return getattr(module, cls_name)
