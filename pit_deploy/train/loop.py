@@ -42,13 +42,14 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from ..io.fs import atomic_directory, check_output_dir
-from ..io.checkpoint import save_model, unique_tensors
-from ..model.modules import INTERFACE_ATTR
 from ..convert.conversion import convert_model, from_scratch
+from ..io.checkpoint import save_model, unique_tensors
+from ..io.fs import atomic_directory, check_output_dir, write_text_atomic
+from ..model.core import DIAGONAL_MAPS, T_INITS, PITSpec
+from ..model.families import max_positions
 from ..model.inspect import find_interface
 from ..model.inspect import interface_delta_ti as delta_ti
-from ..model.core import DIAGONAL_MAPS, T_INITS, PITSpec
+from ..model.modules import INTERFACE_ATTR
 from .data import DataConfig, TextSource, TrainStream, validation_blocks
 from ..errors import PitError
 
