@@ -1,0 +1,137 @@
+"""The package's shape: stages as sub-packages, dependencies pointing one way, light modules
+that stay light, recipes found in a normal (non-editable) install, no references to documents
+outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pit_deploy"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the project modules ``path`` imports (relative imports resolved)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    else:
+        parts = parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - node.level + 1]
+                out.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return {m for m in out if m.startswith("pit_deploy")}
+
+
+def _package_files(sub: str) -> list[Path]:
+    return sorted((PACKAGE / sub).rglob("*.py"))
+
+
+@pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.export.recipes",
+                                   "pit_deploy.export.registry", "pit_deploy.runtime.base", "pit_deploy.evaluate.bounds"])
+def test_light_modules_import_without_torch(light):
+    """A manifest is read on a device: the standard library must be enough."""
+    code = (
+        f"import sys; import {light}; "
+        "heavy = [m for m in ('torch', 'transformers', 'numpy', 'onnxruntime', 'executorch') if m in sys.modules]; "
+        "print(','.join(heavy)); sys.exit(1 if heavy else 0)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{light} pulled in: {proc.stdout.strip()} {proc.stderr[-500:]}"
+
+
+def test_runtime_side_never_imports_export_side():
+    offenders = [
+        (str(path.relative_to(ROOT)), mod)
+        for sub in ("runtime", "evaluate")
+        for path in _package_files(sub)
+        for mod in _imports(path)
+        if mod.startswith("pit_deploy.export") and not (sub == "evaluate" and mod == "pit_deploy.export.recipes")
+    ]
+    assert not offenders, offenders
+
+
+def test_core_math_imports_nothing_of_the_project():
+    assert _imports(PACKAGE / "model" / "core.py") == set()
+
+
+def test_no_reference_to_documents_outside_the_repository():
+    needles = ("DESIGN.md", "../shared", "shared/seed")
+    hits = []
+    for path in ROOT.rglob("*"):
+        if not path.is_file() or any(p in (".git", ".venv", "__pycache__") or p.endswith(".egg-info") for p in path.parts):
+            continue
+        if path.suffix not in (".py", ".md", ".toml", ".txt", ".sh", ".ipynb", ".json", ".cfg"):
+            continue
+        if path == Path(__file__).resolve():
+            continue
+        text = path.read_text(errors="replace")
+        hits += [f"{path.relative_to(ROOT)}: {n}" for n in needles if n in text]
+    assert not hits, hits
+
+
+def test_recipes_are_package_data():
+    from pit_deploy.export.recipes import PACKAGE_RECIPES, available_recipes
+
+    assert PACKAGE_RECIPES.is_relative_to(PACKAGE)
+    assert {"default", "tiny-ci", "onnx-fp32", "executorch-xnnpack-fp32"} <= set(available_recipes())
+
+
+@pytest.mark.slow
+def test_non_editable_install_finds_its_recipes(tmp_path):
+    """`pip install .` (a wheel, not editable) into a fresh virtual environment, then
+    `pit-deploy export --recipe tiny-ci` on a tiny model, run from a directory with no
+    `export/` folder: the recipes must come from the installed package."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    # Dependencies (torch, transformers, onnxruntime, ...) come from this interpreter's
+    # site-packages through a .pth file, so nothing is downloaded; the project itself is
+    # installed as a built wheel with pip from this environment.
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(ROOT)],
+        check=True, cwd=tmp_path,
+    )
+    wheel = next(wheel_dir.glob("pit_deploy-*.whl"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True, cwd=tmp_path,
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    work = tmp_path / "work"
+    work.mkdir()
+    where = subprocess.check_output([str(py), "-c", "import pit_deploy; print(pit_deploy.__file__)"], text=True, env=env, cwd=work)
+    assert Path(where.strip()).is_relative_to(site), where
+    make = (
+        "from pit_deploy.tiny import tiny_pit_model; from pit_deploy.io.checkpoint import save_model; "
+        "save_model(tiny_pit_model('llama'), 'tiny')"
+    )
+    subprocess.run([str(py), "-c", make], check=True, env=env, cwd=work)
+    proc = subprocess.run(
+        [str(py), "-m", "pit_deploy", "export", "tiny", "--out", "exp", "--recipe", "tiny-ci", "--runtime", "onnx",
+         "--mode", "factorized"],
+        capture_output=True, text=True, env=env, cwd=work,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (work / "exp" / "manifest.json").is_file()
+    assert '"name": "tiny-ci"' in (work / "exp" / "manifest.json").read_text()
