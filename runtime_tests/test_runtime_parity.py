@@ -1,6 +1,6 @@
 """Parity of every family × mode × runtime on tiny random PIT models, and of the real model.
 
-Each test asserts the FP32 bounds of ``pit_deploy.verify`` one by one, so a failure names the
+Each test asserts the FP32 bounds of ``pit_deploy.evaluate.verify`` one by one, so a failure names the
 bound and the measured number.
 """
 

@@ -33,7 +33,7 @@ def convert_model(
     """Convert a plain causal LM (tied or untied) into a PIT model, in place.
 
     ``Z`` is the polar factor of the *effective* input embedding ``E0`` and ``T`` follows
-    ``t_init`` (see :func:`pit_deploy.core.init_from_embedding`). An untied source converts
+    ``t_init`` (see :func:`pit_deploy.model.core.init_from_embedding`). An untied source converts
     from its input embedding; its separate head is discarded, which is logged and recorded
     in the ``pit`` config block as ``source_tying: untied``.
 

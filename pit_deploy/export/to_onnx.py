@@ -14,7 +14,7 @@ modules, giving the *effective* interface as the runtime computes it. :func:`sha
 checks that its large initializers are byte-identical to initializers of the decoder.
 
 Factorized mode keeps ``Z`` once: the factorized modules (see
-:mod:`pit_deploy.export_passes`) hold ``Zᵀ`` and use it only through ``Gather(axis=1)`` and
+:mod:`pit_deploy.export.passes`) hold ``Zᵀ`` and use it only through ``Gather(axis=1)`` and
 ``MatMul``, which constant folding leaves alone.
 """
 
