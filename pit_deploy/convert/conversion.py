@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from ..errors import PitError
 from ..model.core import PITSpec, init_from_embedding, init_random
 from ..model.families import adapter_for
-from ..model.inspect import check_finite, effective_interface, find_interface
+from ..model.inspect import check_finite, effective_interface, is_pit
 from ..model.pit_model import install_interface, pit_config_block
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def convert_model(
         PitError: unsupported architecture, non-finite or rank-deficient embedding, a model
             that is already PIT.
     """
-    if find_interface(model) is not None:
+    if is_pit(model):
         raise PitError("the model is already a PIT model; nothing to convert")
     try:
         adapter = adapter_for(model.config)

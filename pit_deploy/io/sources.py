@@ -48,7 +48,9 @@ class LoadedModel:
 
     @property
     def is_pit(self) -> bool:
-        return "pit" in self.model.config.to_dict()
+        from ..model.inspect import is_pit
+
+        return is_pit(self.model)
 
 
 def default_gguf_path() -> Path:

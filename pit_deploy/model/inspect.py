@@ -23,9 +23,18 @@ def find_interface(model: nn.Module) -> PITInterface | None:
     return None
 
 
+def is_pit(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model a PEFT wrapper holds) has a trainable PIT interface.
+
+    The one test of "is this PIT?" for a model in memory; a directory on disk is tested by
+    :func:`pit_deploy.io.checkpoint.is_pit_directory` (its config has a ``pit`` block).
+    """
+    return find_interface(model) is not None
+
+
 def tying_of(model: PreTrainedModel) -> str:
     """``pit``, ``tied`` (embedding and head share storage) or ``untied``."""
-    if find_interface(model) is not None:
+    if is_pit(model):
         return "pit"
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
