@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import PitError
@@ -332,11 +333,56 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# run: the one command
+# --------------------------------------------------------------------------------------
+
+
+def add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="convert → train → export → verify → bench → report, in one run directory")
+    p.add_argument("recipe", nargs="?", default="default",
+                   help="run recipe: default | smoke | gpu-cpt | lora, or a .toml file (default: default)")
+    p.add_argument("--model", default=None, help="source model (overrides run.model): default | GGUF | HF dir | hub id")
+    p.add_argument("--data", default=None, help="training/evaluation data (overrides run.data)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                   help="override a recipe key, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument("--from", dest="from_stage", default=None,
+                   help="redo this stage and every later one: convert | train | export | verify | bench | report")
+    p.add_argument("--force", action="store_true", help="reuse a run directory made by another recipe")
+    p.set_defaults(handler=run_run)
+
+
+def run_run(args: argparse.Namespace) -> int:
+    from .run.pipeline import run_pipeline
+    from .run.recipe import load_run_recipe
+
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"run.model={_toml_string(args.model)}")
+    if args.data is not None:
+        overrides.append(f"run.data={_toml_string(args.data)}")
+    recipe = load_run_recipe(args.recipe, overrides)
+    out = args.out or f"runs/{recipe.name}"
+    stage(f"run {recipe.name} → {out}")
+    result = run_pipeline(recipe, out, from_stage=args.from_stage, force=args.force, say=stage)
+    if result.report:
+        print(f"report: {result.report} (and {Path(result.report).with_suffix('.html')})")
+    if result.exit_code:
+        print(f"error: stage {result.failed_stage} failed: {result.message}", file=sys.stderr)
+    return result.exit_code
+
+
+def _toml_string(value: str) -> str:
+    """``value`` as a TOML basic string (for ``--set``-style overrides built from flags)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# --------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify
+    add_run, add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify
 )
 
 

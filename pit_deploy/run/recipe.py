@@ -1,0 +1,172 @@
+"""Run recipes: what ``pit-deploy run`` does, stage by stage, in one TOML file.
+
+A run recipe has one table per stage; every key has a default here, so a recipe only says what
+differs. Recipes ship as package data in ``pit_deploy/recipes/run/`` (the same TOML language as
+the export recipes one folder up); ``./runs/NAME.toml`` or a path to a ``.toml`` file also work.
+``--set stage.key=value`` overrides any key; the value is read as TOML (``3``, ``1e-5``,
+``true``, ``["onnx", "executorch"]``), or taken as a string when it is not valid TOML. A key
+that does not exist is an error that names the closest valid key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import PitError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+PACKAGE_RUN_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "run"
+STAGES: tuple[str, ...] = ("convert", "train", "export", "verify", "bench", "report")
+
+#: Every key of a run recipe with its default. ``train`` also accepts any option of
+#: ``pit-deploy train`` (checked against the training config when the stage runs).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "run": {"description": "", "model": "default", "data": "default"},
+    "convert": {"t_init": "output", "diagonal": "softplus", "train_z": False},
+    "train": {
+        "enabled": True, "tying": ["pit"], "steps": 20, "seq_len": 256, "batch_size": 4, "grad_accum": 1,
+        "lr": 1e-5, "lr_t": None, "warmup_steps": 5, "weight_decay": 0.0, "eval_every": 10, "eval_blocks": 8,
+        "save_every": 5, "precision": "fp32", "device": "auto", "distill": False, "nproc": 1, "seed": 0,
+        "data_config": None, "streaming": True, "tokens": None,
+    },
+    "lora": {"enabled": False, "data": "", "rank": 8, "alpha": 16.0, "train_t": False, "steps": 20, "lr": 1e-4},
+    "export": {"runtimes": ["onnx", "executorch"], "modes": ["factorized"], "dtypes": ["float32"],
+               "max_seq_len": 256},
+    "verify": {"enabled": True},
+    "bench": {"enabled": True, "threads": [1, 2], "prompt_len": 64, "gen_len": 32, "reps": 3},
+    "report": {"prompts": ["What is the capital of France?",
+                           "Write a Python function that adds two numbers."],
+               "max_new_tokens": 24, "val_loss_warn_nats": 0.5},
+}
+
+#: Keys of ``[train]`` that the run sets itself (never from the recipe).
+RUN_OWNED_TRAIN_KEYS = ("out", "model", "data", "resume", "force", "plot", "progress")
+
+
+def _closest(key: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(key, choices, n=1, cutoff=0.0)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+@dataclass
+class RunRecipe:
+    """A validated run recipe: ``name`` and one settings dict per table."""
+
+    name: str
+    tables: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __getitem__(self, table: str) -> dict[str, Any]:
+        return self.tables[table]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **copy.deepcopy(self.tables)}
+
+    def set(self, assignment: str) -> None:
+        """Apply one ``table.key=value`` override (value parsed as TOML, else a string)."""
+        if "=" not in assignment:
+            raise PitError(f"--set {assignment!r}: expected TABLE.KEY=VALUE, e.g. train.steps=50")
+        dotted, raw = assignment.split("=", 1)
+        if "." not in dotted:
+            raise PitError(f"--set {assignment!r}: name the table too, e.g. train.{dotted}=…")
+        table, key = dotted.strip().split(".", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        self._put(table, key, value, f"--set {dotted}")
+
+    def _put(self, table: str, key: str, value: Any, where: str) -> None:
+        if table not in DEFAULTS:
+            raise PitError(f"{where}: unknown table [{table}]{_closest(table, list(DEFAULTS))} "
+                           f"(tables: {', '.join(DEFAULTS)})")
+        allowed = list(DEFAULTS[table])
+        if table == "train":
+            allowed += train_config_keys()
+        if key not in allowed:
+            raise PitError(f"{where}: unknown key {table}.{key}{_closest(key, allowed)}")
+        if table == "train" and key in RUN_OWNED_TRAIN_KEYS:
+            raise PitError(f"{where}: train.{key} is set by the run itself; use [run] model/data instead")
+        self.tables[table][key] = value
+
+
+def train_config_keys() -> list[str]:
+    """Field names of the training config (imported lazily: it needs torch)."""
+    from dataclasses import fields
+
+    from ..train.loop import TrainConfig
+
+    return [f.name for f in fields(TrainConfig)]
+
+
+def run_recipe_dirs() -> list[Path]:
+    return [Path.cwd() / "runs", PACKAGE_RUN_RECIPES]
+
+
+def available_run_recipes() -> list[str]:
+    return sorted({p.stem for d in run_recipe_dirs() if d.is_dir() for p in d.glob("*.toml")})
+
+
+def find_run_recipe(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.suffix == ".toml":
+        if path.is_file():
+            return path
+        raise PitError(f"run recipe {path} does not exist")
+    for folder in run_recipe_dirs():
+        candidate = folder / f"{name}.toml"
+        if candidate.is_file():
+            return candidate
+    known = available_run_recipes()
+    raise PitError(f"unknown run recipe {name!r}{_closest(name, known)} (shipped: {', '.join(known)}); "
+                   "or pass a path to a .toml file")
+
+
+def load_run_recipe(name: str = "default", overrides: list[str] | None = None) -> RunRecipe:
+    """Read a run recipe, fill defaults, apply ``--set`` overrides and validate every key."""
+    path = find_run_recipe(name)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise PitError(f"cannot parse run recipe {path}: {exc}") from None
+    recipe = RunRecipe(name=path.stem, tables=copy.deepcopy(DEFAULTS))
+    for table, values in data.items():
+        if not isinstance(values, dict):
+            if table == "description":
+                recipe.tables["run"]["description"] = values
+                continue
+            raise PitError(f"{path}: top-level key {table!r} must be a table like [{table}]"
+                           f"{_closest(table, list(DEFAULTS))}")
+        for key, value in values.items():
+            recipe._put(table, key, value, str(path))
+    for assignment in overrides or []:
+        recipe.set(assignment)
+    _check_values(recipe)
+    return recipe
+
+
+def _check_values(recipe: RunRecipe) -> None:
+    train = recipe["train"]
+    bad = [t for t in _as_list(train["tying"]) if t not in ("pit", "tt")]
+    if bad or not _as_list(train["tying"]):
+        raise PitError(f"train.tying must list 'pit' and/or 'tt', got {train['tying']!r}")
+    if not isinstance(train["nproc"], int) or train["nproc"] < 1:
+        raise PitError(f"train.nproc must be an integer ≥ 1, got {train['nproc']!r}")
+    bench = recipe["bench"]
+    if any(not isinstance(t, int) or t < 1 for t in _as_list(bench["threads"])):
+        raise PitError(f"bench.threads must be integers ≥ 1, got {bench['threads']!r}")
+    if recipe["lora"]["enabled"] and not recipe["lora"]["data"]:
+        raise PitError("lora.enabled needs lora.data (prompt/completion JSONL or text); set it with "
+                       "--set lora.data=PATH")
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,0 +1,227 @@
+"""The run report: ``report.md`` and a single-file ``report.html`` (images embedded), written
+from the stage records alone, so it can be rebuilt at any time and always says what ran.
+
+What it shows, in the order a person reads it: warnings first (a number that says the model is
+not ready), then what was trained, the loss curves, the interface before and after, the parity
+of every artifact, latency/memory/size, and greedy answers of the artifact beside the source's.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from ..io.fs import write_text_atomic
+from .recipe import STAGES, RunRecipe
+from .stages import StageRecord, stage_dir
+
+Block = tuple  # ("h2", text) | ("p", text) | ("table", headers, rows) | ("img", path, alt) | ("pre", text)
+
+
+def _fmt(value: Any, spec: str = ".4g") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def collect(out: Path) -> dict[str, StageRecord | None]:
+    return {stage: StageRecord.read(stage_dir(out, stage)) for stage in STAGES}
+
+
+def warnings_of(records: dict[str, StageRecord | None], recipe: RunRecipe) -> list[str]:
+    """Plain sentences for every number that says the model is not ready."""
+    warn: list[str] = []
+    for stage, rec in records.items():
+        if rec is not None and rec.status == "failed":
+            warn.append(f"Stage **{stage}** failed (exit {rec.exit_code}): {rec.error}")
+        elif rec is None and stage != "report":
+            warn.append(f"Stage **{stage}** has not run.")
+    conv = records.get("convert")
+    limit = float(recipe["report"]["val_loss_warn_nats"])
+    if conv is not None and conv.status == "done":
+        src, cvt = conv.outputs.get("source_val_nll"), conv.outputs.get("converted_val_nll")
+        final = cvt
+        train = records.get("train")
+        if train is not None and train.status == "done":
+            pit = train.outputs.get("runs", {}).get("pit")
+            if pit:
+                final = pit["summary"].get("final_val_loss") or final
+        if src is not None and final is not None and final > src + limit:
+            warn.append(f"The model is not ready: its validation loss is {final:.3f} nats/token against the "
+                        f"source model's {src:.3f} (+{final - src:.2f}). A short CPU run does not recover a "
+                        "conversion that lost this much; use the source-preserving conversion or train longer.")
+    verify = records.get("verify")
+    if verify is not None and verify.status == "skipped":
+        warn.append("The artifacts were not verified (verify.enabled = false).")
+    return warn
+
+
+def build(out: Path, recipe: RunRecipe) -> list[Block]:
+    records = collect(out)
+    blocks: list[Block] = [("h1", f"pit-deploy run — {recipe.name}")]
+    warn = warnings_of(records, recipe)
+    blocks.append(("h2", "Warnings"))
+    blocks += [("p", "⚠ " + w) for w in warn] or [("p", "None: every stage finished and every figure is within its bound.")]
+
+    conv = records.get("convert")
+    train = records.get("train")
+    total = sum(r.seconds for r in records.values() if r is not None)
+    src = conv.outputs.get("source", {}) if conv else {}
+    blocks.append(("h2", "What ran"))
+    rows = [["recipe", recipe.name], ["source model", f"{recipe['run']['model']} ({src.get('kind', '?')})"],
+            ["data", recipe["run"]["data"]], ["T init", recipe["convert"]["t_init"]],
+            ["machine", f"{platform.machine()}, {platform.system()} {platform.release()}, Python {platform.python_version()}"],
+            ["wall time", f"{total:.0f} s"]]
+    if train is not None and train.status == "done":
+        for tying, info in train.outputs.get("runs", {}).items():
+            s = info["summary"]
+            rows.append([f"training ({tying})", f"{s.get('steps')} steps, {s.get('tokens')} tokens, "
+                         f"{_fmt(s.get('tokens_per_s'), '.0f')} tokens/s, device {_device_of(info['dir'])}"])
+    blocks.append(("table", ["", ""], rows))
+    blocks.append(("table", ["stage", "status", "seconds", "note"],
+                   [[s, r.status if r else "not run", _fmt(r.seconds, '.1f') if r else "—",
+                     (r.error or "") if r else ""] for s, r in records.items() if s != "report"]))
+
+    if conv is not None and conv.status == "done":
+        blocks.append(("h2", "Token interface and held-out loss"))
+        b, a = conv.outputs["interface_before"], conv.outputs["interface_after"]
+        keys = ["delta_ti", "cosine_distance", "procrustes_error", "principal_angle"]
+        blocks.append(("table", ["", *keys, "val NLL"], [
+            ["source", *[_fmt(b.get(k)) for k in keys], _fmt(conv.outputs.get("source_val_nll"))],
+            ["converted", *[_fmt(a.get(k)) for k in keys], _fmt(conv.outputs.get("converted_val_nll"))],
+        ]))
+    if train is not None and train.status == "done" and train.outputs.get("runs"):
+        blocks.append(("h2", "Training"))
+        runs = train.outputs["runs"]
+        blocks.append(("table", ["run", "steps", "val loss at start", "val loss at end", "train loss at end"], [
+            [k, _fmt(v["summary"].get("steps")), _fmt(v["summary"].get("initial_val_loss")),
+             _fmt(v["summary"].get("final_val_loss")), _fmt(v["summary"].get("final_train_loss"))] for k, v in runs.items()]))
+        png = _loss_plot(out, runs)
+        if png is not None:
+            blocks.append(("img", png, "loss curves"))
+
+    verify = records.get("verify")
+    reports = (verify.outputs.get("reports") if verify and verify.status == "done" else None) or _verify_json(out)
+    if reports:
+        blocks.append(("h2", "Parity on the runtimes"))
+        rows = []
+        for rep in reports:
+            for a in rep["artifacts"]:
+                rows.append([Path(rep["directory"]).name, a["runtime"], a["mode"], a.get("dtype", "float32"),
+                             _fmt(a.get("logits_rel_l2"), ".2e"), _fmt(a.get("top1_agreement"), ".2%"),
+                             _fmt(a.get("greedy_match")), _fmt(a.get("delta_ti"), ".2e"),
+                             "pass" if a["passed"] else "FAIL: " + "; ".join(a["failures"])])
+        blocks.append(("table", ["export", "runtime", "mode", "dtype", "rel L2", "top-1", "greedy", "delta_ti", "result"], rows))
+
+    bench = records.get("bench")
+    if bench is not None and bench.status == "done" and bench.outputs.get("rows"):
+        blocks.append(("h2", "Latency, memory and size"))
+        cols = ["artifact", "runtime", "mode", "dtype", "threads", "prefill_tok_s", "decode_tok_s", "ttft_ms",
+                "decode_ms_p50", "peak_rss_mb", "size_mb"]
+        blocks.append(("table", cols, [[_fmt(r.get(c), ".4g") for c in cols] for r in bench.outputs["rows"]]))
+        png = Path(bench.outputs.get("png", ""))
+        if png.is_file():
+            blocks.append(("img", png, "benchmark"))
+
+    answers = stage_dir(out, "report") / "answers.json"
+    if answers.is_file():
+        data = json.loads(answers.read_text())
+        blocks.append(("h2", "Greedy answers: source model vs shipped artifact"))
+        if "error" in data:
+            blocks.append(("p", f"Not available: {data['error']}"))
+        else:
+            blocks.append(("p", f"Artifact: `{data['artifact']}` ({data['runtime']}, {data['mode']})."))
+            for row in data["prompts"]:
+                same = "identical" if row["identical"] else "different"
+                blocks.append(("pre", f"Q: {row['prompt']}\nsource:   {row['source']}\nartifact: {row['artifact']}\n({same})"))
+    return blocks
+
+
+def _device_of(run_dir: str) -> str:
+    """The device a training run used, from its ``run.json``."""
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        return "?"
+    data = json.loads(path.read_text())
+    return str(data.get("device_used") or data.get("device", "?"))
+
+
+def _verify_json(out: Path) -> list | None:
+    path = stage_dir(out, "verify") / "verify.json"
+    return json.loads(path.read_text())["reports"] if path.is_file() else None
+
+
+def _loss_plot(out: Path, runs: dict[str, Any]) -> Path | None:
+    try:
+        from ..analysis.plotting import RunLog, plot_runs
+
+        logs = [RunLog.load(info["dir"], label=name) for name, info in runs.items()]
+        return Path(plot_runs(logs, stage_dir(out, "report") / "loss.png"))
+    except Exception:  # a missing curve must not hide the rest of the report
+        return None
+
+
+def render_markdown(blocks: list[Block], root: Path) -> str:
+    lines: list[str] = []
+    for b in blocks:
+        kind = b[0]
+        if kind == "h1":
+            lines += [f"# {b[1]}", ""]
+        elif kind == "h2":
+            lines += [f"## {b[1]}", ""]
+        elif kind == "p":
+            lines += [b[1], ""]
+        elif kind == "pre":
+            lines += ["```", b[1], "```", ""]
+        elif kind == "img":
+            rel = Path(b[1]).resolve().relative_to(root.resolve()) if Path(b[1]).resolve().is_relative_to(root.resolve()) else b[1]
+            lines += [f"![{b[2]}]({Path(rel).as_posix()})", ""]
+        elif kind == "table":
+            headers, rows = b[1], b[2]
+            lines.append("| " + " | ".join(headers) + " |")
+            lines.append("|" + "---|" * len(headers))
+            lines += ["| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in row) + " |" for row in rows]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def render_html(blocks: list[Block]) -> str:
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>pit-deploy run</title><style>",
+             "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}",
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}",
+             "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}img{max-width:100%}</style></head><body>"]
+    for b in blocks:
+        kind = b[0]
+        if kind in ("h1", "h2"):
+            parts.append(f"<{kind}>{html.escape(b[1])}</{kind}>")
+        elif kind == "p":
+            parts.append(f"<p>{html.escape(b[1]).replace('**', '')}</p>")
+        elif kind == "pre":
+            parts.append(f"<pre>{html.escape(b[1])}</pre>")
+        elif kind == "img":
+            data = base64.b64encode(Path(b[1]).read_bytes()).decode()
+            parts.append(f"<img alt='{html.escape(b[2])}' src='data:image/png;base64,{data}'>")
+        elif kind == "table":
+            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in b[1])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in b[2])
+            parts.append(f"<table><tr>{head}</tr>{body}</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(out: Path, recipe: RunRecipe) -> Path:
+    """Write ``report.md`` and ``report.html`` into the run directory; returns the markdown path."""
+    out = Path(out)
+    (stage_dir(out, "report")).mkdir(parents=True, exist_ok=True)
+    blocks = build(out, recipe)
+    md = write_text_atomic(out / "report.md", render_markdown(blocks, out))
+    write_text_atomic(out / "report.html", render_html(blocks))
+    return md
