@@ -9,10 +9,15 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+#: notebooks that load the real default model (the rest build tiny models in code)
+REAL_MODEL = {"quickstart"}
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=[pytest.mark.real_model] if p.stem in REAL_MODEL else []) for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS],
+)
 def test_notebook_executes(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3",

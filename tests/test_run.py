@@ -1,0 +1,191 @@
+"""``pit-deploy run``: the one command on a tiny model and a small corpus — every stage, the
+report checked against the stage outputs, reruns that do nothing, bad input, a failing stage,
+and a run killed during training that continues from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pit_deploy.cli import main
+from pit_deploy.errors import PitError
+from pit_deploy.run.recipe import load_run_recipe
+
+from train_fixtures import make_corpus, make_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_BENCH = ["--set", "bench.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run-assets")
+    return make_model_dir(root), make_corpus(root)
+
+
+def _run(args: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["run", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def finished_run(assets, tmp_path_factory):
+    """One smoke run of every stage (bench included), shared by the checks below."""
+    model, corpus = assets
+    out = tmp_path_factory.mktemp("runs") / "smoke"
+    code = main(["run", "smoke", "--model", str(model), "--data", str(corpus), "--out", str(out)])
+    return code, out
+
+
+def _record(out: Path, name: str) -> dict:
+    folder = next(out.glob(f"*-{name}"))
+    return json.loads((folder / "stage.json").read_text())
+
+
+def test_every_stage_runs_and_the_report_shows_what_the_stages_measured(finished_run):
+    code, out = finished_run
+    assert code == 0
+    for stage in ("convert", "train", "export", "verify", "bench", "report"):
+        assert _record(out, stage)["status"] == "done", stage
+    report = (out / "report.md").read_text()
+    html = (out / "report.html").read_text()
+    verify = _record(out, "verify")["outputs"]["reports"]
+    artifacts = [a for r in verify for a in r["artifacts"]]
+    assert {a["runtime"] for a in artifacts} == {"onnx", "executorch"}
+    for a in artifacts:  # every artifact verified, with the figures the verify stage measured
+        assert a["passed"]
+        assert f"{a['delta_ti']:.2e}" in report
+        assert f"{a['logits_rel_l2']:.2e}" in report
+    rows = _record(out, "bench")["outputs"]["rows"]
+    assert rows and {r["runtime"] for r in rows} >= {"onnx", "executorch"}
+    for r in rows:  # and benchmarked
+        assert format(r["decode_tok_s"], ".4g") in report
+    summary = _record(out, "train")["outputs"]["runs"]["pit"]["summary"]
+    assert format(summary["final_val_loss"], ".4g") in report
+    conv = _record(out, "convert")["outputs"]
+    assert format(conv["source_val_nll"], ".4g") in report
+    assert "data:image/png;base64," in html  # single file: images embedded
+    assert "Greedy answers" in report
+
+
+def test_rerun_of_a_finished_run_does_no_work_and_says_why(finished_run, capsys):
+    _, out = finished_run
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("stage.json")}
+    code = main(["run", "smoke", "--out", str(out)] + _same_model_args(out))
+    err = capsys.readouterr().err
+    assert code == 0
+    assert err.count("up to date") == 6, err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("stage.json")} == before
+
+
+def _same_model_args(out: Path) -> list[str]:
+    settings = json.loads((out / "run.json").read_text())["settings"]["run"]
+    return ["--model", settings["model"], "--data", settings["data"]]
+
+
+def test_from_stage_redoes_that_stage_and_later_ones(finished_run, capsys):
+    _, out = finished_run
+    convert_before = (next(out.glob("*-convert")) / "stage.json").stat().st_mtime_ns
+    code = main(["run", "smoke", "--out", str(out), "--from", "report"] + _same_model_args(out))
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "report: running (--from report)" in err
+    assert (next(out.glob("*-convert")) / "stage.json").stat().st_mtime_ns == convert_before
+
+
+def test_changed_setting_reruns_downstream_only(assets, tmp_path, capsys):
+    model, corpus = assets
+    out = tmp_path / "r"
+    base = ["smoke", "--model", str(model), "--data", str(corpus), "--out", str(out), "--set", "export.runtimes=['onnx']"] + NO_BENCH
+    assert main(["run", *base]) == 0
+    capsys.readouterr()
+    assert main(["run", *base, "--set", "export.max_seq_len=48"]) == 0
+    err = capsys.readouterr().err
+    assert "convert: up to date" in err and "train: up to date" in err
+    assert "export: running (settings or inputs changed)" in err
+    manifest = json.loads((out / "3-export" / "export-float32" / "manifest.json").read_text())
+    assert manifest["recipe"]["max_seq_len"] == 48
+
+
+def test_unknown_recipe_key_names_the_closest_valid_key():
+    with pytest.raises(PitError, match=r"train\.stepz.*did you mean 'steps'"):
+        load_run_recipe("smoke", ["train.stepz=3"])
+    with pytest.raises(PitError, match=r"\[exprt\].*did you mean 'export'"):
+        load_run_recipe("smoke", ["exprt.runtimes=['onnx']"])
+    with pytest.raises(PitError, match="unknown run recipe 'smok'.*did you mean 'smoke'"):
+        load_run_recipe("smok")
+
+
+def test_unknown_key_from_the_command_line_is_exit_2(capsys):
+    code, _, err = _run(["smoke", "--set", "bench.thread=2"], capsys)
+    assert code == 2
+    assert "did you mean 'threads'" in err
+
+
+def test_run_directory_of_another_recipe_is_refused_unless_forced(assets, tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"format": "pit-deploy-run", "recipe": "default"}))
+    code, _, err = _run(["smoke", "--out", str(out)] + NO_BENCH, capsys)
+    assert code == 2 and "is a run of recipe 'default'" in err
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]  # nothing touched
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, _, err = _run(["smoke", "--out", str(foreign)] + NO_BENCH, capsys)
+    assert code == 2 and "not a pit-deploy run directory" in err
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_a_failing_stage_stops_the_run_and_the_report_lists_it(assets, tmp_path, capsys):
+    """A static cache too long for the model: export fails (exit 2), verify never runs."""
+    model, corpus = assets
+    out = tmp_path / "r"
+    code, out_text, err = _run(["smoke", "--model", str(model), "--data", str(corpus), "--out", str(out),
+                                "--set", "export.max_seq_len=100000"] + NO_BENCH, capsys)
+    assert code == 2
+    assert "stage export failed" in err
+    assert _record(out, "export")["status"] == "failed"
+    assert not list(out.glob("*-verify"))
+    report = (out / "report.md").read_text()
+    assert "Stage **export** failed (exit 2)" in report
+    assert "Stage **verify** has not run." in report
+
+
+def test_run_killed_during_training_continues_from_its_checkpoint(assets, tmp_path):
+    """A real process, killed with SIGKILL once training has saved a checkpoint; the rerun
+    skips conversion and resumes training from that checkpoint instead of starting over."""
+    model, corpus = assets
+    out = tmp_path / "r"
+    args = [sys.executable, "-m", "pit_deploy", "run", "smoke", "--model", str(model), "--data", str(corpus),
+            "--out", str(out), "--set", "train.steps=60", "--set", "train.save_every=5", "--set", "train.eval_every=0",
+            "--set", "export.runtimes=['onnx']"] + NO_BENCH
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoints = out / "2-train" / "pit" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if checkpoints.is_dir() and any(checkpoints.glob("step-*")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed: " + proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (out / "2-train" / "stage.json").exists()  # the stage did not finish
+    steps_before = sorted(p.name for p in checkpoints.glob("step-*"))
+    assert steps_before
+    again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "convert: up to date" in again.stderr
+    assert "resuming from its last checkpoint" in again.stderr
+    summary = json.loads((out / "2-train" / "pit" / "summary.json").read_text())
+    assert summary["steps"] == 60
+    assert _record(out, "train")["status"] == "done"
