@@ -163,6 +163,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", help="float32 (default)")
     p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
     p.add_argument("--t-init", default="identity", help="T initialization when a plain model is converted first")
+    p.add_argument("--keep-tying", action="store_true",
+                   help="export the source model without conversion (the transpose-tied baseline; mode 'tied')")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(handler=run_export)
 
@@ -185,8 +187,13 @@ def run_export(args: argparse.Namespace) -> int:
     from .export.pipeline import export_model, load_pit_source
 
     stage(f"loading {args.model}")
-    loaded = load_pit_source(args.model, args.t_init, progress=stage)
-    manifest = export_model(loaded, args.out, recipe, force=args.force, progress=stage)
+    if args.keep_tying:
+        from .io.sources import load_source
+
+        loaded = load_source(args.model)
+    else:
+        loaded = load_pit_source(args.model, args.t_init, progress=stage)
+    manifest = export_model(loaded, args.out, recipe, force=args.force, progress=stage, keep_tying=args.keep_tying)
     total = sum(a.bytes for a in manifest.artifacts)
     stage(f"done: {len(manifest.artifacts)} artifact(s), {total / 2**20:.1f} MiB in {args.out}; "
           f"run `pit-deploy verify {args.out}`")
@@ -333,6 +340,50 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# bench
+# --------------------------------------------------------------------------------------
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="latency, memory and size of exported artifacts on this machine")
+    p.add_argument("directories", nargs="*", help="export directories written by `pit-deploy export`")
+    p.add_argument("--torch", dest="torch_model", default=None, help="also measure this model in PyTorch eager")
+    p.add_argument("--threads", default="1", help="comma list of thread counts (default 1)")
+    p.add_argument("--prompt-len", default="64", help="comma list of prompt lengths (default 64)")
+    p.add_argument("--gen-len", type=int, default=128, help="tokens generated per pass (default 128)")
+    p.add_argument("--reps", type=int, default=5, help="measured passes after one warm-up (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with a `rows` list")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--plot", default=None, help="write a PNG chart")
+    p.set_defaults(handler=run_bench)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise PitError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .evaluate.bench import BenchOptions, bench_directories
+
+    opts = BenchOptions(threads=_int_list(args.threads, "--threads"),
+                        prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
+                        gen_len=args.gen_len, reps=args.reps, torch_model=args.torch_model)
+    for target in (args.out, args.plot):
+        if target is not None and not Path(target).resolve().parent.is_dir():
+            raise PitError(f"cannot write {target}: its directory does not exist")
+    result = bench_directories(args.directories, opts, progress=stage)
+    if args.out:
+        Path(args.out).write_text(result.to_json(indent=2) + "\n")
+    if args.plot:
+        stage(f"wrote {result.plot(args.plot)}")
+    print(result.to_json(indent=2) if args.json else result)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
 # run: the one command
 # --------------------------------------------------------------------------------------
 
@@ -382,7 +433,7 @@ def _toml_string(value: str) -> str:
 # --------------------------------------------------------------------------------------
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_run, add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify
+    add_run, add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify, add_bench
 )
 
 

@@ -160,8 +160,21 @@ def strip_pit_config(model: PreTrainedModel) -> None:
         delattr(model.config, PIT_CONFIG_KEY)
 
 
+def keep_tied(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A copy of a plain (tied or untied) ``model`` in ``dtype``, unchanged otherwise: the
+    transpose-tied baseline that goes through the same exporters as PIT."""
+    base = unwrap_model(model)
+    if find_interface(base) is not None:
+        raise PitError("--keep-tying exports the source model as it is; this one is already a PIT model")
+    twin = copy.deepcopy(base).to(dtype)
+    twin.eval()
+    return twin
+
+
 def prepare(model: PreTrainedModel, mode: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Apply the pass named ``mode`` (one of :data:`MODES`)."""
+    """Apply the pass named ``mode`` (one of :data:`MODES`, or ``tied`` for the baseline)."""
+    if mode == "tied":
+        return keep_tied(model, dtype)
     if mode == "materialized":
         return materialize(model, dtype)
     if mode == "factorized":

@@ -59,10 +59,13 @@ def export_model(
     progress: Progress | None = None,
     opset: int | None = None,
     pairs: list[tuple[str, str]] | None = None,
+    keep_tying: bool = False,
 ) -> Manifest:
     """Export a loaded PIT model as the recipe says; returns the written manifest.
 
     ``pairs`` (``[(runtime, mode), ...]``) restricts the recipe's runtimes × modes product.
+    ``keep_tying`` exports a plain (transpose-tied) model without conversion, through the same
+    exporters, as the baseline PIT is compared with: one artifact per runtime, mode ``tied``.
 
     Raises:
         PitError: not a PIT model, an existing non-empty ``out`` without ``force``, a static
@@ -70,10 +73,17 @@ def export_model(
     """
     say = progress or (lambda _m: None)
     model = loaded.model
-    if find_interface(model) is None:
+    if keep_tying:
+        if find_interface(model) is not None:
+            raise PitError("--keep-tying exports the source model as it is; pass a plain (tied) model, "
+                           "not a PIT checkpoint")
+        modes: tuple[str, ...] = ("tied",)
+    elif find_interface(model) is None:
         raise PitError("export_model needs a PIT model; use load_pit_source() to convert first")
+    else:
+        modes = recipe.modes
     out = check_output_dir(out, force)
-    wanted = [(r, m) for m in recipe.modes for r in recipe.runtimes]
+    wanted = [(r, m) for m in modes for r in recipe.runtimes]
     if pairs is not None:
         wanted = [p for p in wanted if p in set(pairs)]
         if not wanted:
@@ -84,7 +94,7 @@ def export_model(
     model = model.to(dtype).eval()
 
     with atomic_directory(out, force) as tmp:
-        say(f"saving the PIT reference checkpoint to {REFERENCE_DIR}/")
+        say(f"saving the {'tied' if keep_tying else 'PIT'} reference checkpoint to {REFERENCE_DIR}/")
         save_model(model, tmp / REFERENCE_DIR, loaded.tokenizer)
         reference = {
             "path": REFERENCE_DIR,
@@ -92,7 +102,7 @@ def export_model(
             "weights": f"{REFERENCE_DIR}/{WEIGHTS_NAME}",
         }
         artifacts: list[Artifact] = []
-        for mode in recipe.modes:
+        for mode in modes:
             runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
             if not runtimes:
                 continue
@@ -108,6 +118,7 @@ def export_model(
                     runtime=runtime, mode=mode, dtype=recipe.dtype, path=name,
                     files=file_table(tmp, tmp / name), shapes=exporter.shapes(prepared.config, mode, recipe),
                     details=details, export_seconds=round(seconds, 3),
+                    tying="tied" if keep_tying else "pit",
                 )
                 say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
                 artifacts.append(art)

@@ -48,6 +48,8 @@ class ExporterSpec:
         shapes: dict[str, Any] = {"vocab_size": v, "hidden_size": d, "num_layers": config.num_hidden_layers}
         if mode == "factorized":
             shapes["interface"] = {"Zt": [d, v], "T": [d, d], "T_inv": [d, d]}
+        elif mode == "tied":
+            shapes["interface"] = {"E": [v, d], "W_out": "Eᵀ (transpose tying)"}
         else:
             shapes["interface"] = {"E": [v, d], "W_out": [d, v]}
         if self.static_cache:

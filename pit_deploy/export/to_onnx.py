@@ -28,6 +28,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..io.checkpoint import save_tokenizer
+from ..model.inspect import tying_of
 from ..runtime.ort_driver import DECODER_DATA, DECODER_NAME, INTERFACE_NAME
 from .passes import InterfaceProbe
 
@@ -62,7 +63,9 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         output_names=["embeddings", "logits"],
         dynamic_axes={"input_ids": {0: "n"}, "hidden": {0: "m"}, "embeddings": {0: "n"}, "logits": {0: "m"}},
         opset_version=opset or 17,
-        do_constant_folding=True,
+        # A tied model reads one table for both sides: folding the head's transpose would make
+        # a second, transposed copy that the decoder does not hold. Keep the Transpose node.
+        do_constant_folding=tying_of(model) != "tied",
         dynamo=False,
     )
     shared = share_interface_weights(out_dir, tmp_interface, min_elements=d * d)

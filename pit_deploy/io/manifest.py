@@ -63,6 +63,7 @@ class Artifact:
     shapes: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)
     export_seconds: float = 0.0
+    tying: str = "pit"  #: ``pit``, or ``tied`` for a transpose-tied baseline (``export --keep-tying``)
 
     @property
     def key(self) -> str:

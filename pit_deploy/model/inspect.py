@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from ..errors import PitError
 from .core import PITInterface, identity_defect
 from .families import adapter_for
+from .modules import PITEmbedding
 
 
 def find_interface(model: nn.Module) -> PITInterface | None:
@@ -34,8 +35,8 @@ def is_pit(model: nn.Module) -> bool:
 
 def tying_of(model: PreTrainedModel) -> str:
     """``pit``, ``tied`` (embedding and head share storage) or ``untied``."""
-    if is_pit(model):
-        return "pit"
+    if is_pit(model) or isinstance(model.get_input_embeddings(), PITEmbedding):
+        return "pit"  # trainable, or the export-time factorized constants
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:

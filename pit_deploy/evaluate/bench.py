@@ -1,0 +1,335 @@
+"""``pit-deploy bench``: latency, memory and size of exported artifacts on this machine.
+
+For every artifact of every export directory (and an optional PyTorch eager row), for every
+thread count and prompt length, one *cell* runs in its own process
+(:mod:`.bench_cell`) on the same fixed prompt token ids: load time, one warm-up pass, then
+``reps`` passes of prefill (``pp<P>`` tokens/s, time to first token) and greedy decode
+(``tg<N>`` tokens/s, ms/token median and p90), peak resident memory of that process, size on
+disk, the machine's foreign load during the measurement, and the first generated token where
+the artifact's greedy output diverges from the PyTorch reference. Conventions:
+``docs/conventions.md`` ("Benchmark conventions"); usage and measured figures: ``docs/bench.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import PitError
+from ..io.manifest import REFERENCE_DIR, Manifest
+
+Progress = Callable[[str], None]
+ROW_FIELDS = ("artifact", "runtime", "mode", "dtype", "tying", "threads", "prompt_len", "gen_len",
+              "prefill_tok_s", "decode_tok_s", "ttft_ms", "decode_ms_p50", "decode_ms_p90", "load_s",
+              "peak_rss_mb", "size_mb")
+PROMPT_SEED = 1234
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to measure (validated on construction)."""
+
+    threads: tuple[int, ...] = (1,)
+    prompt_lens: tuple[int, ...] = (64,)
+    gen_len: int = 128
+    reps: int = 5
+    torch_model: str | None = None
+    cell_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name, values in (("threads", self.threads), ("prompt length", self.prompt_lens)):
+            if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+                raise PitError(f"{name} must be integers ≥ 1, got {list(values)}")
+        if self.gen_len < 2:
+            raise PitError(f"--gen-len must be at least 2 (one prefill token and one decode step), got {self.gen_len}")
+        if self.reps < 1:
+            raise PitError(f"--reps must be at least 1, got {self.reps}")
+
+
+@dataclass
+class BenchResult:
+    """Rows (one per cell), the prompt ids used, and PIT/TT ratios; prints, serializes, plots."""
+
+    rows: list[dict[str, Any]]
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def ratios(self) -> list[dict[str, Any]]:
+        """PIT/TT ratios for rows that differ only in tying (same runtime, dtype, threads, P)."""
+        out = []
+        tied = {(r["runtime"], r["dtype"], r["threads"], r["prompt_len"]): r for r in self.rows if r["tying"] == "tied"}
+        for r in self.rows:
+            if r["tying"] != "pit":
+                continue
+            t = tied.get((r["runtime"], r["dtype"], r["threads"], r["prompt_len"]))
+            if t is None:
+                continue
+            out.append({
+                "artifact": r["artifact"], "baseline": t["artifact"], "threads": r["threads"], "prompt_len": r["prompt_len"],
+                "decode_time_ratio": t["decode_tok_s"] / r["decode_tok_s"],
+                "prefill_time_ratio": t["prefill_tok_s"] / r["prefill_tok_s"],
+                "rss_ratio": r["peak_rss_mb"] / t["peak_rss_mb"],
+                "size_ratio": r["size_mb"] / t["size_mb"] if t["size_mb"] else math.nan,
+            })
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "ratios": self.ratios(), "prompts": self.prompts,
+                "warnings": self.warnings, "machine": self.machine}
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def __str__(self) -> str:
+        head = (f"| {'artifact':<44} | {'threads':>7} | {'test':>6} | {'t/s':>16} | {'ttft ms':>8} | "
+                f"{'p50 ms':>7} | {'p90 ms':>7} | {'load s':>6} | {'RSS MB':>7} | {'size MB':>7} | verified |")
+        lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+        for r in self.rows:
+            name = f"{r['artifact']} ({r['dtype']})"[:44]
+            ok = {True: "yes", False: "FAILED", None: "no"}[r.get("verified")]
+            for test, mean, std in ((f"pp{r['prompt_len']}", r["prefill_tok_s"], r["prefill_tok_s_std"]),
+                                    (f"tg{r['gen_len']}", r["decode_tok_s"], r["decode_tok_s_std"])):
+                lines.append(
+                    f"| {name:<44} | {r['threads']:>7} | {test:>6} | {mean:>8.2f} ± {std:>5.2f} | {r['ttft_ms']:>8.1f} | "
+                    f"{r['decode_ms_p50']:>7.2f} | {r['decode_ms_p90']:>7.2f} | {r['load_s']:>6.2f} | "
+                    f"{r['peak_rss_mb']:>7.0f} | {r['size_mb']:>7.1f} | {ok:>8} |")
+        for q in self.ratios():
+            lines.append(f"PIT/TT {q['artifact']} vs {q['baseline']} ({q['threads']} threads, pp{q['prompt_len']}): "
+                         f"decode time ×{q['decode_time_ratio']:.3f}, prefill time ×{q['prefill_time_ratio']:.3f}, "
+                         f"RSS ×{q['rss_ratio']:.3f}, size ×{q['size_ratio']:.4f}")
+        foreign = [r["foreign_load_cores"] for r in self.rows if r.get("foreign_load_cores") is not None]
+        if foreign:
+            lines.append(f"foreign load during the measurements: {min(foreign):.2f}–{max(foreign):.2f} cores busy "
+                         f"with other processes (of {os.cpu_count()})")
+        lines += [f"WARNING: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        """Decode and prefill tokens/s per artifact and thread count, size beside."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = [f"{r['artifact']}\n{r['dtype']} t{r['threads']} p{r['prompt_len']}" for r in self.rows]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 0.5 * len(labels) + 2), sharey=True)
+        for ax, key, title in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "prefill_tok_s", "prefill tokens/s"),
+                               (axes[2], "size_mb", "size on disk (MB)")):
+            ax.barh(range(len(labels)), [r[key] for r in self.rows],
+                    xerr=[r.get(key + "_std", 0.0) for r in self.rows] if key != "size_mb" else None)
+            ax.set_title(title)
+            ax.grid(axis="x", alpha=0.3)
+        axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+# --------------------------------------------------------------------------------------
+# Prompts and references
+# --------------------------------------------------------------------------------------
+
+
+def prompt_ids(tokenizer: Any, vocab: int, length: int) -> list[int]:
+    """``length`` fixed token ids: the default corpus's first held-out document tokenized with
+    ``tokenizer`` (repeated if short), or seeded random ids below ``vocab`` without one."""
+    if tokenizer is not None:
+        from ..train.data import DataConfig, TextSource
+
+        cfg = DataConfig(spec="default")
+        for doc in TextSource(cfg).val_documents():
+            text = doc.text or ((doc.prompt or "") + (doc.completion or ""))
+            ids = list(tokenizer(text)["input_ids"])
+            if ids:
+                while len(ids) < length:
+                    ids += ids
+                return ids[:length]
+    import random
+
+    rng = random.Random(PROMPT_SEED)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def reference_tokens(reference_dir: Path, ids: list[int], gen_len: int) -> list[int]:
+    """The PyTorch reference's greedy tokens for ``ids`` (what every artifact should produce)."""
+    import torch
+
+    from ..runtime.torch_driver import TorchDriver
+
+    driver = TorchDriver(reference_dir)
+    logits = driver.prefill(torch.tensor(ids, dtype=torch.long))
+    token = int(logits[-1].argmax())
+    out, pos = [token], len(ids)
+    for _ in range(gen_len - 1):
+        token = int(driver.step(token, pos).argmax())
+        out.append(token)
+        pos += 1
+    driver.close()
+    return out
+
+
+def first_divergence(tokens: list[int], reference: list[int] | None) -> int | None:
+    """Index of the first generated token that differs from the reference (``None``: none)."""
+    if reference is None:
+        return None
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+# --------------------------------------------------------------------------------------
+# Cells
+# --------------------------------------------------------------------------------------
+
+
+def run_cell_process(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one cell in a fresh interpreter; raise :class:`PitError` on its unusable input."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(spec, fh)
+        path = fh.name
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pit_deploy.evaluate.bench_cell", path],
+                              capture_output=True, text=True, timeout=timeout, env=_cell_env())
+    finally:
+        os.unlink(path)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"benchmark cell for {spec['label']} died (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    row = json.loads(lines[-1])
+    if "error" in row:
+        raise PitError(f"{spec['label']}: {row['error']}")
+    return row
+
+
+def _cell_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return env
+
+
+def _verification(manifest: Manifest, key: str) -> bool | None:
+    ver = manifest.verification or {}
+    for a in ver.get("artifacts", []):
+        if f"{a.get('runtime')}-{a.get('mode')}" == key:
+            return bool(a.get("passed"))
+    return None
+
+
+def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[list[dict[str, Any]], dict[str, list[int]], list[str]]:
+    """Every cell to run (validated before anything is measured), the prompts, the warnings."""
+    from ..io.sources import _maybe_tokenizer
+    from ..runtime.base import driver_class
+
+    cells, prompts, warnings = [], {}, []
+    for directory in directories:
+        directory = Path(directory)
+        manifest = Manifest.read(directory)
+        tokenizer = _maybe_tokenizer(directory / REFERENCE_DIR, True, False)
+        for art in manifest.artifacts:
+            driver_class(art.runtime)  # an uninstalled runtime is unusable input, before any work
+            key = f"{art.runtime}-{art.mode}"
+            verified = _verification(manifest, key)
+            label = f"{directory.name}/{art.path}"
+            if verified is None:
+                warnings.append(f"{label} was never verified: run `pit-deploy verify {directory}` — its figures may be of a wrong model")
+            elif not verified:
+                warnings.append(f"{label} FAILED verification: it does not compute what PyTorch computes")
+            context = art.shapes.get("max_seq_len")
+            for p in opts.prompt_lens:
+                if context is not None and p + opts.gen_len > context:
+                    raise PitError(f"{label}: prompt {p} + {opts.gen_len} generated tokens exceed the artifact's "
+                                   f"context of {context}; use a shorter --prompt-len/--gen-len or export with a "
+                                   "longer --max-seq-len")
+                ids = prompt_ids(tokenizer, art.shapes["vocab_size"], p)
+                prompts[f"{directory.name}:{p}"] = ids
+                for t in opts.threads:
+                    cells.append({
+                        "label": label, "folder": str(directory / art.path), "runtime": art.runtime,
+                        "threads": t, "prompt_ids": ids, "gen_len": opts.gen_len, "reps": opts.reps,
+                        "meta": {"artifact": label, "runtime": art.runtime, "mode": art.mode, "dtype": art.dtype,
+                                 "tying": getattr(art, "tying", "pit"), "threads": t, "prompt_len": p,
+                                 "gen_len": opts.gen_len, "size_mb": art.bytes / 1e6, "verified": verified},
+                        "reference": str(directory / REFERENCE_DIR),
+                    })
+    if opts.torch_model:
+        from ..io.sources import load_source
+
+        loaded = load_source(opts.torch_model)
+        vocab = loaded.model.config.vocab_size
+        size = _torch_size_mb(opts.torch_model)
+        for p in opts.prompt_lens:
+            ids = prompt_ids(loaded.tokenizer, vocab, p)
+            prompts[f"torch:{p}"] = ids
+            for t in opts.threads:
+                cells.append({
+                    "label": f"torch:{opts.torch_model}", "folder": opts.torch_model, "runtime": "torch", "threads": t,
+                    "prompt_ids": ids, "gen_len": opts.gen_len, "reps": opts.reps,
+                    "meta": {"artifact": f"torch:{Path(opts.torch_model).name}", "runtime": "torch", "mode": "eager",
+                             "dtype": "float32", "tying": "pit" if loaded.is_pit else "tied", "threads": t,
+                             "prompt_len": p, "gen_len": opts.gen_len, "size_mb": size, "verified": None},
+                    "reference": None,
+                })
+        del loaded
+    return cells, prompts, warnings
+
+
+def _torch_size_mb(spec: str) -> float:
+    path = Path(spec)
+    if spec == "default":
+        from ..io.sources import default_gguf_path
+
+        path = default_gguf_path()
+    if path.is_file():
+        return path.stat().st_size / 1e6
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.safetensors")) / 1e6
+    return math.nan
+
+
+def bench_directories(directories: Sequence[str | Path], opts: BenchOptions,
+                      progress: Progress | None = None) -> BenchResult:
+    """Measure every cell (see the module docstring)."""
+    import platform
+
+    say = progress or (lambda _m: None)
+    if not directories and not opts.torch_model:
+        raise PitError("nothing to benchmark: pass export directories and/or --torch MODEL")
+    cells, prompts, warnings = plan_cells(directories, opts)
+    refs: dict[tuple[str, int], list[int]] = {}
+    rows = []
+    for i, cell in enumerate(cells, 1):
+        meta = cell["meta"]
+        say(f"[{i}/{len(cells)}] {meta['artifact']} {meta['dtype']} threads={meta['threads']} "
+            f"pp{meta['prompt_len']} tg{meta['gen_len']}")
+        measured = run_cell_process(cell, opts.cell_timeout_s)
+        ref = None
+        if cell["reference"]:
+            key = (cell["reference"], meta["prompt_len"])
+            if key not in refs:
+                refs[key] = reference_tokens(Path(cell["reference"]), cell["prompt_ids"], opts.gen_len)
+            ref = refs[key]
+        tokens = measured.pop("tokens")
+        row = {**meta, **measured, "first_divergence": first_divergence(tokens, ref)}
+        if row["first_divergence"] is not None:
+            warnings.append(f"{meta['artifact']} ({meta['dtype']}, {meta['threads']} threads): greedy output "
+                            f"diverges from the PyTorch reference at generated token {row['first_divergence']}")
+        say(f"    pp{meta['prompt_len']} {row['prefill_tok_s']:.1f} tok/s, tg{meta['gen_len']} "
+            f"{row['decode_tok_s']:.1f} tok/s, RSS {row['peak_rss_mb']:.0f} MB")
+        rows.append(row)
+    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+               "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    return BenchResult(rows=rows, prompts=prompts, warnings=warnings, machine=machine)
