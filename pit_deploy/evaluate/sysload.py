@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,5 +61,17 @@ class measure_load:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (``ru_maxrss`` is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak resident set size of this process's own memory so far, in MiB.
+
+    Linux: ``VmHWM`` of ``/proc/self/status``, the high-water mark of this address space.
+    ``ru_maxrss`` would be wrong for a benchmark cell: Linux carries the parent's resident size
+    at ``fork`` into the child's ``ru_maxrss`` across ``exec``, so a cell started by a large
+    parent would report the parent's memory. Elsewhere ``ru_maxrss`` is the fallback.
+    """
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024.0 * 1024.0) if sys.platform == "darwin" else rss / 1024.0
