@@ -32,12 +32,15 @@ def stage(message: str) -> None:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    from .model.core import DIAGONAL_MAPS, T_INITS
+    from .model.core import DIAGONAL_MAPS
 
     p = sub.add_parser("convert", help="convert a causal LM into a PIT model")
     p.add_argument("--model", required=True, help="default | GGUF file | HF directory | hub id")
     p.add_argument("--out", required=True, help="output directory (PIT checkpoint)")
-    p.add_argument("--t-init", default="identity", help=f"T initialization: {' | '.join(T_INITS)}")
+    p.add_argument("--t-init", default=None,
+                   help="preserve (default where the family allows it, else output) | identity | input | output")
+    p.add_argument("--calib", default="default", help="calibration text for --t-init preserve (default: the default corpus)")
+    p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens for --t-init preserve (default 2048)")
     p.add_argument("--diagonal", default="softplus", help=f"map to L's diagonal: {' | '.join(DIAGONAL_MAPS)}")
     p.add_argument("--train-z", action="store_true", help="mark Z trainable (retracted after each step)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -48,13 +51,15 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     from .io.fs import check_output_dir
     from .io.checkpoint import save_model
-    from .model.core import DIAGONAL_MAPS, T_INITS, PITSpec
-    from .convert.conversion import convert_model
+    from .model.core import DIAGONAL_MAPS, PITSpec
+    from .convert.conversion import CONVERSIONS, convert_model
     from .model.inspect import interface_delta_ti
     from .io.sources import load_source
 
-    if args.t_init not in T_INITS:
-        raise PitError(f"unknown --t-init {args.t_init!r}; choose one of {', '.join(T_INITS)}")
+    if args.t_init is not None and args.t_init not in CONVERSIONS:
+        raise PitError(f"unknown --t-init {args.t_init!r}; choose one of {', '.join(CONVERSIONS)}")
+    if args.calib_tokens < 1:
+        raise PitError(f"--calib-tokens must be at least 1, got {args.calib_tokens}")
     if args.diagonal not in DIAGONAL_MAPS:
         raise PitError(f"unknown --diagonal {args.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
     check_output_dir(args.out, args.force)  # fail before the slow load
@@ -62,14 +67,40 @@ def run_convert(args: argparse.Namespace) -> int:
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
     if loaded.is_pit:
         raise PitError(f"{args.model} is already a PIT model; nothing to convert")
-    stage(f"converting to PIT (T init: {args.t_init})")
+    t_init = args.t_init or default_conversion(loaded.model.config)
+    stage(f"converting to PIT (T init: {t_init})")
+    before = _heldout(loaded)
     model = convert_model(
-        loaded.model, args.t_init, PITSpec(diagonal=args.diagonal, train_z=args.train_z), loaded.source
+        loaded.model, t_init, PITSpec(diagonal=args.diagonal, train_z=args.train_z), loaded.source,
+        tokenizer=loaded.tokenizer, calib=args.calib, calib_tokens=args.calib_tokens,
     )
+    after = _heldout(loaded)
+    if before is not None and after is not None:
+        stage(f"held-out NLL (default corpus, 8×256 tokens): source {before:.3f}, converted {after:.3f} "
+              f"({after - before:+.3f} nats/token)")
     stage(f"delta_ti = {interface_delta_ti(model):.3e}; saving to {args.out}")
     save_model(model, args.out, loaded.tokenizer, force=args.force)
     stage("done")
     return 0
+
+
+def default_conversion(config) -> str:
+    """``preserve`` where the family allows it, else the paper init that disturbs least."""
+    from .convert.preserve import supports_preserve
+
+    if supports_preserve(config):
+        return "preserve"
+    stage(f"{config.model_type} is not covered by --t-init preserve: using --t-init output")
+    return "output"
+
+
+def _heldout(loaded) -> float | None:
+    """Held-out NLL on the default corpus (what a conversion cost), when there is a tokenizer."""
+    if loaded.tokenizer is None:
+        return None
+    from .run.heldout import heldout_nll
+
+    return heldout_nll(loaded.model, loaded.tokenizer, "default", 256, 8)
 
 
 # --------------------------------------------------------------------------------------
@@ -162,7 +193,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", help="comma list of materialized, factorized (default: all)")
     p.add_argument("--dtype", help="float32 (default)")
     p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
-    p.add_argument("--t-init", default="identity", help="T initialization when a plain model is converted first")
+    p.add_argument("--t-init", default=None,
+                   help="conversion of a plain model: preserve (default where allowed, else output) | identity | input | output")
     p.add_argument("--keep-tying", action="store_true",
                    help="export the source model without conversion (the transpose-tied baseline; mode 'tied')")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")

@@ -16,12 +16,15 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from ..model.core import PITSpec, init_from_embedding, init_random
+from ..model.core import T_INITS, PITSpec, init_from_embedding, init_random
 from ..model.families import adapter_for
 from ..model.inspect import check_finite, effective_interface, is_pit
 from ..model.pit_model import install_interface, pit_config_block
 
 log = logging.getLogger(__name__)
+
+#: every conversion ``convert_model`` knows: the paper's T inits and the source-preserving fit
+CONVERSIONS: tuple[str, ...] = (*T_INITS, "preserve")
 
 
 def convert_model(
@@ -29,6 +32,9 @@ def convert_model(
     t_init: str = "identity",
     spec: PITSpec = PITSpec(),
     source: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    calib: str = "default",
+    calib_tokens: int = 2048,
 ) -> PreTrainedModel:
     """Convert a plain causal LM (tied or untied) into a PIT model, in place.
 
@@ -36,6 +42,10 @@ def convert_model(
     ``t_init`` (see :func:`pit_deploy.model.core.init_from_embedding`). An untied source converts
     from its input embedding; its separate head is discarded, which is logged and recorded
     in the ``pit`` config block as ``source_tying: untied``.
+
+    ``t_init="preserve"`` is the source-preserving conversion (:mod:`.preserve`): the body is
+    rotated and the final gain refitted on calibration text (``calib``, ``calib_tokens``,
+    tokenized with ``tokenizer``) so the converted model stays close to the source.
 
     Raises:
         PitError: unsupported architecture, non-finite or rank-deficient embedding, a model
@@ -55,14 +65,27 @@ def convert_model(
             "source model has an untied head: converting from its input embedding; the "
             "separate head weights are discarded"
         )
-    try:
-        interface = init_from_embedding(e_eff, t_init, spec)
-    except ValueError as exc:
-        raise PitError(f"cannot convert the embedding: {exc}") from None
+    if t_init not in CONVERSIONS:
+        raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")
+    extra: dict[str, Any] = {}
+    if t_init == "preserve":
+        from .preserve import preserve_convert
+
+        for name, param in model.named_parameters():
+            check_finite(name, param.detach())
+        interface, fit = preserve_convert(model, tokenizer, spec, calib, calib_tokens)
+        extra = {"preserve": fit.to_dict()}
+    else:
+        try:
+            interface = init_from_embedding(e_eff, t_init, spec)
+        except ValueError as exc:
+            raise PitError(f"cannot convert the embedding: {exc}") from None
     interface = interface.to(model.get_input_embeddings().weight.dtype)
     block = pit_config_block(
-        spec, t_init=t_init, init="polar", source_tying=tying, source=source, adapter=adapter
+        spec, t_init=t_init, init="polar-rotated" if t_init == "preserve" else "polar",
+        source_tying=tying, source=source, adapter=adapter,
     )
+    block.update(extra)
     install_interface(model, interface, adapter, block)
     interface.to(next(model.parameters()).device)
     return model

@@ -22,7 +22,6 @@ from ..io.checkpoint import WEIGHTS_NAME, save_model
 from ..io.fs import atomic_directory, check_output_dir
 from ..convert.conversion import convert_model
 from ..model.inspect import find_interface
-from ..model.core import T_INITS
 from ..errors import PitError
 from .registry import exporter_for
 from .passes import prepare
@@ -38,15 +37,24 @@ def artifact_dir_name(runtime: str, mode: str) -> str:
     return f"{runtime}-{mode}"
 
 
-def load_pit_source(model: str, t_init: str = "identity", progress: Progress | None = None) -> LoadedModel:
-    """Load ``model`` and convert it to PIT if it is a plain (tied or untied) model."""
-    if t_init not in T_INITS:
-        raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(T_INITS)}")
+def load_pit_source(model: str, t_init: str | None = None, progress: Progress | None = None) -> LoadedModel:
+    """Load ``model`` and convert it to PIT if it is a plain (tied or untied) model.
+
+    ``t_init`` ``None`` picks ``preserve`` where the family allows it, else ``output``.
+    """
+    from ..convert.conversion import CONVERSIONS
+
+    if t_init is not None and t_init not in CONVERSIONS:
+        raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")
     loaded = load_source(model)
     if find_interface(loaded.model) is None:
+        if t_init is None:
+            from ..convert.preserve import supports_preserve
+
+            t_init = "preserve" if supports_preserve(loaded.model.config) else "output"
         if progress:
             progress(f"{model} is not a PIT model: converting (T init: {t_init})")
-        convert_model(loaded.model, t_init, source=loaded.source)
+        convert_model(loaded.model, t_init, source=loaded.source, tokenizer=loaded.tokenizer)
         loaded.source = {**loaded.source, "converted_at_export": True, "t_init": t_init}
     return loaded
 

@@ -189,7 +189,8 @@ def stage_convert(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: b
         say("  the source is already a PIT model: kept as is")
     else:
         say(f"  converting (T init: {conv['t_init']})")
-        convert_model(loaded.model, conv["t_init"], PITSpec(diagonal=conv["diagonal"], train_z=conv["train_z"]), loaded.source)
+        convert_model(loaded.model, conv["t_init"], PITSpec(diagonal=conv["diagonal"], train_z=conv["train_z"]),
+                      loaded.source, tokenizer=loaded.tokenizer, calib=conv["calib"], calib_tokens=int(conv["calib_tokens"]))
     after = diagnose_model(loaded.model).to_dict()
     converted_nll = heldout_nll(loaded.model, loaded.tokenizer, run["data"], seq_len, blocks)
     model_dir = folder / "model"

@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from ..convert.conversion import convert_model, from_scratch
+from ..convert.conversion import CONVERSIONS, convert_model, from_scratch
 from ..io.checkpoint import save_model, unique_tensors
 from ..io.fs import atomic_directory, check_output_dir, write_text_atomic
-from ..model.core import DIAGONAL_MAPS, T_INITS, PITSpec
+from ..model.core import DIAGONAL_MAPS, PITSpec
 from ..model.families import max_positions
 from ..model.inspect import find_interface
 from ..model.inspect import interface_delta_ti as delta_ti
@@ -141,8 +141,8 @@ def validate(cfg: TrainConfig) -> None:
         raise PitError(f"unknown --tying {cfg.tying!r}; choose pit or tt")
     if cfg.precision not in PRECISIONS:
         raise PitError(f"unknown --precision {cfg.precision!r}; choose {', '.join(PRECISIONS)}")
-    if cfg.t_init not in T_INITS:
-        raise PitError(f"unknown --t-init {cfg.t_init!r}; choose one of {', '.join(T_INITS)}")
+    if cfg.t_init not in CONVERSIONS:
+        raise PitError(f"unknown --t-init {cfg.t_init!r}; choose one of {', '.join(CONVERSIONS)}")
     if cfg.diagonal not in DIAGONAL_MAPS:
         raise PitError(f"unknown --diagonal {cfg.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
     if (cfg.steps is None) == (cfg.tokens is None):
@@ -372,7 +372,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
             if cfg.distill:
                 teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
             if cfg.tying == "pit":
-                model = convert_model(model, cfg.t_init, spec, source_info)
+                model = convert_model(model, cfg.t_init, spec, source_info, tokenizer=tokenizer)
     limit = max_positions(model.config)
     if limit is not None and cfg.seq_len > limit:
         raise PitError(f"--seq-len {cfg.seq_len} exceeds the model's {limit} positions; use --seq-len {limit} or less")

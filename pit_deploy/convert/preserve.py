@@ -1,0 +1,285 @@
+"""Source-preserving conversion (``--t-init preserve``): an exact PIT interface that keeps what
+the source model knew, with no gradient training.
+
+A tied model has ``W_out E = H²`` (``E0 = U H``, thin polar); PIT needs ``I``. The conversion
+(``docs/conversion.md`` has the derivation):
+
+1. ``T = H⁻¹`` in a rotated basis, so the input side is exact: ``E = E0 R``.
+2. Every block norm's gain is folded into the linears that read it; then a global orthogonal
+   rotation ``R`` of the residual stream is an exact symmetry of a pre-norm RMSNorm model
+   (``‖x R‖ = ‖x‖``, the idea behind SliceGPT, Ashkboos et al. 2024): readers ``W → W R``,
+   writers ``W → Rᵀ W``.
+3. The final norm's diagonal gain ``D`` then acts as ``G = R D Rᵀ``, any symmetric matrix. The
+   source head acts as ``n A H⁻¹ Uᵀ`` with ``A = diag(g) W_outᵀ… `` (see the docs), so ``G`` is
+   fitted to ``A`` where it matters: ``min tr(C (G−A) P (G−A)ᵀ)`` over symmetric ``G``, with
+   ``C`` the second moment of the normalized final states and ``P = H⁻¹ F H⁻¹`` (``F`` the
+   softmax Fisher matrix mapped into d-space), both from calibration text. The stationarity
+   condition ``C G P + P G C = C A P + P A C`` is solved in closed form through two symmetric
+   eigendecompositions; ``G = R D Rᵀ`` gives the rotation and the new gain.
+4. ``Z = U R``, ``T = Rᵀ H⁻¹ R``: ``W_out E = I`` exactly, the body computes what it computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..errors import PitError
+from ..model.core import PITInterface, PITSpec, polar_factor, spd_and_inverse
+from ..model.families import adapter_for
+from ..model.inspect import effective_interface
+
+log = logging.getLogger(__name__)
+
+#: families whose blocks are pre-norm RMSNorm with the residual stream only read through
+#: norms: ``(gain offset, reading linears, writing linears)``. Gemma's norm multiplies by
+#: ``1 + w``. Qwen3's per-head q/k norms act after the projections: a residual rotation
+#: leaves them untouched.
+_READERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+PRESERVE_FAMILIES = {"llama": 0.0, "mistral": 0.0, "qwen2": 0.0, "qwen3": 0.0, "granite": 0.0, "gemma": 1.0}
+CALIB_PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that adds two numbers.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for writing clear emails.",
+    "What is 17 times 23?",
+    "Summarize the water cycle for a child.",
+    "How do I reverse a list in Python?",
+    "Translate 'good morning' into Spanish and French.",
+)
+
+
+def supports_preserve(config: Any) -> bool:
+    return getattr(config, "model_type", None) in PRESERVE_FAMILIES
+
+
+def _sub(module: nn.Module, dotted: str) -> nn.Module:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+# --------------------------------------------------------------------------------------
+# Calibration
+# --------------------------------------------------------------------------------------
+
+
+def calibration_batches(model: PreTrainedModel, tokenizer: Any, data: str = "default", tokens: int = 2048,
+                        seq_len: int = 256, chat: bool = True, seed: int = 0) -> list[torch.Tensor]:
+    """Token-id rows to calibrate on: the training split of ``data`` (packed rows of ``seq_len``)
+    plus, when the tokenizer has a chat template, the model's own greedy answers to fixed
+    prompts in that template — so chat-formatted text is covered without any dataset.
+    Without a tokenizer: seeded random ids (the fit then only sees the model's own statistics)."""
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(seed)
+        n = max(1, tokens // seq_len)
+        return [torch.randint(0, model.config.vocab_size, (seq_len,), generator=gen) for _ in range(n)]
+    from ..train.data import DataConfig, TextSource, encode
+
+    rows: list[torch.Tensor] = []
+    if chat and getattr(tokenizer, "chat_template", None):
+        rows += chat_rows(model, tokenizer)
+    budget = tokens - sum(len(r) for r in rows)
+    cfg = DataConfig(spec=data, seq_len=seq_len, seed=seed)
+    buf: list[int] = []
+    for doc in TextSource(cfg).train_documents(0, 0, None):
+        ids, _ = encode(doc, tokenizer)
+        buf += ids
+        while len(buf) >= seq_len and budget > 0:
+            rows.append(torch.tensor(buf[:seq_len], dtype=torch.long))
+            buf, budget = buf[seq_len:], budget - seq_len
+        if budget <= 0:
+            break
+    if not rows:
+        raise PitError(f"--calib {data}: no text to calibrate on")
+    return rows
+
+
+@torch.no_grad()
+def chat_rows(model: PreTrainedModel, tokenizer: Any, prompts: Iterable[str] = CALIB_PROMPTS,
+              max_new_tokens: int = 48) -> list[torch.Tensor]:
+    """Each fixed prompt in the chat template, followed by the model's own greedy answer."""
+    rows = []
+    for text in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        if not isinstance(ids, list):
+            ids = list(ids["input_ids"])
+        prompt = torch.tensor([ids], dtype=torch.long)
+        out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id or 0)
+        rows.append(out[0])
+    return rows
+
+
+@dataclass
+class CalibrationStats:
+    """``C = E[nᵀn]`` and the d-space Fisher ``F`` (float64), and how many tokens made them."""
+
+    second_moment: torch.Tensor
+    fisher: torch.Tensor
+    tokens: int
+
+
+@torch.no_grad()
+def calibration_stats(model: PreTrainedModel, rows: list[torch.Tensor], u: torch.Tensor) -> CalibrationStats:
+    """Run the source model on ``rows``; collect the normalized final states ``n`` (the final
+    norm's output before its gain) and the next-token distributions ``p``."""
+    adapter = adapter_for(model.config)
+    norm = adapter.final_norm(model)
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    captured: list[torch.Tensor] = []
+    handle = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach()))
+    d = u.shape[1]
+    c = torch.zeros(d, d, dtype=torch.float64)
+    s = torch.zeros(d, d, dtype=torch.float64)
+    pbar = torch.zeros(u.shape[0], dtype=torch.float64)
+    u32 = u.to(torch.float32)
+    count = 0
+    try:
+        model.eval()
+        for row in rows:
+            captured.clear()
+            logits = model(input_ids=row[None]).logits[0].float()
+            x = captured[-1][0].to(torch.float64)
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            c += n.T @ n
+            p = torch.softmax(logits, dim=-1)
+            pu = (p @ u32).to(torch.float64)
+            s += pu.T @ pu
+            pbar += p.sum(0).to(torch.float64)
+            count += row.numel()
+    finally:
+        handle.remove()
+    if count == 0:
+        raise PitError("calibration produced no tokens")
+    pbar /= count
+    fisher = (u.to(torch.float64) * pbar[:, None]).T @ u.to(torch.float64) - s / count
+    return CalibrationStats(c / count, 0.5 * (fisher + fisher.T), count)
+
+
+# --------------------------------------------------------------------------------------
+# The fit
+# --------------------------------------------------------------------------------------
+
+
+def _sym_sqrt_inv(m: torch.Tensor, ridge: float) -> torch.Tensor:
+    evals, evecs = torch.linalg.eigh(m)
+    evals = evals.clamp_min(ridge * evals.max().clamp_min(1e-300))
+    return (evecs * evals.rsqrt()) @ evecs.T
+
+
+def fit_symmetric(a: torch.Tensor, c: torch.Tensor, p: torch.Tensor, ridge: float = 1e-8) -> torch.Tensor:
+    """The symmetric ``G`` minimizing ``tr(C (G−A) P (G−A)ᵀ)`` (all float64, ``C``, ``P`` SPD).
+
+    Stationarity: ``C G P + P G C = C A P + P Aᵀ C``. With ``W`` such that ``Wᵀ C W = I`` and
+    ``Wᵀ P W = Λ`` (from ``C^{-1/2}`` and the eigendecomposition of ``C^{-1/2} P C^{-1/2}``),
+    ``G = W X Wᵀ`` turns it into ``X Λ + Λ X = Wᵀ B W``: ``X_ij = (Wᵀ B W)_ij / (λ_i + λ_j)``.
+    """
+    c = 0.5 * (c + c.T)
+    p = 0.5 * (p + p.T)
+    c_mh = _sym_sqrt_inv(c, ridge)
+    lam, q = torch.linalg.eigh(c_mh @ p @ c_mh)
+    lam = lam.clamp_min(ridge * lam.max().clamp_min(1e-300))
+    w = c_mh @ q
+    b = c @ a @ p + p @ a.T @ c
+    bt = w.T @ b @ w
+    x = bt / (lam[:, None] + lam[None, :])
+    x = 0.5 * (x + x.T)
+    g = w @ x @ w.T
+    return 0.5 * (g + g.T)
+
+
+def weighted_misfit(g: torch.Tensor, a: torch.Tensor, c: torch.Tensor, p: torch.Tensor) -> float:
+    delta = g - a
+    return float(torch.trace(c @ delta @ p @ delta.T))
+
+
+# --------------------------------------------------------------------------------------
+# Applying it to a model
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def fold_and_rotate(model: PreTrainedModel, r: torch.Tensor, gain_offset: float) -> None:
+    """Fold block norm gains into their readers, rotate the residual stream by ``R`` (in place)."""
+    adapter = adapter_for(model.config)
+    for layer in adapter.layers(model):
+        for norm_name, readers in _READERS.items():
+            norm = _sub(layer, norm_name)
+            gain = norm.weight.detach().to(torch.float64) + gain_offset
+            for name in readers:
+                lin = _sub(layer, name)
+                w = lin.weight.detach().to(torch.float64) * gain[None, :]
+                lin.weight.copy_((w @ r).to(lin.weight.dtype))
+            norm.weight.fill_(1.0 - gain_offset)
+        for name in _WRITERS:
+            lin = _sub(layer, name)
+            lin.weight.copy_((r.T @ lin.weight.detach().to(torch.float64)).to(lin.weight.dtype))
+            if getattr(lin, "bias", None) is not None:
+                lin.bias.copy_((r.T @ lin.bias.detach().to(torch.float64)).to(lin.bias.dtype))
+
+
+@dataclass
+class PreserveFit:
+    """What the fit found: the misfit before/after (weighted objective), and ``D``'s range."""
+
+    misfit_identity_rotation: float
+    misfit_fitted: float
+    gain_min: float
+    gain_max: float
+    calib_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@torch.no_grad()
+def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpec = PITSpec(),
+                     calib: str = "default", calib_tokens: int = 2048, seq_len: int = 256,
+                     rows: list[torch.Tensor] | None = None) -> tuple[PITInterface, PreserveFit]:
+    """Fold, fit, rotate ``model`` in place; return its PIT interface (not yet installed).
+
+    Raises:
+        PitError: a family the method does not cover (use a paper init), or no calibration text.
+    """
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in PRESERVE_FAMILIES:
+        raise PitError(
+            f"--t-init preserve covers pre-norm RMSNorm families ({', '.join(sorted(PRESERVE_FAMILIES))}); "
+            f"{model_type!r} uses LayerNorm with biases — use --t-init identity, input or output"
+        )
+    offset = PRESERVE_FAMILIES[model_type]
+    adapter = adapter_for(model.config)
+    e_eff, w_eff, _ = effective_interface(model)
+    u, h = polar_factor(e_eff)
+    u, h = u.to(torch.float64), h.to(torch.float64)
+    h_sym, h_inv = spd_and_inverse(h)
+    norm = adapter.final_norm(model)
+    g = norm.weight.detach().to(torch.float64) + offset
+    a = g[:, None] * (w_eff @ u @ h_sym)  # the source head acts as n A H⁻¹ Uᵀ
+    if rows is None:
+        limit = getattr(model.config, "max_position_embeddings", None) or seq_len
+        rows = calibration_batches(model, tokenizer, calib, calib_tokens, min(seq_len, int(limit)))
+    stats = calibration_stats(model, rows, u)
+    p = h_inv @ stats.fisher @ h_inv
+    gfit = fit_symmetric(a, stats.second_moment, p)
+    d_vals, r = torch.linalg.eigh(gfit)
+    fit = PreserveFit(
+        misfit_identity_rotation=weighted_misfit(torch.diag(torch.diagonal(a)), a, stats.second_moment, p),
+        misfit_fitted=weighted_misfit(gfit, a, stats.second_moment, p),
+        gain_min=float(d_vals.min()), gain_max=float(d_vals.max()), calib_tokens=stats.tokens,
+    )
+    fold_and_rotate(model, r, offset)
+    norm.weight.copy_((d_vals - offset).to(norm.weight.dtype))
+    z = u @ r
+    t = r.T @ h_inv @ r
+    lf = torch.linalg.cholesky(0.5 * (t + t.T))
+    interface = PITInterface(z.to(torch.float32), lf, spec)
+    return interface, fit
