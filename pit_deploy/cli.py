@@ -62,7 +62,7 @@ def run_convert(args: argparse.Namespace) -> int:
         raise PitError(f"--calib-tokens must be at least 1, got {args.calib_tokens}")
     if args.diagonal not in DIAGONAL_MAPS:
         raise PitError(f"unknown --diagonal {args.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
-    check_output_dir(args.out, args.force)  # fail before the slow load
+    check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
     if loaded.is_pit:
@@ -154,8 +154,15 @@ def run_probe(args: argparse.Namespace) -> int:
     from .analysis.probe import logit_lens
     from .io.sources import load_source
 
+    if args.top_k < 1:
+        raise PitError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise PitError(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
+    vocab = loaded.model.config.vocab_size
+    if args.top_k > vocab:
+        raise PitError(f"--top-k {args.top_k} exceeds the vocabulary of {vocab} tokens")
     if args.ids:
         try:
             ids = [int(x) for x in args.ids.split(",")]
@@ -210,7 +217,7 @@ def run_export(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
                              max_seq_len=args.max_seq_len)
-    check_output_dir(args.out, args.force)  # fail before the slow load
+    check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
 
     def _terminate(signum, _frame):  # SIGTERM cleans up like Ctrl-C: no partial directory
         raise KeyboardInterrupt
@@ -244,6 +251,8 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", help="comma list of modes to verify (default: all in the manifest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-record", action="store_true", help="do not write the results into manifest.json")
+    p.add_argument("--expect-sha256", default=None, metavar="HASH",
+                   help="refuse unless manifest.json has this sha256 (pin an export you trust)")
     p.set_defaults(handler=run_verify)
 
 
@@ -251,7 +260,8 @@ def run_verify(args: argparse.Namespace) -> int:
     from .evaluate.verify import verify_directory
 
     stage(f"verifying {args.directory}")
-    report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record)
+    report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record,
+                              expect_sha256=args.expect_sha256)
     print(report.to_json() if args.json else report)
     return 0 if report.passed else 1
 
@@ -475,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pseudo-Inverse Tying for compact LMs: convert, train, export, verify.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show library warnings")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
@@ -504,6 +515,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing partial was left behind", file=sys.stderr)
         return 130
+    except Exception as exc:  # an internal error: exit 3, one line (docs/conventions.md)
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        print(f"error: internal error ({type(exc).__name__}: {exc}); this is a bug in pit-deploy or a "
+              "library it uses — rerun with --debug for the traceback", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

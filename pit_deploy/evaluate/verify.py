@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -164,6 +165,9 @@ def load_reference(directory: Path):
     ref_dir = directory / REFERENCE_DIR
     if is_pit_directory(ref_dir):
         model = load_pit_model(ref_dir)
+        from ..model.inspect import check_model_finite
+
+        check_model_finite(model)  # a non-finite reference is unusable input (exit 2)
     else:
         model = load_source(str(ref_dir), with_tokenizer=False).model.eval()
     return model, _maybe_tokenizer(ref_dir, True, False)
@@ -286,6 +290,7 @@ def verify_directory(
     runtimes: Sequence[str] | str | None = None,
     modes: Sequence[str] | str | None = None,
     record: bool = True,
+    expect_sha256: str | None = None,
 ) -> VerifyReport:
     """Check digests, then verify every (selected) artifact; optionally record the results.
 
@@ -294,7 +299,20 @@ def verify_directory(
             runtime/mode, or a filter that selects no artifact.
     """
     directory = Path(directory)
+    if expect_sha256 is not None:
+        from ..io.fs import sha256_file
+
+        actual = sha256_file(directory / MANIFEST_NAME) if (directory / MANIFEST_NAME).is_file() else "missing"
+        if actual != expect_sha256.lower():
+            raise PitError(f"{directory / MANIFEST_NAME} has sha256 {actual}, not the pinned {expect_sha256}; "
+                           "this is not the export you pinned")
     manifest = Manifest.read(directory)
+    if record and not os.access(directory, os.W_OK):
+        raise PitError(f"{directory} is read-only, so the results could not be recorded in its manifest; "
+                       "pass --no-record to verify without recording")
+    from ..io.fs import confined
+
+    confined(directory, REFERENCE_DIR, "the reference directory")
     problems = check_digests(directory, manifest)
     if problems:
         raise PitError(

@@ -124,6 +124,12 @@ def load_pit_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
             f"{weights} does not match its config: missing {missing[:3]}, unexpected "
             f"{unexpected[:3]}; the checkpoint is incomplete or from another model"
         )
+    expected = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (config says {tuple(expected[k].shape)})"
+             for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
+    if wrong:
+        raise PitError(f"{weights} does not match {path / 'config.json'}: {', '.join(wrong[:3])}; "
+                       "the config or the weights were edited or come from another model")
     model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
     model.eval()
     return model

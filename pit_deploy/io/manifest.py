@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PitError
-from .fs import sha256_file, write_json_atomic
+from .fs import confined, sha256_file, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 REFERENCE_DIR = "reference"
@@ -122,17 +122,61 @@ class Manifest:
                 f"{path} has format_version {data.get('format_version')}, this pit-deploy reads "
                 f"{FORMAT_VERSION}; re-export with this version"
             )
+        _validate(path, data)
         try:
             arts = [Artifact(**a) for a in data.pop("artifacts")]
-            return cls(artifacts=arts, **data)
+            manifest = cls(artifacts=arts, **data)
         except TypeError as exc:
             raise PitError(f"{path} is malformed ({exc}); re-run the export") from None
+        for art in manifest.artifacts:
+            confined(directory, art.path, f"{path}: artifact {art.key} path")
+        for rel in manifest.all_files():
+            confined(directory, rel, f"{path}: file")
+        return manifest
+
+    def all_files(self) -> list[str]:
+        """Every file path the manifest records (reference and artifacts), relative."""
+        files = list((self.reference or {}).get("files", {}))
+        for art in self.artifacts:
+            files += list(art.files)
+        return files
 
     def artifact(self, runtime: str, mode: str) -> Artifact | None:
         for art in self.artifacts:
             if art.runtime == runtime and art.mode == mode:
                 return art
         return None
+
+
+_ARTIFACT_TYPES = {"runtime": str, "mode": str, "dtype": str, "path": str, "files": dict, "shapes": dict}
+
+
+def _validate(path: Path, data: dict[str, Any]) -> None:
+    """Name the key of a manifest that is missing or of the wrong type (exit 2, not a traceback)."""
+    from ..runtime.base import DRIVERS
+
+    for key, kind in (("artifacts", list), ("reference", dict), ("source", dict)):
+        if key not in data:
+            raise PitError(f"{path}: missing key {key!r}; the manifest is incomplete or tampered — re-export")
+        if not isinstance(data[key], kind):
+            raise PitError(f"{path}: {key!r} must be a {kind.__name__}, got {type(data[key]).__name__}")
+    for i, art in enumerate(data["artifacts"]):
+        if not isinstance(art, dict):
+            raise PitError(f"{path}: artifacts[{i}] must be an object")
+        for key, kind in _ARTIFACT_TYPES.items():
+            if key not in art:
+                raise PitError(f"{path}: artifacts[{i}] has no {key!r}; the manifest is incomplete or tampered")
+            if not isinstance(art[key], kind):
+                raise PitError(f"{path}: artifacts[{i}].{key} must be a {kind.__name__}, got {type(art[key]).__name__}")
+        if art["runtime"] not in DRIVERS:
+            raise PitError(f"{path}: artifacts[{i}].runtime {art['runtime']!r} is not a runtime this pit-deploy "
+                           f"knows ({', '.join(sorted(DRIVERS))})")
+        for rel, info in art["files"].items():
+            if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
+                raise PitError(f"{path}: artifacts[{i}].files[{rel!r}] needs a sha256 string")
+    for rel, info in data["reference"].get("files", {}).items():
+        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
+            raise PitError(f"{path}: reference.files[{rel!r}] needs a sha256 string")
 
 
 def check_digests(directory: Path, manifest: Manifest) -> list[str]:
@@ -147,7 +191,7 @@ def check_digests(directory: Path, manifest: Manifest) -> list[str]:
     ]
     for owner, files in tables:
         for rel, info in files.items():
-            path = directory / rel
+            path = confined(directory, rel, "manifest file")
             if not path.is_file():
                 problems.append(f"{rel} ({owner}) is missing")
                 continue

@@ -74,6 +74,27 @@ def load_source(
     trust_remote_code: bool = False,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
+    """Load ``source`` (see module docstring) as a causal LM in ``dtype``; a model with a
+    non-finite weight anywhere is refused, naming the tensor.
+
+    Raises:
+        PitError: missing path, not a causal LM, unsupported architecture, a GGUF that is not
+            a model, pickle-only weights, hub unreachable, NaN/Inf in a weight.
+    """
+    from ..model.inspect import check_model_finite
+
+    loaded = _load_any(source, dtype=dtype, trust_remote_code=trust_remote_code, with_tokenizer=with_tokenizer)
+    check_model_finite(loaded.model)
+    return loaded
+
+
+def _load_any(
+    source: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
     """Load ``source`` (see module docstring) as a causal LM in ``dtype``.
 
     Raises:

@@ -91,3 +91,10 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
             f"{name} has {bad} non-finite value(s) (NaN/Inf); the checkpoint is corrupt or was "
             "saved after a diverged run — use an earlier checkpoint"
         )
+
+
+def check_model_finite(model: nn.Module) -> None:
+    """Raise :class:`PitError` naming the first parameter or buffer with NaN/Inf."""
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and not torch.isfinite(tensor.detach()).all():
+            check_finite(name, tensor.detach())

@@ -327,7 +327,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
             raise PitError(f"--resume with different options: {', '.join(changed)}; resume with the "
                            "options of the original run (see its run.json)")
     else:
-        check_output_dir(out, cfg.force)
+        check_output_dir(out, cfg.force, protect=(cfg.model, cfg.data))
     if ddp:  # every process has checked before rank 0 writes anything
         dist.barrier()
     torch.manual_seed(cfg.seed)
