@@ -84,8 +84,8 @@ def test_nan_on_the_runtime_side_fails_verification(onnx_export, tmp_path, capsy
     d = _copy(onnx_export, tmp_path)
     path = d / "onnx-materialized" / "model.onnx"
     model = onnx.load(str(path), load_external_data=True)
-    # an MLP weight of the first block (64 × 192 in the tiny Llama), not the token table
-    target = next(i for i in model.graph.initializer if sorted(i.dims) == [64, 192])
+    # the first MLP down-projection (128 × 64 in the tiny Llama): a body weight, not the table
+    target = next(i for i in model.graph.initializer if list(i.dims) == [128, 64])
     arr = numpy_helper.to_array(target).copy()
     arr.flat[0] = np.nan
     target.CopyFrom(numpy_helper.from_array(arr, target.name))
