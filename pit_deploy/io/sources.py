@@ -83,24 +83,13 @@ def load_source(
     """
     from ..model.inspect import check_model_finite
 
-    loaded = _load_any(source, dtype=dtype, trust_remote_code=trust_remote_code, with_tokenizer=with_tokenizer)
+    loaded = _load_any(source, dtype, trust_remote_code, with_tokenizer)
     check_model_finite(loaded.model)
     return loaded
 
 
-def _load_any(
-    source: str,
-    *,
-    dtype: torch.dtype = torch.float32,
-    trust_remote_code: bool = False,
-    with_tokenizer: bool = True,
-) -> LoadedModel:
-    """Load ``source`` (see module docstring) as a causal LM in ``dtype``.
-
-    Raises:
-        PitError: missing path, not a causal LM, unsupported architecture, a GGUF that is not
-            a model, pickle-only weights, hub unreachable.
-    """
+def _load_any(source: str, dtype: torch.dtype, trust_remote_code: bool, with_tokenizer: bool) -> LoadedModel:
+    """Dispatch on the source grammar: ``default``, a GGUF file, a directory, a hub id."""
     if source == "default":
         return _load_gguf(default_gguf_path(), dtype, with_tokenizer, kind="default")
     path = Path(source).expanduser()
