@@ -465,6 +465,30 @@ def run_run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def train_argv(cfg) -> list[str]:
+    """The ``pit-deploy train`` flags that reproduce ``cfg`` (a ``TrainConfig``): what a
+    ``torchrun`` child of ``pit-deploy run`` is started with. Built from the train parser's own
+    actions, so a flag and its config field cannot drift apart silently (a test round-trips it)."""
+    import dataclasses
+
+    parser = build_parser()
+    sub = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+    train = sub.choices["train"]
+    values = dataclasses.asdict(cfg)
+    argv: list[str] = []
+    for action in train._actions:
+        if not action.option_strings or action.dest not in values:
+            continue
+        value, opt = values[action.dest], action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [opt] if value else []
+        elif isinstance(action, argparse._StoreFalseAction):
+            argv += [] if value else [opt]
+        elif value is not None:
+            argv += [opt, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
+    return argv
+
+
 def _toml_string(value: str) -> str:
     """``value`` as a TOML basic string (for ``--set``-style overrides built from flags)."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -189,3 +189,44 @@ def test_run_killed_during_training_continues_from_its_checkpoint(assets, tmp_pa
     summary = json.loads((out / "2-train" / "pit" / "summary.json").read_text())
     assert summary["steps"] == 60
     assert _record(out, "train")["status"] == "done"
+
+
+def test_train_argv_round_trips_every_train_option():
+    """The flags given to torchrun children reproduce the config, field by field: a renamed
+    flag or field cannot silently drop an option."""
+    import argparse
+    import dataclasses
+
+    from pit_deploy.cli import build_parser, train_argv
+    from pit_deploy.train.loop import TrainConfig
+
+    cfg = TrainConfig(out="o", model="m", tying="tt", steps=7, lr=2e-5, lr_t=0.0, streaming=False, plot=False,
+                      lora=True, lora_targets=["q_proj", "v_proj"], grad_clip=0.5, resume=True, seed=3)
+    args = build_parser().parse_args(["train", *train_argv(cfg)])
+    parsed = vars(args)
+    for field in dataclasses.fields(TrainConfig):
+        if field.name in parsed:
+            expected = getattr(cfg, field.name)
+            got = parsed[field.name]
+            if field.name == "lora_targets":
+                got = got.split(",")
+            assert got == expected, field.name
+
+
+def test_gpu_cpt_recipe_code_path_on_cpu_with_two_processes(assets, tmp_path, capsys):
+    """The gpu-cpt recipe (PIT and TT, torchrun across processes) with a tiny budget on CPU:
+    gloo instead of NCCL, fp32 instead of bf16, local data instead of FineWeb-Edu."""
+    model, corpus = assets
+    out = tmp_path / "gpu"
+    code = main(["run", "gpu-cpt", "--model", str(model), "--data", str(corpus), "--out", str(out),
+                 "--set", "train.nproc=2", "--set", "train.precision='fp32'", "--set", "train.tokens=0",
+                 "--set", "train.steps=2", "--set", "train.seq_len=32", "--set", "train.batch_size=1",
+                 "--set", "train.grad_accum=1", "--set", "train.eval_every=1", "--set", "train.eval_blocks=2",
+                 "--set", "train.save_every=0", "--set", "train.warmup_steps=0", "--set", "convert.calib_tokens=128",
+                 "--set", "export.runtimes=['onnx']", "--set", "export.max_seq_len=64"] + NO_BENCH)
+    assert code == 0, capsys.readouterr().err[-3000:]
+    runs = _record(out, "train")["outputs"]["runs"]
+    assert set(runs) == {"pit", "tt"}
+    for info in runs.values():
+        assert info["summary"]["steps"] == 2
+        assert info["summary"]["extra"]["world_size"] == 2

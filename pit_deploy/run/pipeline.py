@@ -236,6 +236,11 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
     owned = {"out", "model", "data", "tying", "resume", "force", "progress", "plot"}
     known = {f.name for f in fields(TrainConfig)} - owned
     options = {k: v for k, v in settings.items() if k in known}
+    # a recipe budget is steps or tokens: tokens (> 0) wins, 0 or absent means "use steps"
+    if options.get("tokens"):
+        options["steps"] = None
+    else:
+        options["tokens"] = None
     if t_init is not None:
         options["t_init"] = t_init
     resume = not fresh and out.is_dir() and latest_checkpoint(out) is not None
