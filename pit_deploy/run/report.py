@@ -127,6 +127,11 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
         cols = ["artifact", "runtime", "mode", "dtype", "threads", "prefill_tok_s", "decode_tok_s", "ttft_ms",
                 "decode_ms_p50", "peak_rss_mb", "size_mb"]
         blocks.append(("table", cols, [[_fmt(r.get(c), ".4g") for c in cols] for r in bench.outputs["rows"]]))
+        foreign = [r["foreign_load_cores"] for r in bench.outputs["rows"] if r.get("foreign_load_cores") is not None]
+        if foreign:
+            blocks.append(("p", f"Other processes kept {min(foreign):.2f}–{max(foreign):.2f} cores busy during the "
+                                "measurements (machine busy time minus the benchmark's own CPU time); figures taken "
+                                "beside a busy core are slow and noisy."))
         png = Path(bench.outputs.get("png", ""))
         if png.is_file():
             blocks.append(("img", png, "benchmark"))
