@@ -26,6 +26,7 @@ from typing import Any, Callable
 from ..errors import PitError
 from ..io.fs import write_json_atomic
 from .recipe import STAGES, RunRecipe
+from .report import REPORT_NAME
 from .stages import StageRecord, digest_path, stage_dir
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def run_pipeline(recipe: RunRecipe, out: str | Path, from_stage: str | None = No
                 write_report_safely(out, recipe, say)
             break
         say(f"{stage}: {record.status} in {record.seconds:.1f} s")
-    report = out / "report.md"
+    report = out / REPORT_NAME
     result.report = str(report) if report.is_file() else None
     return result
 

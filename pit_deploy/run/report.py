@@ -19,6 +19,7 @@ from ..io.fs import write_text_atomic
 from .recipe import STAGES, RunRecipe
 from .stages import StageRecord, stage_dir
 
+REPORT_NAME = "report.md"  #: the report a run writes (and ``report.html`` beside it)
 Block = tuple  # ("h2", text) | ("p", text) | ("table", headers, rows) | ("img", path, alt) | ("pre", text)
 
 
@@ -227,6 +228,6 @@ def write_report(out: Path, recipe: RunRecipe) -> Path:
     out = Path(out)
     (stage_dir(out, "report")).mkdir(parents=True, exist_ok=True)
     blocks = build(out, recipe)
-    md = write_text_atomic(out / "report.md", render_markdown(blocks, out))
-    write_text_atomic(out / "report.html", render_html(blocks))
+    md = write_text_atomic(out / REPORT_NAME, render_markdown(blocks, out))
+    write_text_atomic(md.with_suffix(".html"), render_html(blocks))
     return md
