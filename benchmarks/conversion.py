@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

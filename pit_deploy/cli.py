@@ -98,7 +98,7 @@ def _heldout(loaded) -> float | None:
     """Held-out NLL on the default corpus (what a conversion cost), when there is a tokenizer."""
     if loaded.tokenizer is None:
         return None
-    from .run.heldout import heldout_nll
+    from .train.evaluation import heldout_nll
 
     return heldout_nll(loaded.model, loaded.tokenizer, "default", 256, 8)
 

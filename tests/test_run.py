@@ -124,6 +124,14 @@ def test_unknown_recipe_key_names_the_closest_valid_key():
         load_run_recipe("smok")
 
 
+def test_a_value_of_the_wrong_kind_is_named():
+    with pytest.raises(PitError, match=r"train\.steps must be an integer"):
+        load_run_recipe("smoke", ["train.steps='abc'"])
+    with pytest.raises(PitError, match=r"bench\.threads must be a list"):
+        load_run_recipe("smoke", ["bench.threads=2"])
+    load_run_recipe("smoke", ["train.lr=1", "train.tokens=0"])  # an integer is a number; tokens has no default
+
+
 def test_unknown_key_from_the_command_line_is_exit_2(capsys):
     code, _, err = _run(["smoke", "--set", "bench.thread=2"], capsys)
     assert code == 2
@@ -194,7 +202,6 @@ def test_run_killed_during_training_continues_from_its_checkpoint(assets, tmp_pa
 def test_train_argv_round_trips_every_train_option():
     """The flags given to torchrun children reproduce the config, field by field: a renamed
     flag or field cannot silently drop an option."""
-    import argparse
     import dataclasses
 
     from pit_deploy.cli import build_parser, train_argv

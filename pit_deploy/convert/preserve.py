@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from ..errors import PitError
 from ..model.core import PITInterface, PITSpec, polar_factor, spd_and_inverse
-from ..model.families import adapter_for
+from ..model.families import adapter_for, max_positions
 from ..model.inspect import effective_interface
 
 log = logging.getLogger(__name__)
@@ -265,8 +265,8 @@ def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpe
     g = norm.weight.detach().to(torch.float64) + offset
     a = g[:, None] * (w_eff @ u @ h_sym)  # the source head acts as n A H⁻¹ Uᵀ
     if rows is None:
-        limit = getattr(model.config, "max_position_embeddings", None) or seq_len
-        rows = calibration_batches(model, tokenizer, calib, calib_tokens, min(seq_len, int(limit)))
+        limit = max_positions(model.config) or seq_len
+        rows = calibration_batches(model, tokenizer, calib, calib_tokens, min(seq_len, limit))
     stats = calibration_stats(model, rows, u)
     p = h_inv @ stats.fisher @ h_inv
     gfit = fit_symmetric(a, stats.second_moment, p)

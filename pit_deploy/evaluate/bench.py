@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -164,18 +164,11 @@ def reference_tokens(reference_dir: Path, ids: list[int], gen_len: int) -> list[
     """The PyTorch reference's greedy tokens for ``ids`` (what every artifact should produce)."""
     import torch
 
+    from ..runtime.base import greedy
     from ..runtime.torch_driver import TorchDriver
 
-    driver = TorchDriver(reference_dir)
-    logits = driver.prefill(torch.tensor(ids, dtype=torch.long))
-    token = int(logits[-1].argmax())
-    out, pos = [token], len(ids)
-    for _ in range(gen_len - 1):
-        token = int(driver.step(token, pos).argmax())
-        out.append(token)
-        pos += 1
-    driver.close()
-    return out
+    with TorchDriver(reference_dir) as driver:
+        return greedy(driver, torch.tensor(ids, dtype=torch.long), gen_len)
 
 
 def first_divergence(tokens: list[int], reference: list[int] | None) -> int | None:

@@ -38,7 +38,7 @@ import torch
 from ..errors import PitError
 from ..export.recipes import MODES, RUNTIMES, parse_list
 from ..io.checkpoint import load_pit_model
-from ..io.fs import write_json_atomic
+from ..io.fs import confined, sha256_file, write_json_atomic
 from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, check_digests
 from ..model.core import identity_defect
 from ..runtime.base import driver_class
@@ -300,8 +300,6 @@ def verify_directory(
     """
     directory = Path(directory)
     if expect_sha256 is not None:
-        from ..io.fs import sha256_file
-
         actual = sha256_file(directory / MANIFEST_NAME) if (directory / MANIFEST_NAME).is_file() else "missing"
         if actual != expect_sha256.lower():
             raise PitError(f"{directory / MANIFEST_NAME} has sha256 {actual}, not the pinned {expect_sha256}; "
@@ -310,8 +308,6 @@ def verify_directory(
     if record and not os.access(directory, os.W_OK):
         raise PitError(f"{directory} is read-only, so the results could not be recorded in its manifest; "
                        "pass --no-record to verify without recording")
-    from ..io.fs import confined
-
     confined(directory, REFERENCE_DIR, "the reference directory")
     problems = check_digests(directory, manifest)
     if problems:

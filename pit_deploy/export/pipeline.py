@@ -90,7 +90,7 @@ def export_model(
         raise PitError("export_model needs a PIT model; use load_pit_source() to convert first")
     else:
         modes = recipe.modes
-    out = check_output_dir(out, force, protect=(str(loaded.source.get('path', '')),) if loaded.source.get('path') else ())
+    out = check_output_dir(out, force, protect=(loaded.source.get("path") or "",))  # never the source
     wanted = [(r, m) for m in modes for r in recipe.runtimes]
     if pairs is not None:
         wanted = [p for p in wanted if p in set(pairs)]

@@ -24,7 +24,6 @@ import hashlib
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from ..io.checkpoint import save_tokenizer

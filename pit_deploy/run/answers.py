@@ -11,27 +11,6 @@ import torch
 from ..errors import PitError
 
 
-def greedy_tokens(driver: Any, prompt: torch.Tensor, max_new: int, eos: set[int], context: int | None) -> list[int]:
-    """Greedy continuation through a runtime driver (prefill once, then one step per token)."""
-    if context is not None:
-        max_new = min(max_new, context - len(prompt))
-    if max_new < 1:
-        return []
-    logits = driver.prefill(prompt)[-1]
-    out: list[int] = []
-    pos = len(prompt)
-    for _ in range(max_new):
-        if not torch.isfinite(logits).all():
-            raise PitError("the runtime produced non-finite logits while generating")
-        token = int(logits.argmax())
-        out.append(token)
-        if token in eos or len(out) == max_new:
-            break
-        logits = driver.step(token, pos)
-        pos += 1
-    return out
-
-
 def encode_prompt(tokenizer: Any, text: str) -> torch.Tensor:
     """The prompt as the model expects it: through its chat template when it has one."""
     if getattr(tokenizer, "chat_template", None):
@@ -61,7 +40,7 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
     from transformers import AutoTokenizer
 
     from ..io.sources import load_source
-    from ..runtime.base import driver_class
+    from ..runtime.base import driver_class, greedy
     from ..runtime.torch_driver import TorchDriver
 
     chosen = pick_artifact(ctx.get("export", {}).get("exports", []))
@@ -73,9 +52,7 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
         tokenizer = AutoTokenizer.from_pretrained(str(reference))
     except Exception as exc:  # no tokenizer in the export: nothing readable to show
         raise PitError(f"the export has no tokenizer ({exc}); answers need one") from None
-    eos = set()
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
+    eos = frozenset() if tokenizer.eos_token_id is None else frozenset({int(tokenizer.eos_token_id)})
     context = art.shapes.get("max_seq_len")
     max_new = int(recipe["report"]["max_new_tokens"])
     source = load_source(recipe["run"]["model"])
@@ -84,9 +61,9 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
     rows = []
     for text in recipe["report"]["prompts"]:
         ids = encode_prompt(tokenizer, text)
-        a = greedy_tokens(src_driver, ids, max_new, eos, None)
-        b = greedy_tokens(runtime_driver, ids, max_new, eos, context)
+        a = greedy(src_driver, ids, max_new, eos)
+        b = greedy(runtime_driver, ids, max_new, eos, context)
         rows.append({"prompt": text, "source": tokenizer.decode(a, skip_special_tokens=True),
-                     "artifact": tokenizer.decode(b, skip_special_tokens=True), "identical": a == b[: len(a)] and len(a) == len(b)})
+                     "artifact": tokenizer.decode(b, skip_special_tokens=True), "identical": a == b})
     runtime_driver.close()
     return {"artifact": f"{directory.name}/{art.path}", "runtime": art.runtime, "mode": art.mode, "prompts": rows}

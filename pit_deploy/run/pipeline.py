@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -177,7 +177,7 @@ def stage_convert(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: b
     from ..io.checkpoint import save_model
     from ..io.sources import load_source
     from ..model.core import PITSpec
-    from .heldout import heldout_nll
+    from ..train.evaluation import heldout_nll
 
     run, conv, train = recipe["run"], recipe["convert"], recipe["train"]
     say(f"  loading {run['model']}")

@@ -96,7 +96,40 @@ class RunRecipe:
             raise PitError(f"{where}: unknown key {table}.{key}{_closest(key, allowed)}")
         if table == "train" and key in RUN_OWNED_TRAIN_KEYS:
             raise PitError(f"{where}: train.{key} is set by the run itself; use [run] model/data instead")
+        default = DEFAULTS[table][key] if key in DEFAULTS[table] else _train_default(key)
+        _check_type(f"{where}: {table}.{key}", value, default)
         self.tables[table][key] = value
+
+
+def _train_default(key: str) -> Any:
+    """The training config's default of ``key`` (``None`` when it has none)."""
+    from dataclasses import MISSING, fields
+
+    from ..train.loop import TrainConfig
+
+    field = next((f for f in fields(TrainConfig) if f.name == key), None)
+    return None if field is None or field.default is MISSING else field.default
+
+
+def _check_type(what: str, value: Any, default: Any) -> None:
+    """A value of the default's kind (an int is a float too; a list stands for a tuple); keys
+    whose default is unset take anything their stage validates."""
+    if default is None:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, (list, tuple)):
+        ok = isinstance(value, (list, tuple))
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+            type(default), "a list" if isinstance(default, (list, tuple)) else type(default).__name__)
+        raise PitError(f"{what} must be {kind} (like {default!r}), got {value!r}")
 
 
 def train_config_keys() -> list[str]:

@@ -66,6 +66,31 @@ class Driver(ABC):
         self.close()
 
 
+def greedy(driver: Driver, prompt: Any, max_new: int, eos: frozenset[int] = frozenset(),
+           context: int | None = None) -> list[int]:
+    """Greedy continuation of ``prompt`` through ``driver``: one prefill, then one step per
+    token, stopping after ``max_new`` tokens, at an id in ``eos``, or at the ``context`` limit.
+
+    Raises:
+        PitError: the runtime produced non-finite logits (an argmax of NaN means nothing).
+    """
+    import torch
+
+    if context is not None:
+        max_new = min(max_new, context - len(prompt))
+    out: list[int] = []
+    if max_new < 1:
+        return out
+    logits, pos = driver.prefill(prompt)[-1], len(prompt)
+    while True:
+        if not torch.isfinite(logits).all():
+            raise PitError(f"the {driver.runtime or 'model'} runtime produced non-finite logits while generating")
+        out.append(int(logits.argmax()))
+        if out[-1] in eos or len(out) == max_new:
+            return out
+        logits, pos = driver.step(out[-1], pos), pos + 1
+
+
 def register_driver(name: str, target: str, package: str | None = None) -> None:
     """Register the driver ``target`` (``"module:Class"``) for runtime ``name``."""
     DRIVERS[name] = target

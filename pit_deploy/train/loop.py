@@ -51,6 +51,7 @@ from ..model.inspect import find_interface
 from ..model.inspect import interface_delta_ti as delta_ti
 from ..model.modules import INTERFACE_ATTR
 from .data import DataConfig, TextSource, TrainStream, validation_blocks
+from .evaluation import block_nll
 from ..errors import PitError
 
 log = logging.getLogger(__name__)
@@ -488,20 +489,11 @@ def train(cfg: TrainConfig) -> TrainResult | None:
         min_lr = cfg.lr * cfg.min_lr_ratio
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - min_lr)
 
-    @torch.no_grad()
     def evaluate() -> float:
         raw_model.eval()
-        total, count = 0.0, 0.0
-        for i in range(0, val.ids.shape[0], cfg.batch_size):
-            ids = val.ids[i : i + cfg.batch_size].to(device)
-            mask = val.mask[i : i + cfg.batch_size, 1:].to(device)
-            with autocast():
-                logits = raw_model(input_ids=ids[:, :-1], use_cache=False).logits
-            ce = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-            total += float((ce * mask.flatten()).sum())
-            count += float(mask.sum())
+        loss = block_nll(raw_model, val, cfg.batch_size, device, autocast)
         raw_model.train()
-        return total / max(count, 1.0)
+        return loss
 
     def save_checkpoint() -> None:
         full = None

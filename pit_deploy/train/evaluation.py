@@ -1,0 +1,57 @@
+"""Held-out loss: mean next-token NLL over packed validation blocks. The one computation the
+training loop's evaluations, the run's before/after comparison and ``convert``'s report share."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import PitError
+from ..model.families import max_positions
+from .data import Block, DataConfig, TextSource, validation_blocks
+
+
+@torch.no_grad()
+def block_nll(model: Any, block: Block, batch_size: int, device: torch.device | str = "cpu",
+              autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
+    """Mean NLL (nats/token) of ``model`` on ``block``'s learned tokens (mask = 1), in batches."""
+    total, count = 0.0, 0.0
+    for i in range(0, block.ids.shape[0], batch_size):
+        ids = block.ids[i : i + batch_size].to(device)
+        mask = block.mask[i : i + batch_size, 1:].to(device)
+        with autocast():
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+        ce = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+        total += float((ce * mask.flatten()).sum())
+        count += float(mask.sum())
+    return total / max(count, 1.0)
+
+
+def heldout_nll(model: Any, tokenizer: Any, data: str, seq_len: int, n_blocks: int, batch_size: int = 4) -> float | None:
+    """Mean next-token NLL on the first ``n_blocks`` validation blocks of ``data``.
+
+    Returns ``None`` when the split holds no text or there is no tokenizer.
+
+    Raises:
+        PitError: a non-finite loss (the model's weights or its conversion are broken).
+    """
+    if tokenizer is None:
+        return None
+    limit = max_positions(model.config)
+    if limit is not None:
+        seq_len = min(seq_len, limit - 1)
+    cfg = DataConfig(spec=data, seq_len=seq_len)
+    block = validation_blocks(TextSource(cfg), tokenizer, cfg, n_blocks)
+    if block is None:
+        return None
+    was_training = model.training
+    model.eval()
+    nll = block_nll(model, block, batch_size)
+    model.train(was_training)
+    if not math.isfinite(nll):
+        raise PitError(f"the held-out loss is {nll}: the model produces non-finite logits")
+    return nll
