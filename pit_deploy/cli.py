@@ -198,7 +198,10 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", help="recipe name in export/ or a .toml/.json path (flags override it)")
     p.add_argument("--runtime", help="comma list of onnx, executorch (default: all)")
     p.add_argument("--mode", help="comma list of materialized, factorized (default: all)")
-    p.add_argument("--dtype", help="float32 (default)")
+    p.add_argument("--dtype", help="comma list of float32 (default), int8, int4 (one artifact per dtype)")
+    p.add_argument("--group-size", type=int, help="int4/int8 block size along the input dimension (default 32)")
+    p.add_argument("--no-pit-correction", dest="pit_correction", action="store_false", default=None,
+                   help="factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then drifts from I)")
     p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
     p.add_argument("--t-init", default=None,
                    help="conversion of a plain model: preserve (default where allowed, else output) | identity | input | output")
@@ -216,7 +219,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
-                             max_seq_len=args.max_seq_len)
+                             max_seq_len=args.max_seq_len, group_size=args.group_size,
+                             pit_correction=args.pit_correction)
     check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
 
     def _terminate(signum, _frame):  # SIGTERM cleans up like Ctrl-C: no partial directory
@@ -249,6 +253,7 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("directory", help="export directory written by `pit-deploy export`")
     p.add_argument("--runtime", help="comma list of runtimes to verify (default: all in the manifest)")
     p.add_argument("--mode", help="comma list of modes to verify (default: all in the manifest)")
+    p.add_argument("--dtype", help="comma list of dtypes to verify (default: all in the manifest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-record", action="store_true", help="do not write the results into manifest.json")
     p.add_argument("--expect-sha256", default=None, metavar="HASH",
@@ -261,7 +266,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     stage(f"verifying {args.directory}")
     report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record,
-                              expect_sha256=args.expect_sha256)
+                              expect_sha256=args.expect_sha256, dtypes=args.dtype)
     print(report.to_json() if args.json else report)
     return 0 if report.passed else 1
 

@@ -214,10 +214,10 @@ def _cell_env() -> dict[str, str]:
     return env
 
 
-def _verification(manifest: Manifest, key: str) -> bool | None:
+def _verification(manifest: Manifest, art: Any) -> bool | None:
     ver = manifest.verification or {}
     for a in ver.get("artifacts", []):
-        if f"{a.get('runtime')}-{a.get('mode')}" == key:
+        if (a.get("runtime"), a.get("mode"), a.get("dtype", "float32")) == (art.runtime, art.mode, art.dtype):
             return bool(a.get("passed"))
     return None
 
@@ -234,8 +234,7 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
         tokenizer = _maybe_tokenizer(directory / REFERENCE_DIR, True, False)
         for art in manifest.artifacts:
             driver_class(art.runtime)  # an uninstalled runtime is unusable input, before any work
-            key = f"{art.runtime}-{art.mode}"
-            verified = _verification(manifest, key)
+            verified = _verification(manifest, art)
             label = f"{directory.name}/{art.path}"
             if verified is None:
                 warnings.append(f"{label} was never verified: run `pit-deploy verify {directory}` — its figures may be of a wrong model")

@@ -36,13 +36,13 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import PitError
-from ..export.recipes import MODES, RUNTIMES, parse_list
+from ..export.recipes import DTYPES, MODES, RUNTIMES, parse_list
 from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, sha256_file, write_json_atomic
 from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, check_digests
 from ..model.core import identity_defect
 from ..runtime.base import driver_class
-from .bounds import bounds_for
+from .bounds import BOUNDS, ParityBounds, QuantizedBounds, bounds_for
 
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
@@ -59,55 +59,98 @@ RANDOM_PROMPT_LENGTHS = (5, 11, 17)
 
 @dataclass
 class ArtifactResult:
-    """Parity figures of one artifact; ``passed`` and ``failures`` follow the bounds."""
+    """Parity figures of one artifact; ``passed`` and ``failures`` follow the bounds of its
+    dtype. fp32 artifacts fill the logit figures, quantized ones the KL figures; the other
+    kind stays ``None``."""
 
     runtime: str
     mode: str
-    logits_rel_l2: float
-    logits_max_abs: float
-    prefill_rel_l2: float
-    decode_rel_l2: float
-    top1_agreement: float
-    greedy_match: bool
-    delta_ti: float
-    reference_delta_ti: float
-    prompts: int
-    greedy_tokens: int
+    dtype: str = "float32"
+    logits_rel_l2: float | None = None
+    logits_max_abs: float | None = None
+    prefill_rel_l2: float | None = None
+    decode_rel_l2: float | None = None
+    top1_agreement: float | None = None
+    greedy_match: bool | None = None
+    kl_mean: float | None = None
+    kl_p99: float | None = None
+    same_top1: float | None = None
+    ppl_ratio: float | None = None
+    heldout_tokens: int | None = None
+    pit_correction: bool | None = None
+    delta_ti: float = math.nan
+    reference_delta_ti: float = math.nan
+    prompts: int = 0
+    greedy_tokens: int = 0
     weights_shared: bool | None = None
     tying: str = "pit"
-    dtype: str = "float32"
     nonfinite_outputs: int = 0
+    bounds: dict[str, Any] = field(default_factory=dict)
     passed: bool = False
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def judge(self) -> "ArtifactResult":
+    @property
+    def key(self) -> str:
+        return f"{self.runtime}-{self.mode}" if self.dtype == "float32" else f"{self.runtime}-{self.mode}-{self.dtype}"
+
+    def judge(self, bounds: ParityBounds | QuantizedBounds | None = None) -> "ArtifactResult":
         """Apply the bounds. Every comparison is written so that NaN fails it: ``not x <= b``
         is true for NaN, and a non-finite figure is named as such (``docs/definitions.md``)."""
+        bounds = bounds or bounds_for(self.dtype)
+        self.bounds = bounds.to_dict()
         fails = []
         if self.nonfinite_outputs:
             fails.append(f"the runtime produced {self.nonfinite_outputs} non-finite logit(s)")
-        if not self.logits_rel_l2 <= REL_L2_BOUND:
-            fails.append(f"logits_rel_l2 {self.logits_rel_l2:.3e} > {REL_L2_BOUND:g}")
-        if not self.top1_agreement >= TOP1_BOUND:
-            fails.append(f"top1_agreement {self.top1_agreement:.4%} < 100%")
-        if not self.greedy_match:
-            fails.append(f"greedy continuation of {GREEDY_TOKENS} tokens differs from PyTorch")
-        if self.greedy_tokens < GREEDY_TOKENS:
-            fails.append(f"only {self.greedy_tokens} greedy tokens fit the static cache (need {GREEDY_TOKENS})")
-        if self.tying == "tied":
-            # A transpose-tied baseline has a large defect by nature; the runtime must show the
-            # same one as the reference (relative agreement within the delta_ti bound).
-            gap = abs(self.delta_ti - self.reference_delta_ti) / max(1.0, abs(self.reference_delta_ti))
-            if not gap <= DELTA_TI_BOUND:
-                fails.append(f"delta_ti {self.delta_ti:.6e} differs from the reference's "
-                             f"{self.reference_delta_ti:.6e} (relative {gap:.2e} > {DELTA_TI_BOUND:g})")
-        elif not self.delta_ti <= DELTA_TI_BOUND:
-            fails.append(f"delta_ti {self.delta_ti:.3e} > {DELTA_TI_BOUND:g}")
+        if isinstance(bounds, QuantizedBounds):
+            fails += self._judge_quantized(bounds)
+        else:
+            fails += self._judge_fp32(bounds)
         if self.weights_shared is False:
             fails.append("interface graph weights are not byte-identical to the decoder's")
         self.failures, self.passed = fails, not fails
         return self
+
+    def _judge_fp32(self, b: ParityBounds) -> list[str]:
+        fails = []
+        if not self.logits_rel_l2 <= b.logits_rel_l2:
+            fails.append(f"logits_rel_l2 {self.logits_rel_l2:.3e} > {b.logits_rel_l2:g}")
+        if not self.top1_agreement >= b.top1_agreement:
+            fails.append(f"top1_agreement {self.top1_agreement:.4%} < {b.top1_agreement:.0%}")
+        if not self.greedy_match:
+            fails.append(f"greedy continuation of {b.greedy_tokens} tokens differs from PyTorch")
+        if self.greedy_tokens < b.greedy_tokens:
+            fails.append(f"only {self.greedy_tokens} greedy tokens fit the static cache (need {b.greedy_tokens})")
+        if self.tying == "tied":
+            # A transpose-tied baseline has a large defect by nature; the runtime must show the
+            # same one as the reference (relative agreement within the delta_ti bound).
+            gap = abs(self.delta_ti - self.reference_delta_ti) / max(1.0, abs(self.reference_delta_ti))
+            if not gap <= b.delta_ti:
+                fails.append(f"delta_ti {self.delta_ti:.6e} differs from the reference's "
+                             f"{self.reference_delta_ti:.6e} (relative {gap:.2e} > {b.delta_ti:g})")
+        elif not self.delta_ti <= b.delta_ti:
+            fails.append(f"delta_ti {self.delta_ti:.3e} > {b.delta_ti:g}")
+        return fails
+
+    def _judge_quantized(self, b: QuantizedBounds) -> list[str]:
+        fails = []
+        if not self.kl_mean <= b.kl_mean:
+            fails.append(f"kl_mean {self.kl_mean:.4g} > {b.kl_mean:g}")
+        if not self.kl_p99 <= b.kl_p99:
+            fails.append(f"kl_p99 {self.kl_p99:.4g} > {b.kl_p99:g}")
+        if not self.same_top1 >= b.same_top1:
+            fails.append(f"same_top1 {self.same_top1:.2%} < {b.same_top1:.0%}")
+        if not self.ppl_ratio <= b.ppl_ratio:
+            fails.append(f"ppl_ratio {self.ppl_ratio:.4f} > {b.ppl_ratio:g}")
+        if self.pit_correction and not self.delta_ti <= b.delta_ti:
+            fails.append(f"delta_ti {self.delta_ti:.3e} > {b.delta_ti:g} (factorized with the PIT correction)")
+        elif not math.isfinite(self.delta_ti):
+            fails.append(f"delta_ti is {self.delta_ti}")
+        return fails
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 @dataclass
@@ -119,19 +162,18 @@ class VerifyReport:
     def passed(self) -> bool:
         return bool(self.artifacts) and all(a.passed for a in self.artifacts)
 
-    def result(self, runtime: str, mode: str) -> ArtifactResult:
-        """The result of the ``runtime``-``mode`` artifact (``KeyError`` if not verified)."""
+    def result(self, runtime: str, mode: str, dtype: str = "float32") -> ArtifactResult:
+        """The result of the ``runtime``-``mode``(-``dtype``) artifact (``KeyError`` if not verified)."""
         for r in self.artifacts:
-            if r.runtime == runtime and r.mode == mode:
+            if r.runtime == runtime and r.mode == mode and r.dtype == dtype:
                 return r
-        raise KeyError(f"no verification result for {runtime}-{mode}")
+        raise KeyError(f"no verification result for {runtime}-{mode} ({dtype})")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "directory": self.directory,
             "passed": self.passed,
-            "bounds": {"logits_rel_l2": REL_L2_BOUND, "top1_agreement": TOP1_BOUND,
-                       "greedy_tokens": GREEDY_TOKENS, "delta_ti": DELTA_TI_BOUND},
+            "bounds": {dt: b.to_dict() for dt, b in BOUNDS.items()},
             "artifacts": [asdict(a) for a in self.artifacts],
         }
 
@@ -139,12 +181,15 @@ class VerifyReport:
         return json.dumps(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        head = f"{'runtime':<11}{'mode':<14}{'rel_l2':>10}{'max_abs':>10}{'top1':>8}{'greedy':>8}{'delta_ti':>10}  result"
+        head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'kl_mean':>9}{'kl_p99':>8}"
+                f"{'same1':>7}{'ppl_x':>7}{'delta_ti':>10}  result")
         rows = [head]
         for a in self.artifacts:
+            greedy = "-" if a.greedy_match is None else ("yes" if a.greedy_match else "NO")
             rows.append(
-                f"{a.runtime:<11}{a.mode:<14}{a.logits_rel_l2:>10.2e}{a.logits_max_abs:>10.2e}"
-                f"{a.top1_agreement:>8.2%}{'yes' if a.greedy_match else 'NO':>8}{a.delta_ti:>10.2e}  "
+                f"{a.key:<30}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}"
+                f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
+                f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
         rows.append("all artifacts passed" if self.passed else "verification FAILED")
@@ -215,13 +260,61 @@ def delta_ti_of(emb: torch.Tensor, head_logits: torch.Tensor) -> float:
     return identity_defect(emb, head_logits)
 
 
-@torch.no_grad()
-def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None) -> ArtifactResult:
-    """Compare one artifact with the reference (see the module docstring)."""
+def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, float, bool | None, list[str]]:
+    """``delta_ti`` measured on the runtime, the reference's, and (ONNX) whether the interface
+    graph reads the decoder's very weight bytes."""
     from ..model.inspect import effective_interface
 
-    driver = driver_class(art.runtime)(directory / art.path)
     vocab, dim = art.shapes["vocab_size"], art.shapes["hidden_size"]
+    emb, head = driver.interface(vocab, dim)
+    e_ref, w_ref, _ = effective_interface(reference)
+    notes: list[str] = []
+    weights_shared = None
+    if art.runtime == "onnx":
+        from ..runtime.onnx_weights import shared_weights
+
+        weights_shared, msg = shared_weights(directory / art.path, min_elements=dim * dim)
+        notes.append(msg)
+    return delta_ti_of(emb, head), delta_ti_of(e_ref, w_ref), weights_shared, notes
+
+
+@torch.no_grad()
+def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds) -> ArtifactResult:
+    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`.heldout`)."""
+    from .heldout import kl_parity
+
+    if not heldout or not heldout.get("blocks"):
+        raise PitError(f"{directory / MANIFEST_NAME} records no held-out token set for the quantized "
+                       f"artifact {art.key}; re-export with this pit-deploy")
+    blocks = heldout["blocks"]
+    vocab = art.shapes["vocab_size"]
+    if any(not isinstance(t, int) or not 0 <= t < vocab for row in blocks for t in row):
+        raise PitError(f"{directory / MANIFEST_NAME}: the held-out ids are not token ids of this model "
+                       "(tampered manifest?); re-export")
+    driver = driver_class(art.runtime)(directory / art.path)
+    try:
+        figures = kl_parity(driver, reference, blocks)
+        delta, ref_delta, weights_shared, notes = _interface_figures(directory, art, driver, reference)
+    finally:
+        driver.close()
+    quant = art.details.get("quantization", {}) if isinstance(art.details, dict) else {}
+    correction = quant.get("pit_correction")
+    notes.append(f"held-out set: {len(blocks)} × {len(blocks[0])} tokens, {heldout.get('source', '?')}")
+    return ArtifactResult(
+        runtime=art.runtime, mode=art.mode, dtype=art.dtype,
+        kl_mean=figures.kl_mean, kl_p99=figures.kl_p99, same_top1=figures.same_top1,
+        ppl_ratio=figures.ppl_ratio, heldout_tokens=figures.tokens, pit_correction=correction,
+        delta_ti=delta, reference_delta_ti=ref_delta, weights_shared=weights_shared, notes=notes,
+        tying=getattr(art, "tying", "pit"), nonfinite_outputs=figures.nonfinite_outputs,
+    ).judge(bounds)
+
+
+@torch.no_grad()
+def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
+                    bounds: ParityBounds | None = None) -> ArtifactResult:
+    """Compare one fp32 artifact with the reference (see the module docstring)."""
+    driver = driver_class(art.runtime)(directory / art.path)
+    vocab = art.shapes["vocab_size"]
     max_seq = art.shapes.get("max_seq_len")
     max_prompt = (max_seq - GREEDY_TOKENS) if max_seq else 10**9
     n_new = GREEDY_TOKENS
@@ -262,15 +355,9 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None) -
         total += got.shape[0]
         runtime_choice = got[p - 1 :].argmax(-1)
         greedy_ok &= bool(torch.equal(runtime_choice, greedy)) and bool(finite_rows[p - 1 :].all())
-    emb, head = driver.interface(vocab, dim)
+    delta, ref_delta, weights_shared, notes_if = _interface_figures(directory, art, driver, reference)
     driver.close()
-    e_ref, w_ref, _ = effective_interface(reference)
-    weights_shared = None
-    if art.runtime == "onnx":
-        from ..runtime.onnx_weights import shared_weights
-
-        weights_shared, msg = shared_weights(directory / art.path, min_elements=dim * dim)
-        notes.append(msg)
+    notes += notes_if
     if tokenizer is None:
         notes.append("no tokenizer in the reference: prompts are seeded random token ids")
     rel_pre, rel_dec = worst(pre_errs), worst(dec_errs)
@@ -279,10 +366,10 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None) -
         logits_rel_l2=worst([rel_pre, rel_dec]), logits_max_abs=worst(abs_errs),
         prefill_rel_l2=rel_pre, decode_rel_l2=rel_dec,
         top1_agreement=agree / max(total, 1), greedy_match=greedy_ok,
-        delta_ti=delta_ti_of(emb, head), reference_delta_ti=delta_ti_of(e_ref, w_ref),
+        delta_ti=delta, reference_delta_ti=ref_delta,
         prompts=len(prompts), greedy_tokens=n_new, weights_shared=weights_shared, notes=notes,
         tying=getattr(art, "tying", "pit"), dtype=art.dtype, nonfinite_outputs=nonfinite,
-    ).judge()
+    ).judge(bounds)
 
 
 def verify_directory(
@@ -291,6 +378,7 @@ def verify_directory(
     modes: Sequence[str] | str | None = None,
     record: bool = True,
     expect_sha256: str | None = None,
+    dtypes: Sequence[str] | str | None = None,
 ) -> VerifyReport:
     """Check digests, then verify every (selected) artifact; optionally record the results.
 
@@ -322,18 +410,29 @@ def verify_directory(
     if modes is not None:
         wanted_modes = parse_list(modes, MODES, "mode")
         selected = [a for a in selected if a.mode in wanted_modes]
+    if dtypes is not None:
+        wanted_dtypes = parse_list(dtypes, DTYPES, "dtype")
+        selected = [a for a in selected if a.dtype in wanted_dtypes]
     if not selected:
         have = ", ".join(a.key for a in manifest.artifacts) or "none"
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
-    results = [verify_artifact(directory, art, reference, tokenizer, ref_runs) for art in selected]
+    overrides = (manifest.recipe or {}).get("bounds") or {}
+    results = []
+    for art in selected:
+        bounds = bounds_for(art.dtype, overrides.get(art.dtype))
+        if isinstance(bounds, QuantizedBounds):
+            results.append(verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds))
+        else:
+            results.append(verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds))
     report = VerifyReport(str(directory), results)
     if record:
         data = json.loads((directory / MANIFEST_NAME).read_text())
         previous = data.get("verification") or {}
-        by_key = {f"{r['runtime']}-{r['mode']}": r for r in previous.get("artifacts", [])}
-        by_key.update({f"{r.runtime}-{r.mode}": asdict(r) for r in results})
+        by_key = {f"{r['runtime']}-{r['mode']}" + ("" if r.get("dtype", "float32") == "float32" else f"-{r['dtype']}"): r
+                  for r in previous.get("artifacts", [])}
+        by_key.update({r.key: asdict(r) for r in results})
         data["verification"] = {
             "passed": all(r["passed"] for r in by_key.values()),
             "artifacts": list(by_key.values()),

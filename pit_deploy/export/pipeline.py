@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 
 
-def artifact_dir_name(runtime: str, mode: str) -> str:
-    return f"{runtime}-{mode}"
+def artifact_dir_name(runtime: str, mode: str, dtype: str = "float32") -> str:
+    """``onnx-factorized`` for fp32 artifacts, ``onnx-factorized-int4`` for quantized ones."""
+    return f"{runtime}-{mode}" if dtype == "float32" else f"{runtime}-{mode}-{dtype}"
 
 
 def load_pit_source(model: str, t_init: str | None = None, progress: Progress | None = None) -> LoadedModel:
@@ -98,8 +99,10 @@ def export_model(
             raise PitError(f"no (runtime, mode) pair of {pairs} is in the recipe")
     for runtime in dict.fromkeys(r for r, _ in wanted):
         exporter_for(runtime).precheck(model.config, recipe)
-    dtype = getattr(torch, recipe.dtype)
+    recipe.check_model(model.config)
+    dtype = torch.float32  # the reference and the prepared models; quantization is the exporters'
     model = model.to(dtype).eval()
+    quantized = [d for d in recipe.dtypes if d != "float32"]
 
     with atomic_directory(out, force) as tmp:
         say(f"saving the {'tied' if keep_tying else 'PIT'} reference checkpoint to {REFERENCE_DIR}/")
@@ -110,31 +113,40 @@ def export_model(
             "weights": f"{REFERENCE_DIR}/{WEIGHTS_NAME}",
         }
         artifacts: list[Artifact] = []
+        heldout = None
+        if quantized:
+            from ..evaluate.heldout import heldout_blocks
+
+            heldout = heldout_blocks(loaded.tokenizer, model.config, recipe)
+            say(f"held-out set for quantized parity: {len(heldout['blocks'])} × {len(heldout['blocks'][0])} "
+                f"tokens ({heldout['source']})")
         for mode in modes:
             runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
             if not runtimes:
                 continue
             prepared = prepare(model, mode, dtype)
             for runtime in runtimes:
-                name = artifact_dir_name(runtime, mode)
-                say(f"exporting {name}")
-                start = time.perf_counter()
-                exporter = exporter_for(runtime)
-                details = exporter.export(prepared, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe, opset=opset)
-                seconds = time.perf_counter() - start
-                art = Artifact(
-                    runtime=runtime, mode=mode, dtype=recipe.dtype, path=name,
-                    files=file_table(tmp, tmp / name), shapes=exporter.shapes(prepared.config, mode, recipe),
-                    details=details, export_seconds=round(seconds, 3),
-                    tying="tied" if keep_tying else "pit",
-                )
-                say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
-                artifacts.append(art)
+                for art_dtype in recipe.dtypes:
+                    name = artifact_dir_name(runtime, mode, art_dtype)
+                    say(f"exporting {name}")
+                    start = time.perf_counter()
+                    exporter = exporter_for(runtime)
+                    details = exporter.export(prepared, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
+                                              opset=opset, dtype=art_dtype)
+                    seconds = time.perf_counter() - start
+                    art = Artifact(
+                        runtime=runtime, mode=mode, dtype=art_dtype, path=name,
+                        files=file_table(tmp, tmp / name), shapes=exporter.shapes(prepared.config, mode, recipe),
+                        details=details, export_seconds=round(seconds, 3),
+                        tying="tied" if keep_tying else "pit",
+                    )
+                    say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
+                    artifacts.append(art)
             del prepared
         _normalize_permissions(tmp)
         manifest = Manifest(
             source=loaded.source, reference=reference, artifacts=artifacts,
-            versions=library_versions(), recipe=recipe.to_dict(),
+            versions=library_versions(), recipe=recipe.to_dict(), heldout=heldout,
         )
         manifest.write(tmp)  # last: a manifest means every file above is complete
     return manifest

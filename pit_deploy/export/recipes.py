@@ -1,11 +1,16 @@
 """Declarative export recipes: ``export/<name>.toml`` files (or ``.json``).
 
-A recipe names the runtimes, modes, dtype and the static cache length of an export::
+A recipe names the runtimes, modes, dtypes and the static cache length of an export, and for
+quantized dtypes the group size, the PIT correction and the parity bounds::
 
     runtimes = ["onnx", "executorch"]
     modes = ["materialized", "factorized"]
-    dtype = "float32"
+    dtype = ["float32", "int8", "int4"]     # one string or a list
     max_seq_len = 256
+    group_size = 32                         # int4 blocks / int8 table blocks along the input dim
+    pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
+    [bounds.int4]                           # overrides the built-in bounds of a dtype
+    kl_mean = 0.5
 
 ``pit-deploy export --recipe NAME`` reads ``NAME`` as a path to such a file, or looks for
 ``NAME.toml`` / ``NAME.json`` in ``./export/`` (the user's own recipes) and then among the
@@ -32,7 +37,8 @@ DTYPES: tuple[str, ...] = tuple(dict.fromkeys(d for spec in EXPORTERS.values() f
 #: the recipes shipped with the package (package data)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
-_FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description")
+_FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description", "group_size", "pit_correction", "bounds")
+GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -41,22 +47,44 @@ class Recipe:
 
     runtimes: tuple[str, ...] = RUNTIMES
     modes: tuple[str, ...] = MODES
-    dtype: str = "float32"
+    dtype: tuple[str, ...] = ("float32",)
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     description: str = ""
     name: str = "builtin-default"
+    group_size: int = 32
+    pit_correction: bool = True
+    bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runtimes", tuple(parse_list(self.runtimes, RUNTIMES, "runtime")))
         object.__setattr__(self, "modes", tuple(parse_list(self.modes, MODES, "mode")))
-        if self.dtype not in DTYPES:
-            raise PitError(
-                f"unsupported dtype {self.dtype!r}; this version exports {', '.join(DTYPES)} "
-                "(the parity bounds are FP32 bounds)"
-            )
+        object.__setattr__(self, "dtype", tuple(parse_list(self.dtype, DTYPES, "dtype")))
+        for runtime in self.runtimes:
+            refused = [d for d in self.dtype if d not in EXPORTERS[runtime].dtypes]
+            if refused:
+                raise PitError(f"the {runtime} runtime does not export {', '.join(refused)}; it supports "
+                               f"{', '.join(EXPORTERS[runtime].dtypes)}")
         if not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len < 2:
             raise PitError(f"max_seq_len must be an integer ≥ 2, got {self.max_seq_len!r}")
+        if self.group_size not in GROUP_SIZES or isinstance(self.group_size, bool):
+            raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
+        if not isinstance(self.pit_correction, bool):
+            raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
+        if not isinstance(self.bounds, dict) or any(k not in DTYPES or not isinstance(v, dict)
+                                                   for k, v in self.bounds.items()):
+            raise PitError(f"bounds must be a table per dtype ({', '.join(DTYPES)}), got {self.bounds!r}")
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return self.dtype
+
+    def check_model(self, config: Any) -> None:
+        """Raise :class:`PitError` if a quantized dtype's group size does not divide the hidden size."""
+        d = int(config.hidden_size)
+        if any(dt != "float32" for dt in self.dtype) and d % self.group_size:
+            raise PitError(f"group size {self.group_size} does not divide the hidden size {d}; "
+                           f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
 
     def override(self, **kwargs: Any) -> "Recipe":
         """A copy with every non-``None`` keyword replaced."""
@@ -64,7 +92,7 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["runtimes"], data["modes"] = list(self.runtimes), list(self.modes)
+        data["runtimes"], data["modes"], data["dtype"] = list(self.runtimes), list(self.modes), list(self.dtype)
         return data
 
 

@@ -23,7 +23,8 @@ class ExporterSpec:
     Attributes:
         runtime: the runtime name (also the driver's name and the artifact folder's prefix).
         target: ``"module:function"`` with signature ``(model, out_dir, *, tokenizer, recipe,
-            opset) -> dict`` (details recorded in the manifest).
+            opset, dtype) -> dict`` (details recorded in the manifest); ``model`` is the fp32
+            prepared model, quantization to ``dtype`` is the exporter's.
         dtypes: export dtypes this runtime supports.
         static_cache: whether the artifact has a static KV cache of ``recipe.max_seq_len``.
         check: optional ``"module:function"`` ``(config, recipe) -> None`` run before any slow work.
@@ -80,7 +81,8 @@ def exporter_for(runtime: str) -> ExporterSpec:
         raise PitError(f"unknown runtime {runtime!r}; choose from {', '.join(EXPORTERS)}") from None
 
 
-register_exporter(ExporterSpec("onnx", "pit_deploy.export.to_onnx:export_artifact"))
+register_exporter(ExporterSpec("onnx", "pit_deploy.export.to_onnx:export_artifact",
+                               dtypes=("float32", "int8", "int4")))
 register_exporter(ExporterSpec(
     "executorch", "pit_deploy.export.to_executorch:export_artifact", static_cache=True,
     check="pit_deploy.export.to_executorch:precheck",

@@ -35,13 +35,18 @@ ONNX_TASK = "text-generation-with-past"
 
 
 @torch.no_grad()
-def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None) -> dict:
-    """Write ``model.onnx`` (+ config, generation config, tokenizer) and ``interface.onnx``.
+def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None,
+                dtype: str = "float32", group_size: int = 32, pit_correction: bool = True) -> dict:
+    """Write ``model.onnx`` (+ config, generation config, tokenizer) and ``interface.onnx``;
+    for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`).
 
     Returns:
-        a dict with the task, the opset and the ONNX file names.
+        a dict with the task, the opset, the ONNX file names (and the quantization details).
     """
+    import onnx
     from optimum.exporters.onnx import onnx_export_from_model
+
+    from .quantize_onnx import quantize_graph, save_deduplicated
 
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +57,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)
     probe = InterfaceProbe(model).eval()
-    d = model.config.hidden_size
+    v, d = model.config.vocab_size, model.config.hidden_size
     tmp_interface = out_dir / f".{INTERFACE_NAME}.tmp"
     torch.onnx.export(
         probe,
@@ -67,20 +72,30 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         do_constant_folding=tying_of(model) != "tied",
         dynamo=False,
     )
-    shared = share_interface_weights(out_dir, tmp_interface, min_elements=d * d)
+    decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=True)
+    interface = onnx.load(str(tmp_interface), load_external_data=True)
     tmp_interface.unlink()
-    return {"task": ONNX_TASK, "decoder": DECODER_NAME, "decoder_data": DECODER_DATA,
-            "interface": INTERFACE_NAME, "interface_tensors_shared": shared}
+    for old in out_dir.glob("*.onnx_data"):
+        old.unlink()
+    details: dict = {"task": ONNX_TASK, "decoder": DECODER_NAME, "decoder_data": DECODER_DATA,
+                     "interface": INTERFACE_NAME}
+    if dtype != "float32":
+        decoder, details["quantization"] = quantize_graph(decoder, dtype, group_size, v, d, pit_correction, body=True)
+        interface, _ = quantize_graph(interface, dtype, group_size, v, d, pit_correction, body=False)
+    save_deduplicated(decoder, out_dir / DECODER_NAME, DECODER_DATA)
+    del decoder
+    details["interface_tensors_shared"] = share_interface_weights(out_dir, interface, min_elements=d * d)
+    return details
 
 
-def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: int) -> list[str]:
-    """Make ``interface.onnx`` read its large weights from the decoder's external data file.
+def share_interface_weights(out_dir: Path, interface, min_elements: int) -> list[str]:
+    """Write ``interface.onnx`` reading its large weights from the decoder's external data file.
 
-    The decoder is re-saved with every tensor in ``model.onnx_data`` (ONNX external data: each
-    initializer records ``location``/``offset``/``length``; see onnx's "External Data" docs).
-    Each large initializer of the interface graph whose bytes equal a decoder initializer is
-    pointed at that same byte range, so the interface graph adds no weight bytes on disk and
-    reads exactly the decoder's weights.
+    The decoder is already saved with its tensors in ``model.onnx_data`` (ONNX external data:
+    each initializer records ``location``/``offset``/``length``; see onnx's "External Data"
+    docs). Each large initializer of the ``interface`` graph whose bytes equal a decoder
+    initializer is pointed at that same byte range, so the interface graph adds no weight bytes
+    on disk and reads exactly the decoder's weights.
 
     Returns:
         names of the interface initializers now shared with the decoder.
@@ -89,14 +104,7 @@ def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: i
     from onnx import numpy_helper
     from onnx.external_data_helper import ExternalDataInfo
 
-    decoder_path = out_dir / DECODER_NAME
-    decoder = onnx.load(str(decoder_path), load_external_data=True)
-    for old in out_dir.glob("*.onnx_data"):
-        old.unlink()
-    onnx.save_model(decoder, str(decoder_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DECODER_DATA, size_threshold=1024)
-    del decoder
-    decoder = onnx.load(str(decoder_path), load_external_data=False)
+    decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=False)
     ranges: dict[str, dict[str, str]] = {}
     for init in decoder.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
@@ -110,7 +118,6 @@ def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: i
             chunk = data[int(r["offset"]) : int(r["offset"]) + int(r["length"])]
             by_digest[(hashlib.sha256(chunk).hexdigest(), init.data_type, tuple(init.dims))] = r
     del data
-    interface = onnx.load(str(interface_path), load_external_data=True)
     shared = []
     for init in interface.graph.initializer:
         arr = numpy_helper.to_array(init)
@@ -131,6 +138,8 @@ def share_interface_weights(out_dir: Path, interface_path: Path, min_elements: i
     return shared
 
 
-def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None, opset: int | None = None) -> dict:
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
+                    opset: int | None = None, dtype: str = "float32") -> dict:
     """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
-    return export_onnx(model, out_dir, tokenizer, opset)
+    return export_onnx(model, out_dir, tokenizer, opset, dtype=dtype, group_size=recipe.group_size,
+                       pit_correction=recipe.pit_correction)

@@ -67,7 +67,12 @@ class Artifact:
 
     @property
     def key(self) -> str:
-        return f"{self.runtime}-{self.mode}"
+        """``runtime-mode`` for fp32 artifacts, ``runtime-mode-dtype`` for quantized ones."""
+        return f"{self.runtime}-{self.mode}" if self.dtype == "float32" else f"{self.runtime}-{self.mode}-{self.dtype}"
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype != "float32"
 
     @property
     def bytes(self) -> int:
@@ -84,6 +89,8 @@ class Manifest:
     versions: dict[str, str | None]
     recipe: dict[str, Any] = field(default_factory=dict)
     verification: dict[str, Any] | None = None
+    #: quantized parity's held-out token ids (``{"source": ..., "blocks": [[id, ...], ...]}``)
+    heldout: dict[str, Any] | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -141,9 +148,9 @@ class Manifest:
             files += list(art.files)
         return files
 
-    def artifact(self, runtime: str, mode: str) -> Artifact | None:
+    def artifact(self, runtime: str, mode: str, dtype: str = "float32") -> Artifact | None:
         for art in self.artifacts:
-            if art.runtime == runtime and art.mode == mode:
+            if art.runtime == runtime and art.mode == mode and art.dtype == dtype:
                 return art
         return None
 

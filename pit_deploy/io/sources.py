@@ -151,12 +151,29 @@ def _check_gguf_has_weights(path: Path) -> None:
         raise PitError(f"{path} is a GGUF file but not a language model ({what}); pass a model GGUF")
 
 
+def _refuse_export_directory(path: Path) -> None:
+    """An export directory or one of its artifact folders is not a model to export again
+    (quantizing an already quantized or exported artifact would compound its errors)."""
+    from .manifest import MANIFEST_NAME, REFERENCE_DIR
+
+    for root in (path, path.parent):
+        if (root / MANIFEST_NAME).is_file() and (root / REFERENCE_DIR).is_dir() and path.name != REFERENCE_DIR:
+            raise PitError(
+                f"{path} is already an export (its artifacts may be quantized); export again from the "
+                f"fp32 PIT checkpoint it was made from: {root / REFERENCE_DIR}"
+            )
+
+
 def _load_directory(
     path: Path, dtype: torch.dtype, trust_remote_code: bool, with_tokenizer: bool
 ) -> LoadedModel:
+    _refuse_export_directory(path)
     cfg = read_config_dict(path)
     if cfg is None:
         raise PitError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    if cfg.get("quantization_config"):
+        raise PitError(f"{path} holds an already quantized model ({cfg['quantization_config'].get('quant_method', '?')}); "
+                       "pass the full-precision model — pit-deploy quantizes at export (--dtype int8,int4)")
     if is_pit_directory(path):
         model = load_pit_model(path, dtype)
         tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code)

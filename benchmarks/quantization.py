@@ -1,0 +1,140 @@
+"""Quantized exports of the default model: parity (KL figures, delta_ti) and bench rows.
+
+For the default model (SmolLM2-135M-Instruct, or ``--model``) this script runs the project's
+own commands:
+
+1. ``pit-deploy export MODEL --dtype float32,int8,int4`` (PIT, both modes) — ``pit/``;
+2. the same for factorized without the PIT correction (``--no-pit-correction``) — ``uncorrected/``;
+3. ``pit-deploy export MODEL --keep-tying --dtype float32,int8,int4`` (the TT baseline) — ``tied/``;
+4. ``pit-deploy verify`` of each (KL figures for quantized artifacts, logit bounds for fp32);
+5. ``pit-deploy bench`` of every artifact, all in one run (side by side, same prompt);
+
+and writes ``benchmarks/results/quantization.json``: the verify rows, the bench rows, and per
+runtime and mode the decode speed-up and size of each quantized artifact over its fp32 twin.
+
+Usage::
+
+    python benchmarks/quantization.py [--model default] [--runtime onnx] [--work DIR]
+        [--threads 2] [--prompt-len 64] [--gen-len 64] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = "float32,int8,int4"
+
+
+def pit_deploy(*args: str) -> subprocess.CompletedProcess:
+    """Run ``pit-deploy`` (this interpreter's) and return the finished process."""
+    cmd = [sys.executable, "-m", "pit_deploy.cli", *args]
+    print("$ pit-deploy " + " ".join(args), flush=True)
+    return subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--runtime", default="onnx", help="comma list of runtimes to export")
+    parser.add_argument("--work", default="bench_work/quantization", help="export directories go here")
+    parser.add_argument("--max-seq-len", default="256")
+    parser.add_argument("--threads", default="2")
+    parser.add_argument("--prompt-len", default="64")
+    parser.add_argument("--gen-len", default="64")
+    parser.add_argument("--reps", default="3")
+    parser.add_argument("--reuse", action="store_true", help="keep export directories that already exist")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quantization.json"))
+    args = parser.parse_args(argv)
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--runtime", args.runtime, "--max-seq-len", args.max_seq_len, "--force"]
+    exports = {
+        "pit": ["export", args.model, "--out", str(work / "pit"), "--dtype", DTYPES, *common],
+        "uncorrected": ["export", args.model, "--out", str(work / "uncorrected"), "--mode", "factorized",
+                        "--dtype", "int8,int4", "--no-pit-correction", *common],
+        "tied": ["export", args.model, "--out", str(work / "tied"), "--keep-tying", "--dtype", DTYPES, *common],
+    }
+    timings, verify = {}, {}
+    for name, cmd in exports.items():
+        if args.reuse and (work / name / "manifest.json").is_file():
+            continue
+        start = time.perf_counter()
+        done = pit_deploy(*cmd)
+        timings[name] = round(time.perf_counter() - start, 1)
+        if done.returncode != 0:
+            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+    for name in exports:
+        done = pit_deploy("verify", str(work / name), "--json")
+        print(done.stderr[-400:], file=sys.stderr)
+        verify[name] = {"exit_code": done.returncode, **json.loads(done.stdout)}
+        print(_table(verify[name]), flush=True)
+    out_json = work / "bench.json"
+    done = pit_deploy("bench", *(str(work / n) for n in exports), "--threads", args.threads,
+                      "--prompt-len", args.prompt_len, "--gen-len", args.gen_len, "--reps", args.reps,
+                      "--out", str(out_json))
+    print(done.stdout[-6000:], flush=True)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return done.returncode
+    bench = json.loads(out_json.read_text())
+    result = {
+        "model": args.model,
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "commands": {k: "pit-deploy " + " ".join(v) for k, v in exports.items()},
+        "export_seconds": timings,
+        "verify": {k: [_verify_row(a) for a in v["artifacts"]] for k, v in verify.items()},
+        "verify_passed": {k: v["passed"] for k, v in verify.items()},
+        "bench_rows": bench["rows"],
+        "ratios": ratios(bench["rows"]),
+        "bench_warnings": bench.get("warnings", []),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["ratios"], indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _verify_row(a: dict) -> dict:
+    keys = ("runtime", "mode", "dtype", "tying", "passed", "logits_rel_l2", "top1_agreement", "kl_mean", "kl_p99",
+            "same_top1", "ppl_ratio", "delta_ti", "pit_correction", "failures")
+    return {k: a.get(k) for k in keys}
+
+
+def _table(report: dict) -> str:
+    lines = []
+    for a in report["artifacts"]:
+        lines.append(f"  {a['runtime']}-{a['mode']}-{a['dtype']}: kl_mean={a.get('kl_mean')} kl_p99={a.get('kl_p99')} "
+                     f"same_top1={a.get('same_top1')} ppl_ratio={a.get('ppl_ratio')} delta_ti={a.get('delta_ti'):.3e} "
+                     f"passed={a['passed']}")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (export, runtime, mode): each quantized row's decode speed-up and size vs its fp32 row."""
+    out = []
+    by = {(r["artifact"].split("/")[0], r["runtime"], r["mode"], r["dtype"], r["threads"]): r for r in rows}
+    for (export, runtime, mode, dtype, threads), r in sorted(by.items()):
+        base = by.get((export, runtime, mode, "float32", threads))
+        if dtype == "float32" or base is None:
+            continue
+        out.append({"export": export, "runtime": runtime, "mode": mode, "dtype": dtype, "threads": threads,
+                    "decode_speedup": r["decode_tok_s"] / base["decode_tok_s"],
+                    "prefill_speedup": r["prefill_tok_s"] / base["prefill_tok_s"],
+                    "size_mb": r["size_mb"], "fp32_size_mb": base["size_mb"],
+                    "rss_mb": r["peak_rss_mb"], "fp32_rss_mb": base["peak_rss_mb"]})
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,399 @@
+"""Weight quantization of an exported ONNX decoder (int8, int4), and the PIT-exact correction.
+
+Everything quantizes through onnxruntime's own tools (``onnxruntime.quantization``):
+
+* **body** (every ``MatMul`` with a constant 2-D weight, except the token interface):
+  ``int8`` — ``quantize_dynamic`` with per-channel int8 weights and dynamically quantized
+  activations; ``int4`` — ``MatMulNBitsQuantizer`` (``MatMulNBits``, asymmetric, blocks of
+  ``group_size`` along the input dimension, ``accuracy_level=4``: int8 activations on CPU).
+* **token tables** (the embedding's ``Gather`` and the head's ``MatMul``): block-quantized
+  with the same onnxruntime routine (``DefaultWeightOnlyQuantizer.qbits_block_quant``, blocks
+  along ``d``), the embedding read by ``com.microsoft.GatherBlockQuantized`` and the head by
+  ``MatMulNBits``. Both ops take the table in the same packed layout (rows = tokens, two 4-bit
+  values per byte low nibble first), so where the head and the embedding read the same table
+  (factorized ``Zᵀ``, a transpose-tied model) the bytes are identical and
+  :func:`save_deduplicated` stores them once, as onnxruntime-genai does for tied models
+  (``docs/quantization.md``).
+
+**PIT-exact factorized quantization.** In factorized mode the head computes ``(h T) Ẑᵀ`` and
+the embedding ``Ẑ[ids] T⁻¹``. Quantizing ``Z`` breaks ``W_out E = I``; with the correction the
+``T⁻¹`` constant is replaced by ``M = (ẐᵀẐ)⁻¹ T⁻¹``, computed in float64 from the very table the
+runtime dequantizes (read back from the quantized bytes), so that
+``W_out E = T ẐᵀẐ (ẐᵀẐ)⁻¹ T⁻¹ = I`` up to fp32 rounding. The head's ``MatMulNBits`` keeps fp32
+activations (no ``accuracy_level``): with int8 activations the rows of ``T`` it is fed would
+be rounded and the identity would hold only to about 1e-2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import PitError
+
+#: bits of each quantized dtype
+BITS = {"int8": 8, "int4": 4}
+#: ``accuracy_level`` of the body's ``MatMulNBits``: 4 = int8 activations (MLAS CompInt8)
+BODY_ACCURACY_LEVEL = 4
+#: initializers smaller than this stay inside the ``.onnx`` file
+EXTERNAL_MIN_BYTES = 1024
+
+
+@dataclass
+class BlockTable:
+    """A table of ``rows`` (tokens) × ``cols`` (d) in MatMulNBits/GatherBlockQuantized layout.
+
+    ``packed``: ``(rows, cols / block, block · bits / 8)`` uint8; ``scales``: ``(rows, cols /
+    block)`` float32; ``zero_points``: ``(rows, ⌈blocks · bits / 8⌉)`` uint8 (4-bit ones packed
+    two per byte, low nibble first).
+    """
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray
+    bits: int
+    block: int
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.scales.shape[1] * self.block
+
+    def dequantize(self) -> np.ndarray:
+        """``(q − zero_point) · scale`` in float32, exactly as the runtime computes it."""
+        n, kb = self.scales.shape
+        q = np.empty((n, kb, self.block), np.float32)
+        if self.bits == 4:
+            q[..., 0::2] = self.packed & 0x0F
+            q[..., 1::2] = self.packed >> 4
+            zz = self.zero_points.reshape(n, -1)
+            z = np.empty((n, 2 * zz.shape[1]), np.float32)
+            z[:, 0::2], z[:, 1::2] = zz & 0x0F, zz >> 4
+            z = z[:, :kb]
+        else:
+            q[:] = self.packed
+            z = self.zero_points.reshape(n, kb).astype(np.float32)
+        return ((q - z[..., None]) * self.scales[..., None]).reshape(n, kb * self.block)
+
+
+def block_quantize(rows: np.ndarray, bits: int, block: int) -> BlockTable:
+    """Asymmetric block quantization of ``rows`` ``(N, K)`` along ``K`` (onnxruntime's routine)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+
+    if rows.shape[1] % block:
+        raise PitError(f"group size {block} does not divide the hidden size {rows.shape[1]}")
+    config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=False, bits=bits)
+    packed, scales, zp = DefaultWeightOnlyQuantizer(config).qbits_block_quant(
+        np.ascontiguousarray(rows.T.astype(np.float32))  # MatMulNBits quantizes B (K, N) per column
+    )
+    return BlockTable(packed, scales, zp, bits, block)
+
+
+# --------------------------------------------------------------------------------------
+# Finding the token interface in an exported graph
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Interface:
+    """The nodes of the token interface of one graph (decoder or ``interface.onnx``)."""
+
+    gather: Any  # the embedding's Gather node
+    head: Any  # the MatMul that multiplies by the V-wide table
+    embed_rows: np.ndarray  # (V, d) table the Gather reads, as rows
+    head_rows: np.ndarray  # (V, d) table the head reads, as rows (W_out = head_rowsᵀ)
+    t_name: str | None = None  # factorized: the T initializer the head multiplies by first
+    t_inv_name: str | None = None  # factorized: the T⁻¹ initializer after the Gather
+
+
+def _initializers(graph) -> dict[str, Any]:
+    return {init.name: init for init in graph.initializer}
+
+
+def _consumers(graph, name: str) -> list[Any]:
+    return [n for n in graph.node if name in n.input]
+
+
+def _producer(graph, name: str):
+    for n in graph.node:
+        if name in n.output:
+            return n
+    return None
+
+
+def _gather_axis(node) -> int:
+    for attr in node.attribute:
+        if attr.name == "axis":
+            return int(attr.i)
+    return 0
+
+
+def find_interface(graph, vocab: int, hidden: int) -> Interface:
+    """The embedding Gather and the head MatMul of ``graph`` (a tied head may read ``Eᵀ``
+    through a ``Transpose`` node)."""
+    from onnx import numpy_helper
+
+    inits = _initializers(graph)
+    gather = head = None
+    for node in graph.node:
+        if node.op_type == "Gather" and node.input[0] in inits:
+            if tuple(inits[node.input[0]].dims) in ((vocab, hidden), (hidden, vocab)):
+                gather = node
+        if node.op_type == "MatMul":
+            b = node.input[1]
+            if b in inits and tuple(inits[b].dims) == (hidden, vocab):
+                head = node
+            elif b not in inits:
+                producer = _producer(graph, b)
+                if (producer is not None and producer.op_type == "Transpose" and producer.input[0] in inits
+                        and tuple(inits[producer.input[0]].dims) == (vocab, hidden)):
+                    head = node
+    if gather is None or head is None:
+        raise PitError("the exported graph has no recognizable embedding Gather and head MatMul; "
+                       "cannot quantize its token interface")
+    table = numpy_helper.to_array(inits[gather.input[0]])
+    embed_rows = table.T if _gather_axis(gather) == 1 else table
+    b = head.input[1]
+    head_rows = numpy_helper.to_array(inits[b]).T if b in inits else numpy_helper.to_array(
+        inits[_producer(graph, b).input[0]])
+    iface = Interface(gather, head, np.ascontiguousarray(embed_rows), np.ascontiguousarray(head_rows))
+    # factorized: Gather(Zt, axis=1) -> Transpose -> MatMul(., T_inv); head = MatMul(MatMul(h, T), Zt)
+    first = _producer(graph, head.input[0])
+    if _gather_axis(gather) == 1 and first is not None and first.op_type == "MatMul" and first.input[1] in inits:
+        iface.t_name = first.input[1]
+        follow = _consumers(graph, gather.output[0])
+        if len(follow) == 1 and follow[0].op_type == "Transpose":
+            after = _consumers(graph, follow[0].output[0])
+            if len(after) == 1 and after[0].op_type == "MatMul" and after[0].input[1] in inits:
+                iface.t_inv_name = after[0].input[1]
+    return iface
+
+
+# --------------------------------------------------------------------------------------
+# Rewriting the interface
+# --------------------------------------------------------------------------------------
+
+
+def _replace_node(graph, old, new_nodes: list) -> None:
+    index = list(graph.node).index(old)
+    graph.node.remove(old)
+    for offset, node in enumerate(new_nodes):
+        graph.node.insert(index + offset, node)
+
+
+def _add(graph, name: str, array: np.ndarray) -> str:
+    from onnx import numpy_helper
+
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+    return name
+
+
+def _remove_unused_initializers(graph) -> None:
+    used = {i for n in graph.node for i in n.input}
+    keep = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
+def _ensure_ms_domain(model) -> None:
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        entry = model.opset_import.add()
+        entry.domain, entry.version = "com.microsoft", 1
+
+
+def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: bool,
+                      head_accuracy: int | None) -> dict[str, Any]:
+    """Replace the embedding Gather by ``GatherBlockQuantized`` and the head MatMul by
+    ``MatMulNBits``; in factorized mode with ``correct``, replace ``T⁻¹`` by ``M``.
+
+    Returns:
+        details for the manifest: whether the tables are shared, the correction applied.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    _ensure_ms_domain(model)
+    shared = np.array_equal(iface.embed_rows, iface.head_rows)
+    head_q = block_quantize(iface.head_rows, bits, block)
+    emb_q = head_q if shared else block_quantize(iface.embed_rows, bits, block)
+    v, d = iface.head_rows.shape
+    prefix = "pit_q"
+    # head: MatMulNBits(A, B (N, kb, blob), scales, zero points)
+    names = [_add(graph, f"{prefix}.head.B", head_q.packed), _add(graph, f"{prefix}.head.scales", head_q.scales),
+             _add(graph, f"{prefix}.head.zero_points", head_q.zero_points)]
+    kwargs: dict[str, Any] = {"K": d, "N": v, "bits": bits, "block_size": block}
+    if head_accuracy:
+        kwargs["accuracy_level"] = head_accuracy
+    mm = helper.make_node("MatMulNBits", [iface.head.input[0], *names], list(iface.head.output),
+                          name=(iface.head.name or "head") + "_Q", domain="com.microsoft", **kwargs)
+    _replace_node(graph, iface.head, [mm])
+    # embedding: GatherBlockQuantized(data (V, d·bits/8), ids, scales, zero points), rows gathered
+    data = emb_q.packed.reshape(v, -1)
+    gnames = [_add(graph, f"{prefix}.embed.data", data), iface.gather.input[1],
+              _add(graph, f"{prefix}.embed.scales", emb_q.scales),
+              _add(graph, f"{prefix}.embed.zero_points", emb_q.zero_points)]
+    gbq_kwargs = {"gather_axis": 0, "quantize_axis": 1, "block_size": block, "bits": bits}
+    if _gather_axis(iface.gather) == 1:
+        # Gather(Zᵀ, axis=1) gave (d, N), transposed next: gather rows (N, d) and keep the
+        # Transpose's output name for its consumers.
+        follow = _consumers(graph, iface.gather.output[0])
+        if len(follow) != 1 or follow[0].op_type != "Transpose":
+            raise PitError("unexpected factorized embedding graph (Gather along axis 1 not followed by Transpose)")
+        gbq = helper.make_node("GatherBlockQuantized", gnames, list(follow[0].output),
+                               name=(iface.gather.name or "embed") + "_Q", domain="com.microsoft", **gbq_kwargs)
+        _replace_node(graph, iface.gather, [gbq])
+        graph.node.remove(follow[0])
+    else:
+        gbq = helper.make_node("GatherBlockQuantized", gnames, list(iface.gather.output),
+                               name=(iface.gather.name or "embed") + "_Q", domain="com.microsoft", **gbq_kwargs)
+        _replace_node(graph, iface.gather, [gbq])
+    details: dict[str, Any] = {"token_table_shared": bool(shared), "table_bits": bits, "group_size": block,
+                               "head_accuracy_level": head_accuracy or 0}
+    if iface.t_inv_name is not None:
+        details["pit_correction"] = bool(correct)
+        if correct:
+            inits = _initializers(graph)
+            t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
+            m = correction_matrix(head_q.dequantize(), emb_q.dequantize(), t)
+            inits[iface.t_inv_name].CopyFrom(numpy_helper.from_array(m.astype(np.float32), iface.t_inv_name))
+    _remove_unused_initializers(graph)
+    return details
+
+
+def correction_matrix(head_rows: np.ndarray, embed_rows: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """``M = (Ẑ_hᵀ Ẑ_e)⁻¹ T⁻¹`` in float64, so that ``T Ẑ_hᵀ Ẑ_e M = I``.
+
+    Raises:
+        PitError: the quantized table has lost rank (``Ẑᵀ Ẑ`` singular): use more bits.
+    """
+    zh, ze = head_rows.astype(np.float64), embed_rows.astype(np.float64)
+    gram = zh.T @ ze
+    cond = np.linalg.cond(gram)
+    if not np.isfinite(cond) or cond > 1e12:
+        raise PitError(f"the quantized token table is (nearly) rank-deficient (cond {cond:.2e}); "
+                       "the PIT correction needs ẐᵀẐ invertible — use int8 or a smaller group size")
+    return np.linalg.solve(gram, np.linalg.inv(t))
+
+
+def gemm_to_matmul(graph) -> int:
+    """Rewrite ``Gemm(A, B, C)`` with a constant ``B`` (α = β = 1, no transposed ``A``) as
+    ``MatMul(A, B) + C``: GPT-2's ``Conv1D`` layers export as ``Gemm``, which the ``MatMulNBits``
+    quantizer does not take. Returns the number of rewritten nodes."""
+    from onnx import helper, numpy_helper
+
+    inits = _initializers(graph)
+    count = 0
+    for node in list(graph.node):
+        if node.op_type != "Gemm" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0 or attrs.get("transA", 0):
+            continue
+        weight = node.input[1]
+        if attrs.get("transB", 0):
+            arr = numpy_helper.to_array(inits[weight]).T
+            weight = _add(graph, weight + ".T", arr)
+        product = node.output[0] + "_matmul" if len(node.input) > 2 else node.output[0]
+        new = [helper.make_node("MatMul", [node.input[0], weight], [product], name=node.name + "_MatMul")]
+        if len(node.input) > 2 and node.input[2]:
+            new.append(helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name + "_Add"))
+        _replace_node(graph, node, new)
+        count += 1
+    _remove_unused_initializers(graph)
+    return count
+
+
+def quantize_body(model, dtype: str, block: int, exclude: list[str]):
+    """Quantize every other constant-weight MatMul with onnxruntime's own quantizer."""
+    import onnx
+
+    gemm_to_matmul(model.graph)
+    if dtype == "int4":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quant = MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=False,
+                                     accuracy_level=BODY_ACCURACY_LEVEL, nodes_to_exclude=exclude,
+                                     op_types_to_quantize=("MatMul",))
+        quant.process()
+        return quant.model.model
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
+        onnx.save_model(model, str(src), save_as_external_data=True, location="in.onnx_data")
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=True,
+                         weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
+                         use_external_data_format=True,
+                         # GPT-2's Conv1D exports as MatMul on reshaped tensors shape inference
+                         # cannot type; every tensor of these graphs is float32
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        return onnx.load(str(dst), load_external_data=True)
+
+
+def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool,
+                   body: bool) -> tuple[Any, dict[str, Any]]:
+    """Quantize one exported graph in memory: its token interface, and (``body``) the rest.
+
+    Returns:
+        ``(model, details)``.
+    """
+    bits = BITS[dtype]
+    iface = find_interface(model.graph, vocab, hidden)
+    factorized = iface.t_name is not None
+    # the factorized head keeps fp32 activations so that W_out E = I holds on the runtime
+    head_accuracy = None if factorized else BODY_ACCURACY_LEVEL
+    keep_fp32 = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
+                 {iface.t_name, iface.t_inv_name}]
+    details = rewrite_interface(model, iface, bits, block, correct, head_accuracy)
+    if body:
+        model = quantize_body(model, dtype, block, keep_fp32)
+    details["body"] = ("MatMulNBits int4 asymmetric, block " + str(block) + ", accuracy_level 4"
+                       if dtype == "int4" else "quantize_dynamic: per-channel int8 weights, dynamic int8 activations")
+    details["interface_kept_fp32"] = sorted(n for n in [iface.t_name, iface.t_inv_name] if n)
+    return model, details
+
+
+def save_deduplicated(model, path: Path, data_name: str) -> None:
+    """Save ``model`` with its large initializers in ``data_name``, each distinct byte string
+    once: initializers with equal bytes (a shared token table read by two ops under two
+    shapes) point at the same range of the data file (ONNX external data ``location`` /
+    ``offset`` / ``length``)."""
+    import onnx
+    from onnx import numpy_helper
+
+    data_path = path.parent / data_name
+    offsets: dict[str, tuple[int, int]] = {}
+    with open(data_path, "wb") as fh:
+        for init in model.graph.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                raise PitError(f"initializer {init.name} still points at external data; load it first")
+            raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
+            if len(raw) < EXTERNAL_MIN_BYTES:
+                continue
+            digest = hashlib.sha256(raw).hexdigest()
+            if digest not in offsets:
+                pad = (-fh.tell()) % 64  # aligned ranges
+                fh.write(b"\0" * pad)
+                offsets[digest] = (fh.tell(), len(raw))
+                fh.write(raw)
+            offset, length = offsets[digest]
+            for fieldname in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                init.ClearField(fieldname)
+            init.ClearField("raw_data")
+            del init.external_data[:]
+            init.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                entry = init.external_data.add()
+                entry.key, entry.value = key, value
+    onnx.save_model(model, str(path))

@@ -1,0 +1,170 @@
+"""Quantized ONNX exports (int8, int4) of tiny models of every family: they export, verify
+within their bounds, fail verification when a weight is corrupted, and the PIT correction keeps
+``W_out E = I`` on the runtime; bad input is exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pit_deploy.cli import main
+from pit_deploy.convert.conversion import convert_model
+from pit_deploy.evaluate.verify import verify_directory
+from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.io.fs import sha256_file
+from pit_deploy.io.manifest import MANIFEST_NAME
+from pit_deploy.model.inspect import find_interface
+from pit_deploy.tiny import FAMILIES, tiny_model
+
+QUANTIZED = ("int8", "int4")
+
+
+def _pit_dir(family: str, root: Path) -> Path:
+    """A tiny PIT checkpoint with a dense, non-identity ``T``."""
+    model = convert_model(tiny_model(family))
+    it = find_interface(model)
+    with torch.no_grad():
+        it.L_diag.add_(0.3 * torch.randn(it.L_diag.shape, generator=torch.Generator().manual_seed(0)))
+        it.L_offdiag.add_(0.05 * torch.tril(torch.randn(it.L_offdiag.shape, generator=torch.Generator().manual_seed(1)), -1))
+    out = root / f"pit-{family}"
+    save_model(model, out)
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def quantized_export(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp(f"q-{request.param}")
+    out = root / "exp"
+    assert main(["export", str(_pit_dir(request.param, root)), "--out", str(out), "--runtime", "onnx",
+                 "--dtype", "float32,int8,int4", "--max-seq-len", "64"]) == 0
+    return out
+
+
+def test_every_quantized_artifact_verifies(quantized_export):
+    report = verify_directory(quantized_export, record=False)
+    assert report.passed, str(report)
+    for mode in ("materialized", "factorized"):
+        fp32 = report.result("onnx", mode)
+        assert fp32.kl_mean is None and fp32.logits_rel_l2 <= 1e-4
+        for dtype in QUANTIZED:
+            r = report.result("onnx", mode, dtype)
+            assert r.logits_rel_l2 is None and r.heldout_tokens >= 2048
+            assert 0.0 <= r.kl_mean <= r.bounds["kl_mean"] and 0.0 <= r.kl_p99 <= r.bounds["kl_p99"]
+            assert r.same_top1 >= r.bounds["same_top1"] and r.ppl_ratio <= r.bounds["ppl_ratio"]
+            assert r.weights_shared is True  # interface.onnx reads the decoder's quantized bytes
+    for dtype in QUANTIZED:
+        # the correction: W_out E = I on the runtime, up to fp32 rounding
+        fact = report.result("onnx", "factorized", dtype)
+        assert fact.pit_correction is True and fact.delta_ti <= 1e-4, fact.delta_ti
+        # materialized quantization moves the interface away from the identity (reported, not bounded)
+        assert report.result("onnx", "materialized", dtype).delta_ti > 10 * fact.delta_ti
+
+
+def test_factorized_table_is_stored_once(quantized_export):
+    manifest = json.loads((quantized_export / MANIFEST_NAME).read_text())
+    arts = {a["path"]: a for a in manifest["artifacts"]}
+    for dtype in QUANTIZED:
+        details = arts[f"onnx-factorized-{dtype}"]["details"]["quantization"]
+        assert details["token_table_shared"] is True and details["pit_correction"] is True
+        assert not arts[f"onnx-materialized-{dtype}"]["details"]["quantization"]["token_table_shared"]
+    # int4 < int8 < fp32 on disk, and the factorized int4 artifact is the smallest of all
+    size = {p: a_bytes(a) for p, a in arts.items()}
+    for mode in ("materialized", "factorized"):
+        assert size[f"onnx-{mode}-int4"] < size[f"onnx-{mode}-int8"] < size[f"onnx-{mode}"]
+    # on disk the head's MatMulNBits and the embedding's GatherBlockQuantized read one byte range
+    import onnx
+
+    for dtype in QUANTIZED:
+        graph = onnx.load(str(quantized_export / f"onnx-factorized-{dtype}" / "model.onnx"),
+                          load_external_data=False).graph
+        where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
+        head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == "pit_q.head.B")
+        embed = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+        assert where[head.input[1]]["offset"] == where[embed.input[0]]["offset"]
+
+
+def a_bytes(art: dict) -> int:
+    return sum(f["bytes"] for f in art["files"].values())
+
+
+def test_a_corrupted_quantized_weight_fails_verification(quantized_export, tmp_path, capsys):
+    """Scales of a quantized artifact scrambled *and* its digests re-recorded (a broken exporter,
+    not a tampered file): the KL bounds catch it (exit 1)."""
+    d = tmp_path / "copy"
+    shutil.copytree(quantized_export, d)
+    data = d / "onnx-materialized-int4" / "model.onnx_data"
+    raw = np.frombuffer(data.read_bytes(), dtype=np.uint8).copy()
+    rng = np.random.default_rng(0)
+    raw[rng.choice(raw.size, raw.size // 3, replace=False)] ^= 0x5A
+    data.write_bytes(raw.tobytes())
+    manifest = json.loads((d / MANIFEST_NAME).read_text())
+    for art in manifest["artifacts"]:
+        for rel, info in art["files"].items():
+            info["sha256"] = sha256_file(d / rel)
+            info["bytes"] = (d / rel).stat().st_size
+    (d / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert main(["verify", str(d), "--dtype", "int4", "--mode", "materialized", "--no-record"]) == 1
+    out = capsys.readouterr().out
+    assert "onnx-materialized-int4" in out and "FAIL" in out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_correction_makes_the_quantized_interface_exact(bits):
+    """``T Ẑᵀ Ẑ M = I`` in float64 for the dequantized table onnxruntime's quantizer makes."""
+    rng = np.random.default_rng(bits)
+    v, d = 300, 64
+    z, _ = np.linalg.qr(rng.standard_normal((v, d)))
+    a = rng.standard_normal((d, d))
+    t = a @ a.T + d * np.eye(d)
+    table = block_quantize(z.astype(np.float32), bits, 32)
+    zq = table.dequantize().astype(np.float64)
+    assert 0 < np.abs(zq - z).max() < (0.2 if bits == 4 else 0.02)
+    m = correction_matrix(zq, zq, t)
+    uncorrected = np.linalg.norm(t @ zq.T @ zq @ np.linalg.inv(t) - np.eye(d))
+    corrected = np.linalg.norm(t @ zq.T @ zq @ m - np.eye(d))
+    assert corrected < 1e-10 < 1e-3 < uncorrected
+
+
+def test_without_the_correction_the_identity_drifts(tmp_path):
+    out = tmp_path / "exp"
+    assert main(["export", str(_pit_dir("llama", tmp_path)), "--out", str(out), "--runtime", "onnx",
+                 "--mode", "factorized", "--dtype", "int4", "--no-pit-correction", "--max-seq-len", "64"]) == 0
+    r = verify_directory(out, record=False).result("onnx", "factorized", "int4")
+    assert r.pit_correction is False and r.delta_ti > 1e-3  # reported; the KL bounds still apply
+
+
+def test_recipe_bounds_override_the_builtin_ones(quantized_export, tmp_path, capsys):
+    d = tmp_path / "copy"
+    shutil.copytree(quantized_export, d)
+    manifest = json.loads((d / MANIFEST_NAME).read_text())
+    manifest["recipe"]["bounds"] = {"int4": {"kl_mean": 0.0}}
+    (d / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert main(["verify", str(d), "--dtype", "int4", "--no-record", "--json"]) == 1
+    arts = json.loads(capsys.readouterr().out)["artifacts"]
+    assert all(a["bounds"]["kl_mean"] == 0.0 and not a["passed"] for a in arts)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--runtime", "executorch", "--dtype", "int4"], "does not export int4"),
+    (["--runtime", "onnx", "--dtype", "int3"], "unknown dtype 'int3'"),
+    (["--runtime", "onnx", "--dtype", "int4", "--group-size", "48"], "group_size must be one of"),
+    (["--runtime", "onnx", "--dtype", "int4", "--group-size", "128"], "does not divide the hidden size 64"),
+])
+def test_bad_quantization_input_is_exit_2(tmp_path, capsys, argv, needle):
+    src = _pit_dir("llama", tmp_path)
+    assert main(["export", str(src), "--out", str(tmp_path / "exp"), *argv]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "exp").exists()
+
+
+def test_quantizing_an_export_again_is_exit_2(quantized_export, tmp_path, capsys):
+    for target in (quantized_export, quantized_export / "onnx-factorized-int4"):
+        assert main(["export", str(target), "--out", str(tmp_path / "again"), "--runtime", "onnx", "--dtype", "int4"]) == 2
+        err = capsys.readouterr().err
+        assert "already an export" in err and "reference" in err
