@@ -200,6 +200,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", help="comma list of materialized, factorized (default: all)")
     p.add_argument("--dtype", help="comma list of float32 (default), int8, int4 (one artifact per dtype)")
     p.add_argument("--group-size", type=int, help="int4/int8 block size along the input dimension (default 32)")
+    p.add_argument("--table-bits", type=int, choices=(4, 8),
+                   help="bits of the quantized ONNX token table(s) (default 8: an int4 head costs ~3 nats of KL)")
     p.add_argument("--no-pit-correction", dest="pit_correction", action="store_false", default=None,
                    help="factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then drifts from I)")
     p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
@@ -220,7 +222,7 @@ def run_export(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
                              max_seq_len=args.max_seq_len, group_size=args.group_size,
-                             pit_correction=args.pit_correction)
+                             pit_correction=args.pit_correction, table_bits=args.table_bits)
     check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
 
     def _terminate(signum, _frame):  # SIGTERM cleans up like Ctrl-C: no partial directory

@@ -98,7 +98,7 @@ def test_failed_bound_exits_1_and_names_it(onnx_export, tmp_path, capsys):
         (["--runtime", "onnx,tflite"], "unknown runtime 'tflite'"),
         (["--mode", "quantized"], "unknown mode 'quantized'"),
         (["--recipe", "nope"], "unknown recipe 'nope'"),
-        (["--dtype", "int4"], "unsupported dtype"),
+        (["--dtype", "float16"], "unknown dtype"),
         (["--runtime", "executorch", "--max-seq-len", "4096"], "exceeds what this model supports"),
     ],
 )

@@ -134,7 +134,8 @@ def test_correction_makes_the_quantized_interface_exact(bits):
 def test_without_the_correction_the_identity_drifts(tmp_path):
     out = tmp_path / "exp"
     assert main(["export", str(_pit_dir("llama", tmp_path)), "--out", str(out), "--runtime", "onnx",
-                 "--mode", "factorized", "--dtype", "int4", "--no-pit-correction", "--max-seq-len", "64"]) == 0
+                 "--mode", "factorized", "--dtype", "int4", "--table-bits", "4", "--no-pit-correction",
+                 "--max-seq-len", "64"]) == 0
     r = verify_directory(out, record=False).result("onnx", "factorized", "int4")
     assert r.pit_correction is False and r.delta_ti > 1e-3  # reported; the KL bounds still apply
 
@@ -151,7 +152,7 @@ def test_recipe_bounds_override_the_builtin_ones(quantized_export, tmp_path, cap
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--runtime", "executorch", "--dtype", "int4"], "does not export int4"),
+    (["--runtime", "onnx", "--dtype", "float16"], "unknown dtype 'float16'"),
     (["--runtime", "onnx", "--dtype", "int3"], "unknown dtype 'int3'"),
     (["--runtime", "onnx", "--dtype", "int4", "--group-size", "48"], "group_size must be one of"),
     (["--runtime", "onnx", "--dtype", "int4", "--group-size", "128"], "does not divide the hidden size 64"),
@@ -168,3 +169,17 @@ def test_quantizing_an_export_again_is_exit_2(quantized_export, tmp_path, capsys
         assert main(["export", str(target), "--out", str(tmp_path / "again"), "--runtime", "onnx", "--dtype", "int4"]) == 2
         err = capsys.readouterr().err
         assert "already an export" in err and "reference" in err
+
+
+def test_executorch_quantized_pte_verifies(tmp_path):
+    """8da4w linears on XNNPACK: the materialized head is quantized (its identity drifts), the
+    factorized head reads the fp32 ``Zᵀ`` (exact interface, bounded)."""
+    out = tmp_path / "exp"
+    assert main(["export", str(_pit_dir("qwen3", tmp_path)), "--out", str(out), "--runtime", "executorch",
+                 "--dtype", "int4", "--max-seq-len", "64"]) == 0
+    report = verify_directory(out, record=False)
+    assert report.passed, str(report)
+    fact = report.result("executorch", "factorized", "int4")
+    mat = report.result("executorch", "materialized", "int4")
+    assert fact.interface_exact is True and fact.delta_ti <= 1e-4
+    assert mat.interface_exact is False and mat.delta_ti > 1e-3

@@ -38,8 +38,9 @@ class ParityBounds:
 class QuantizedBounds:
     """Bounds of a quantized artifact (KL figures against the fp32 reference).
 
-    ``delta_ti`` applies to factorized artifacts exported with the PIT correction; for the
-    others (materialized, uncorrected, tied) ``delta_ti`` is reported, not bounded.
+    ``delta_ti`` applies where the export claims an exact interface (factorized with the PIT
+    correction, or with an unquantized table); for the others (materialized, uncorrected,
+    tied) ``delta_ti`` is reported, not bounded.
     """
 
     kl_mean: float = 0.1

@@ -147,7 +147,9 @@ class InterfaceProbe(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.head, PITHead):
             return self.head.interface.logits(hidden)  # multipliers cancel: the effective head is T Zᵀ
-        out = hidden @ self.head.weight.T
+        out = self.head(hidden)  # the module itself: its weight may be a quantized tensor
+        if getattr(self.head, "bias", None) is not None:
+            out = out - self.head.bias
         return out if self.logit_mult == 1.0 else out * self.logit_mult
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor):

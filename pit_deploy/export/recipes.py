@@ -9,6 +9,7 @@ quantized dtypes the group size, the PIT correction and the parity bounds::
     max_seq_len = 256
     group_size = 32                         # int4 blocks / int8 table blocks along the input dim
     pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
+    table_bits = 8                          # bits of the token table(s) of quantized ONNX artifacts
     [bounds.int4]                           # overrides the built-in bounds of a dtype
     kl_mean = 0.5
 
@@ -37,7 +38,8 @@ DTYPES: tuple[str, ...] = tuple(dict.fromkeys(d for spec in EXPORTERS.values() f
 #: the recipes shipped with the package (package data)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
-_FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description", "group_size", "pit_correction", "bounds")
+_FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description", "group_size", "pit_correction", "bounds",
+           "table_bits")
 GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -53,6 +55,7 @@ class Recipe:
     name: str = "builtin-default"
     group_size: int = 32
     pit_correction: bool = True
+    table_bits: int = 8
     bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +72,8 @@ class Recipe:
             raise PitError(f"max_seq_len must be an integer ≥ 2, got {self.max_seq_len!r}")
         if self.group_size not in GROUP_SIZES or isinstance(self.group_size, bool):
             raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
+        if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
+            raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
         if not isinstance(self.pit_correction, bool):
             raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
         if not isinstance(self.bounds, dict) or any(k not in DTYPES or not isinstance(v, dict)

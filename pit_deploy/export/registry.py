@@ -85,5 +85,5 @@ register_exporter(ExporterSpec("onnx", "pit_deploy.export.to_onnx:export_artifac
                                dtypes=("float32", "int8", "int4")))
 register_exporter(ExporterSpec(
     "executorch", "pit_deploy.export.to_executorch:export_artifact", static_cache=True,
-    check="pit_deploy.export.to_executorch:precheck",
+    dtypes=("float32", "int8", "int4"), check="pit_deploy.export.to_executorch:precheck",
 ))

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, StaticCache
 from ..errors import PitError
 from ..model.families import max_positions
 from ..runtime.executorch_driver import PTE_NAME
+from ..model.modules import PITHead
 from .passes import InterfaceProbe
 
 
@@ -185,6 +186,43 @@ def precheck(config, recipe) -> None:
     check_max_seq_len(config, recipe.max_seq_len)
 
 
-def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None, opset: int | None = None) -> dict:
+#: torchao weight dtype of each quantized export dtype
+_WEIGHT_DTYPES = {"int8": "int8", "int4": "int4"}
+
+
+def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int) -> tuple[PreTrainedModel, dict]:
+    """A copy of ``model`` whose ``nn.Linear`` layers are quantized with torchao's
+    ``Int8DynamicActivationIntxWeightConfig`` — int8 dynamic activations with int4 weights in
+    groups of ``group_size`` (``8da4w``) or per-channel int8 weights (``8da8w``) — which the
+    XNNPACK partitioner lowers to its dynamically quantized fully-connected kernels.
+
+    Token tables stay float32 on this runtime: ExecuTorch's quantized embedding kernels need a
+    lowering step this exporter does not have yet (``docs/quantization.md``). A factorized
+    model's head reads ``Zᵀ`` through a plain matmul, not an ``nn.Linear``, so its interface
+    stays exact; a materialized ``lm_head`` is an ``nn.Linear`` and is quantized.
+    """
+    import copy
+
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    twin = copy.deepcopy(model)
+    weight_dtype = getattr(torch, _WEIGHT_DTYPES[dtype])
+    granularity = PerGroup(group_size) if dtype == "int4" else PerAxis(0)
+    quantize_(twin, Int8DynamicActivationIntxWeightConfig(weight_dtype=weight_dtype, weight_granularity=granularity),
+              filter_fn=lambda module, _fqn: isinstance(module, nn.Linear))
+    scheme = f"8da4w (int8 dynamic activations, int4 weights, group {group_size})" if dtype == "int4" else \
+        "8da8w (int8 dynamic activations, per-channel int8 weights)"
+    return twin, {"linear": scheme, "token_table": "float32 (not quantized on this runtime)",
+                  "library": "torchao Int8DynamicActivationIntxWeightConfig"}
+
+
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
+                    opset: int | None = None, dtype: str = "float32") -> dict:
     """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
-    return export_pte(model, out_dir, recipe.max_seq_len)
+    if dtype == "float32":
+        return export_pte(model, out_dir, recipe.max_seq_len)
+    quantized, details = quantize_linears(model, dtype, recipe.group_size)
+    # a factorized head is a matmul with the fp32 Zᵀ, not an nn.Linear: W_out E = I stays exact
+    details["interface_exact"] = isinstance(model.get_output_embeddings(), PITHead)
+    return {**export_pte(quantized, out_dir, recipe.max_seq_len), "quantization": details}

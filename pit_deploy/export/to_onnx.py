@@ -36,7 +36,8 @@ ONNX_TASK = "text-generation-with-past"
 
 @torch.no_grad()
 def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None,
-                dtype: str = "float32", group_size: int = 32, pit_correction: bool = True) -> dict:
+                dtype: str = "float32", group_size: int = 32, pit_correction: bool = True,
+                table_bits: int | None = None) -> dict:
     """Write ``model.onnx`` (+ config, generation config, tokenizer) and ``interface.onnx``;
     for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`).
 
@@ -80,8 +81,10 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     details: dict = {"task": ONNX_TASK, "decoder": DECODER_NAME, "decoder_data": DECODER_DATA,
                      "interface": INTERFACE_NAME}
     if dtype != "float32":
-        decoder, details["quantization"] = quantize_graph(decoder, dtype, group_size, v, d, pit_correction, body=True)
-        interface, _ = quantize_graph(interface, dtype, group_size, v, d, pit_correction, body=False)
+        decoder, details["quantization"] = quantize_graph(decoder, dtype, group_size, v, d, pit_correction,
+                                                          body=True, table_bits=table_bits)
+        interface, _ = quantize_graph(interface, dtype, group_size, v, d, pit_correction, body=False,
+                                      table_bits=table_bits)
     save_deduplicated(decoder, out_dir / DECODER_NAME, DECODER_DATA)
     del decoder
     details["interface_tensors_shared"] = share_interface_weights(out_dir, interface, min_elements=d * d)
@@ -142,4 +145,4 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
                     opset: int | None = None, dtype: str = "float32") -> dict:
     """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
     return export_onnx(model, out_dir, tokenizer, opset, dtype=dtype, group_size=recipe.group_size,
-                       pit_correction=recipe.pit_correction)
+                       pit_correction=recipe.pit_correction, table_bits=recipe.table_bits)
