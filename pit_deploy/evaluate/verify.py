@@ -39,7 +39,7 @@ from ..errors import PitError
 from ..export.recipes import DTYPES, MODES, RUNTIMES, parse_list
 from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, sha256_file, write_json_atomic
-from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, check_digests
+from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests
 from ..model.core import identity_defect
 from ..runtime.base import driver_class
 from .bounds import BOUNDS, ParityBounds, QuantizedBounds, bounds_for
@@ -93,7 +93,7 @@ class ArtifactResult:
 
     @property
     def key(self) -> str:
-        return f"{self.runtime}-{self.mode}" if self.dtype == "float32" else f"{self.runtime}-{self.mode}-{self.dtype}"
+        return artifact_key(self.runtime, self.mode, self.dtype)
 
     def judge(self, bounds: ParityBounds | QuantizedBounds | None = None) -> "ArtifactResult":
         """Apply the bounds. Every comparison is written so that NaN fails it: ``not x <= b``
@@ -284,12 +284,13 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
     """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`.heldout`)."""
     from .heldout import kl_parity
 
-    if not heldout or not heldout.get("blocks"):
+    blocks = heldout.get("blocks") if isinstance(heldout, dict) else None
+    if not blocks:
         raise PitError(f"{directory / MANIFEST_NAME} records no held-out token set for the quantized "
                        f"artifact {art.key}; re-export with this pit-deploy")
-    blocks = heldout["blocks"]
     vocab = art.shapes["vocab_size"]
-    if any(not isinstance(t, int) or not 0 <= t < vocab for row in blocks for t in row):
+    if (not isinstance(blocks, list) or any(not isinstance(row, list) or not row for row in blocks)
+            or any(not isinstance(t, int) or not 0 <= t < vocab for row in blocks for t in row)):
         raise PitError(f"{directory / MANIFEST_NAME}: the held-out ids are not token ids of this model "
                        "(tampered manifest?); re-export")
     driver = driver_class(art.runtime)(directory / art.path)
@@ -432,7 +433,7 @@ def verify_directory(
     if record:
         data = json.loads((directory / MANIFEST_NAME).read_text())
         previous = data.get("verification") or {}
-        by_key = {f"{r['runtime']}-{r['mode']}" + ("" if r.get("dtype", "float32") == "float32" else f"-{r['dtype']}"): r
+        by_key = {artifact_key(r["runtime"], r["mode"], r.get("dtype", "float32")): r
                   for r in previous.get("artifacts", [])}
         by_key.update({r.key: asdict(r) for r in results})
         data["verification"] = {

@@ -25,17 +25,12 @@ from ..model.inspect import find_interface
 from ..errors import PitError
 from .registry import exporter_for
 from .passes import prepare
-from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, file_table, library_versions
+from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
 from ..io.sources import LoadedModel, load_source
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
-
-
-def artifact_dir_name(runtime: str, mode: str, dtype: str = "float32") -> str:
-    """``onnx-factorized`` for fp32 artifacts, ``onnx-factorized-int4`` for quantized ones."""
-    return f"{runtime}-{mode}" if dtype == "float32" else f"{runtime}-{mode}-{dtype}"
 
 
 def load_pit_source(model: str, t_init: str | None = None, progress: Progress | None = None) -> LoadedModel:
@@ -127,7 +122,7 @@ def export_model(
             prepared = prepare(model, mode, dtype)
             for runtime in runtimes:
                 for art_dtype in recipe.dtypes:
-                    name = artifact_dir_name(runtime, mode, art_dtype)
+                    name = artifact_key(runtime, mode, art_dtype)
                     say(f"exporting {name}")
                     start = time.perf_counter()
                     exporter = exporter_for(runtime)

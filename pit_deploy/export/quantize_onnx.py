@@ -29,7 +29,6 @@ be rounded and the identity would hold only to about 1e-2.
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,14 +59,6 @@ class BlockTable:
     zero_points: np.ndarray
     bits: int
     block: int
-
-    @property
-    def rows(self) -> int:
-        return self.packed.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.scales.shape[1] * self.block
 
     def dequantize(self) -> np.ndarray:
         """``(q − zero_point) · scale`` in float32, exactly as the runtime computes it."""
@@ -141,7 +132,7 @@ def _gather_axis(node) -> int:
     return 0
 
 
-def find_interface(graph, vocab: int, hidden: int) -> Interface:
+def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
     """The embedding Gather and the head MatMul of ``graph`` (a tied head may read ``Eᵀ``
     through a ``Transpose`` node)."""
     from onnx import numpy_helper
@@ -167,8 +158,10 @@ def find_interface(graph, vocab: int, hidden: int) -> Interface:
     table = numpy_helper.to_array(inits[gather.input[0]])
     embed_rows = table.T if _gather_axis(gather) == 1 else table
     b = head.input[1]
-    head_rows = numpy_helper.to_array(inits[b]).T if b in inits else numpy_helper.to_array(
-        inits[_producer(graph, b).input[0]])
+    if b in inits:
+        head_rows = numpy_helper.to_array(inits[b]).T
+    else:  # a tied head: MatMul(h, Transpose(E))
+        head_rows = numpy_helper.to_array(inits[_producer(graph, b).input[0]])
     iface = Interface(gather, head, np.ascontiguousarray(embed_rows), np.ascontiguousarray(head_rows))
     # factorized: Gather(Zt, axis=1) -> Transpose -> MatMul(., T_inv); head = MatMul(MatMul(h, T), Zt)
     first = _producer(graph, head.input[0])
@@ -344,7 +337,7 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
         ``(model, details)``.
     """
     bits = table_bits or BITS[dtype]
-    iface = find_interface(model.graph, vocab, hidden)
+    iface = find_graph_interface(model.graph, vocab, hidden)
     factorized = iface.t_name is not None
     # the factorized head keeps fp32 activations so that W_out E = I holds on the runtime
     head_accuracy = None if factorized else BODY_ACCURACY_LEVEL

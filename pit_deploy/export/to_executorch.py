@@ -186,10 +186,6 @@ def precheck(config, recipe) -> None:
     check_max_seq_len(config, recipe.max_seq_len)
 
 
-#: torchao weight dtype of each quantized export dtype
-_WEIGHT_DTYPES = {"int8": "int8", "int4": "int4"}
-
-
 def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int) -> tuple[PreTrainedModel, dict]:
     """A copy of ``model`` whose ``nn.Linear`` layers are quantized with torchao's
     ``Int8DynamicActivationIntxWeightConfig`` — int8 dynamic activations with int4 weights in
@@ -207,7 +203,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int) -> tup
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     twin = copy.deepcopy(model)
-    weight_dtype = getattr(torch, _WEIGHT_DTYPES[dtype])
+    weight_dtype = getattr(torch, dtype)  # torch.int8 / torch.int4
     granularity = PerGroup(group_size) if dtype == "int4" else PerAxis(0)
     quantize_(twin, Int8DynamicActivationIntxWeightConfig(weight_dtype=weight_dtype, weight_granularity=granularity),
               filter_fn=lambda module, _fqn: isinstance(module, nn.Linear))

@@ -43,6 +43,12 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+def artifact_key(runtime: str, mode: str, dtype: str = "float32") -> str:
+    """An artifact's name (and folder): ``onnx-factorized`` for fp32, ``onnx-factorized-int4``
+    for a quantized dtype."""
+    return f"{runtime}-{mode}" if dtype == "float32" else f"{runtime}-{mode}-{dtype}"
+
+
 def file_table(root: Path, folder: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {sha256, bytes}}`` of every file under ``folder`` (sorted)."""
     table = {}
@@ -67,8 +73,7 @@ class Artifact:
 
     @property
     def key(self) -> str:
-        """``runtime-mode`` for fp32 artifacts, ``runtime-mode-dtype`` for quantized ones."""
-        return f"{self.runtime}-{self.mode}" if self.dtype == "float32" else f"{self.runtime}-{self.mode}-{self.dtype}"
+        return artifact_key(self.runtime, self.mode, self.dtype)
 
     @property
     def quantized(self) -> bool:
