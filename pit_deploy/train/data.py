@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +39,10 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import PitError
+from ..io.hub import is_hub_id
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 RECORD_SUFFIXES = (".jsonl", ".parquet")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass
@@ -103,15 +102,34 @@ class _Ref:
     key: str
     path: Path
     doc: Document | None = None  # records of JSONL/Parquet files are held in memory
+    strict: bool = True  # user data must be UTF-8 text; the default corpus is read leniently
 
     def load(self) -> Document | None:
         if self.doc is not None:
             return self.doc
         try:
-            text = self.path.read_text(encoding="utf-8", errors="replace")
+            raw = self.path.read_bytes()
         except OSError:
             return None
+        text = decode_text(raw, self.path) if self.strict else raw.decode("utf-8", errors="replace")
         return Document(text=text) if text.strip() else None
+
+
+def decode_text(raw: bytes, path: Path) -> str:
+    """``raw`` as UTF-8 text, or a clear error: training on replacement characters (a latin-1
+    file) or on a binary file read as text would teach the model noise without a word.
+
+    Raises:
+        PitError: not UTF-8, or binary (NUL bytes).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PitError(f"{path} is not UTF-8 text (invalid byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                       "convert it, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8`, or remove it from --data") from None
+    if "\x00" in text:
+        raise PitError(f"{path} looks binary (it holds NUL bytes), not text; remove it from --data")
+    return text
 
 
 def stdlib_root() -> Path:
@@ -128,17 +146,16 @@ def _local_files(root: Path) -> list[Path]:
 
 def _read_records(path: Path) -> Iterator[dict[str, Any]]:
     if path.suffix.lower() == ".jsonl":
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PitError(f"{path}:{lineno} is not valid JSON ({exc.msg}); fix or remove that line") from None
-                if not isinstance(record, dict):
-                    raise PitError(f"{path}:{lineno} is not a JSON object; each line must be one record")
-                yield record
+        for lineno, line in enumerate(decode_text(path.read_bytes(), path).split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PitError(f"{path}:{lineno} is not valid JSON ({exc.msg}); fix or remove that line") from None
+            if not isinstance(record, dict):
+                raise PitError(f"{path}:{lineno} is not a JSON object; each line must be one record")
+            yield record
     else:
         try:
             import pyarrow.parquet as pq
@@ -167,7 +184,7 @@ def local_refs(spec: str, cfg: DataConfig) -> tuple[list[_Ref], list[_Ref]]:
                     key = f"{rel}#{i}"
                     (val if is_validation(key, cfg.val_fraction) else train).append(_Ref(key, path, doc))
         else:
-            ref = _Ref(rel, path)
+            ref = _Ref(rel, path, strict=spec != "default")
             if ref.load() is not None:  # skip empty files (read once here, lazily later)
                 (val if is_validation(rel, cfg.val_fraction) else train).append(ref)
     if not train and not val:
@@ -323,7 +340,7 @@ class TextSource:
         self.is_hub = not (spec == "default" or Path(spec).expanduser().exists())
         self._hub_iter = None
         if self.is_hub:
-            if not _HUB_ID.match(spec):
+            if not is_hub_id(spec):
                 raise PitError(f"--data {spec}: no such file or directory (and not a hub dataset id "
                                "like 'org/name')")
             self.train_refs: list[_Ref] = []
