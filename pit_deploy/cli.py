@@ -21,6 +21,18 @@ from .errors import PitError
 Handler = Callable[[argparse.Namespace], int]
 
 
+def terminate_like_interrupt() -> None:
+    """Handle SIGTERM (a job scheduler, ``kill``, ``torchrun`` stopping its workers) like
+    Ctrl-C: the ``KeyboardInterrupt`` unwinds through the atomic writers, which remove their
+    temporary directories, so a stopped command leaves no partial output behind."""
+    import signal
+
+    def _interrupt(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def stage(message: str) -> None:
     """A progress line on stderr (stdout stays clean for ``--json``)."""
     print(f"[pit-deploy {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -63,6 +75,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.diagonal not in DIAGONAL_MAPS:
         raise PitError(f"unknown --diagonal {args.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
     check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
+    terminate_like_interrupt()
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
     if loaded.is_pit:
@@ -214,8 +227,6 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    import signal
-
     from .io.fs import check_output_dir
     from .export.recipes import Recipe, load_recipe
 
@@ -224,11 +235,7 @@ def run_export(args: argparse.Namespace) -> int:
                              max_seq_len=args.max_seq_len, group_size=args.group_size,
                              pit_correction=args.pit_correction, table_bits=args.table_bits)
     check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
-
-    def _terminate(signum, _frame):  # SIGTERM cleans up like Ctrl-C: no partial directory
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    terminate_like_interrupt()
     from .export.pipeline import export_model, load_pit_source
 
     stage(f"loading {args.model}")
@@ -279,70 +286,19 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
+    """The flags are generated from :class:`~pit_deploy.train.config.TrainConfig`: each field's
+    default, help text, group and (where it differs from ``--field-name``) flag live there."""
+    from .train.config import GROUPS, config_flags
+
     p = sub.add_parser(
         "train",
         help="continued / from-scratch pretraining or LoRA, with PIT or transpose tying",
         description="Train a causal LM with PIT or transpose tying (TT). Runs on CPU or CUDA; "
         "under `torchrun --nproc-per-node N` it trains with DDP. See docs/training.md.",
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="default", help="default | GGUF file | HF/PIT directory | hub id")
-    g.add_argument("--tying", default="pit", choices=("pit", "tt"), help="PIT or transpose tying (baseline)")
-    g.add_argument("--t-init", default="identity", help="T init when converting: identity | input | output")
-    g.add_argument("--diagonal", default="softplus", help="map to L's diagonal: softplus | exp")
-    g.add_argument("--train-z", action="store_true", help="train Z too (polar retraction after each step)")
-    g.add_argument("--from-scratch", action="store_true", help="random init of --arch instead of --model")
-    g.add_argument("--arch", default="tiny", help="llama-0.3b | llama-0.6b | llama-1.2b | tiny")
-    g.add_argument("--tokenizer", default=None, help="tokenizer source (default: that of --model)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default="default", help="default | file | directory | hub dataset id")
-    g.add_argument("--data-config", default=None, help="hub dataset config (e.g. sample-10BT)")
-    g.add_argument("--data-split", default="train", help="hub dataset split")
-    g.add_argument("--no-streaming", dest="streaming", action="store_false", help="download the hub split instead of streaming")
-    g.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out")
-    g.add_argument("--text-field", default="text")
-    g.add_argument("--prompt-field", default="prompt")
-    g.add_argument("--completion-field", default="completion")
-    g.add_argument("--seq-len", type=int, default=256)
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--tokens", type=int, default=None, help="token budget (instead of --steps)")
-    g.add_argument("--batch-size", type=int, default=4, help="blocks per process per micro-step")
-    g.add_argument("--grad-accum", type=int, default=1)
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--lr-t", type=float, default=None, help="learning rate of T (default: --lr)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.1, help="on matrices; never on Z, L, norms, biases")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g = p.add_argument_group("distillation (recovery after conversion)")
-    g.add_argument("--distill", action="store_true", help="add KL to the frozen source model's logits")
-    g.add_argument("--distill-weight", type=float, default=0.5, help="loss = (1-w)·LM + w·KL")
-    g.add_argument("--distill-temperature", type=float, default=1.0)
-    g = p.add_argument_group("LoRA")
-    g.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on attention/MLP linears")
-    g.add_argument("--lora-rank", type=int, default=8)
-    g.add_argument("--lora-alpha", type=float, default=16.0)
-    g.add_argument("--lora-targets", default=None, help="comma-separated module names (default: all attention/MLP linears)")
-    g.add_argument("--lora-train-t", action="store_true", help="train T next to the adapters")
-    g.add_argument("--merge", action="store_true", help="write the merged PIT model to OUT/model")
-    g = p.add_argument_group("run")
-    g.add_argument("--out", required=True, help="run directory")
-    g.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: off)")
-    g.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks per evaluation")
-    g.add_argument("--log-every", type=int, default=1)
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only none)")
-    g.add_argument("--keep-checkpoints", type=int, default=2)
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    g.add_argument("--fsdp", action="store_true",
-                   help="under torchrun: shard the model over the processes (FSDP) instead of DDP")
-    g.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    g.add_argument("--no-progress", dest="progress", action="store_false")
-    g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
-    g.add_argument("--no-plot", dest="plot", action="store_false")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    for flag in config_flags():
+        groups[flag.group].add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
     p.set_defaults(handler=run_train)
 
 
@@ -353,10 +309,8 @@ def run_train(args: argparse.Namespace) -> int:
     from .train.loop import TrainConfig, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    options = {k: v for k, v in vars(args).items() if k in fields}
-    if options.get("lora_targets"):
-        options["lora_targets"] = [t.strip() for t in options["lora_targets"].split(",") if t.strip()]
-    result = train(TrainConfig(**options))
+    terminate_like_interrupt()
+    result = train(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
     if result is not None:
         stage(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
               + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
@@ -464,6 +418,7 @@ def run_run(args: argparse.Namespace) -> int:
     recipe = load_run_recipe(args.recipe, overrides)
     out = args.out or f"runs/{recipe.name}"
     stage(f"run {recipe.name} → {out}")
+    terminate_like_interrupt()
     result = run_pipeline(recipe, out, from_stage=args.from_stage, force=args.force, say=stage)
     if result.report:
         print(f"report: {result.report} (and {Path(result.report).with_suffix('.html')})")

@@ -103,12 +103,9 @@ class RunRecipe:
 
 def _train_default(key: str) -> Any:
     """The training config's default of ``key`` (``None`` when it has none)."""
-    from dataclasses import MISSING, fields
+    from ..train.config import default_of
 
-    from ..train.loop import TrainConfig
-
-    field = next((f for f in fields(TrainConfig) if f.name == key), None)
-    return None if field is None or field.default is MISSING else field.default
+    return default_of(key)
 
 
 def _check_type(what: str, value: Any, default: Any) -> None:
@@ -133,10 +130,10 @@ def _check_type(what: str, value: Any, default: Any) -> None:
 
 
 def train_config_keys() -> list[str]:
-    """Field names of the training config (imported lazily: it needs torch)."""
+    """Field names of the training config."""
     from dataclasses import fields
 
-    from ..train.loop import TrainConfig
+    from ..train.config import TrainConfig
 
     return [f.name for f in fields(TrainConfig)]
 

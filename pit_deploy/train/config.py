@@ -1,0 +1,260 @@
+"""The options of a training run: one dataclass whose fields carry their own flag, help text
+and group, so ``pit-deploy train``'s flags are generated from it (``cli.add_train``) and a
+default lives in exactly one place. :func:`validate` rejects every bad value up front, before
+anything slow happens (``docs/training.md`` lists the options; ``docs/conventions.md`` the exit
+codes)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from ..errors import PitError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+# Options that must not change between a run and its resumption.
+RESUME_KEYS = ("model", "tying", "from_scratch", "arch", "seq_len", "batch_size", "grad_accum",
+               "seed", "data", "lora", "t_init", "train_z", "fsdp")
+GROUPS = ("model", "data", "optimization", "distillation", "LoRA", "run")  # flag groups, in --help order
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def opt(default: Any, help: str = "", *, group: str, flag: str | None = None,
+        choices: tuple[str, ...] | None = None, cli: bool = True) -> Any:
+    """A config field with what its command-line flag needs (read by ``cli.add_train``).
+
+    ``flag`` names a flag other than ``--field-name`` (e.g. ``--no-progress`` for a field that
+    defaults to true); ``cli=False`` keeps a field off the command line."""
+    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "cli": cli}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """Every option of ``pit-deploy train`` (see ``docs/training.md``)."""
+
+    out: str = opt(None, "run directory", group="run")
+    # model
+    model: str = opt("default", "default | GGUF file | HF/PIT directory | hub id", group="model")
+    tying: str = opt("pit", "PIT or transpose tying (baseline)", group="model", choices=("pit", "tt"))
+    t_init: str = opt("identity", "T init when converting: identity | input | output | preserve", group="model")
+    diagonal: str = opt("softplus", "map to L's diagonal: softplus | exp", group="model")
+    train_z: bool = opt(False, "train Z too (polar retraction after each step)", group="model")
+    from_scratch: bool = opt(False, "random init of --arch instead of --model", group="model")
+    arch: str = opt("tiny", "llama-0.3b | llama-0.6b | llama-1.2b | tiny", group="model")
+    tokenizer: str | None = opt(None, "tokenizer source (default: that of --model)", group="model")
+    # data
+    data: str = opt("default", "default | file | directory | hub dataset id", group="data")
+    data_config: str | None = opt(None, "hub dataset config (e.g. sample-10BT)", group="data")
+    data_split: str = opt("train", "hub dataset split", group="data")
+    streaming: bool = opt(True, "download the hub split instead of streaming", group="data", flag="--no-streaming")
+    val_fraction: float = opt(0.05, "share of documents held out, in [0, 1)", group="data")
+    text_field: str = opt("text", "JSONL/hub field of plain text", group="data")
+    prompt_field: str = opt("prompt", "JSONL/hub field of prompts (loss masked)", group="data")
+    completion_field: str = opt("completion", "JSONL/hub field of completions (trained)", group="data")
+    seq_len: int = opt(256, "tokens per block", group="data")
+    # optimization
+    steps: int | None = opt(None, "optimizer steps (or --tokens)", group="optimization")
+    tokens: int | None = opt(None, "token budget (instead of --steps)", group="optimization")
+    batch_size: int = opt(4, "blocks per process per micro-step", group="optimization")
+    grad_accum: int = opt(1, "micro-steps per optimizer step (loss normalized by trained tokens)",
+                          group="optimization")
+    lr: float = opt(3e-4, "peak learning rate (> 0)", group="optimization")
+    lr_t: float | None = opt(None, "learning rate of T's factors (default: --lr; 0 freezes T's rate)",
+                             group="optimization")
+    min_lr_ratio: float = opt(0.1, "cosine floor as a fraction of --lr, in [0, 1]", group="optimization")
+    warmup_steps: int = opt(0, "linear warmup steps", group="optimization")
+    weight_decay: float = opt(0.1, "on matrices; never on Z, L, norms, biases", group="optimization")
+    betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95", group="optimization")
+    grad_clip: float = opt(1.0, "max gradient norm (0: off)", group="optimization")
+    precision: str = opt("fp32", "autocast precision", group="optimization", choices=PRECISIONS)
+    seed: int = opt(0, "seed of the model init, the data order and dropout", group="optimization")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N", group="optimization")
+    # distillation
+    distill: bool = opt(False, "add KL to the frozen source model's logits", group="distillation")
+    distill_weight: float = opt(0.5, "loss = (1-w)·LM + w·KL, w in [0, 1]", group="distillation")
+    distill_temperature: float = opt(1.0, "softmax temperature of the KL (> 0)", group="distillation")
+    # LoRA
+    lora: bool = opt(False, "train LoRA adapters (PEFT) on attention/MLP linears", group="LoRA")
+    lora_rank: int = opt(8, "adapter rank", group="LoRA")
+    lora_alpha: float = opt(16.0, "adapter scale numerator", group="LoRA")
+    lora_targets: list[str] | None = opt(None, "comma-separated module names (default: all attention/MLP linears)",
+                                         group="LoRA")
+    lora_train_t: bool = opt(False, "train T next to the adapters", group="LoRA")
+    merge: bool = opt(False, "write the merged PIT model to OUT/model", group="LoRA")
+    # run
+    eval_every: int = opt(0, "validation every N steps (0: off)", group="run")
+    eval_blocks: int = opt(8, "held-out blocks per evaluation", group="run")
+    log_every: int = opt(1, "log every N steps", group="run")
+    save_every: int = opt(0, "checkpoint every N steps (0: none)", group="run")
+    keep_checkpoints: int = opt(2, "checkpoints kept on disk", group="run")
+    resume: bool = opt(False, "continue from the newest complete checkpoint in --out", group="run")
+    fsdp: bool = opt(False, "under torchrun: shard the model over the processes (FSDP) instead of DDP", group="run")
+    force: bool = opt(False, "replace a non-empty --out", group="run")
+    progress: bool = opt(True, "no progress bar", group="run", flag="--no-progress")
+    tensorboard: bool = opt(False, "also log to OUT/tensorboard (needs tensorboard)", group="run")
+    plot: bool = opt(True, "no loss.png", group="run", flag="--no-plot")
+
+    def data_config_obj(self):
+        from .data import DataConfig
+
+        return DataConfig(
+            spec=self.data, seq_len=self.seq_len, seed=self.seed, val_fraction=self.val_fraction,
+            hub_config=self.data_config, hub_split=self.data_split, streaming=self.streaming,
+            text_field=self.text_field, prompt_field=self.prompt_field,
+            completion_field=self.completion_field,
+        )
+
+    @property
+    def t_lr_scale(self) -> float:
+        """``lr_t / lr``: 1 when ``lr_t`` is unset (``None``), 0 when it is 0 (T's rate frozen)."""
+        return 1.0 if self.lr_t is None else self.lr_t / self.lr
+
+
+def default_of(name: str) -> Any:
+    """The default of field ``name`` (``None`` when it has none)."""
+    f = next((f for f in fields(TrainConfig) if f.name == name), None)
+    if f is None:
+        return None
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Reject inconsistent or out-of-range options before anything slow happens (exit 2)."""
+    from ..convert.conversion import CONVERSIONS
+    from ..model.core import DIAGONAL_MAPS
+
+    if not cfg.out:
+        raise PitError("--out is required: the run directory")
+    if cfg.tying not in ("pit", "tt"):
+        raise PitError(f"unknown --tying {cfg.tying!r}; choose pit or tt")
+    if cfg.precision not in PRECISIONS:
+        raise PitError(f"unknown --precision {cfg.precision!r}; choose {', '.join(PRECISIONS)}")
+    if cfg.t_init not in CONVERSIONS:
+        raise PitError(f"unknown --t-init {cfg.t_init!r}; choose one of {', '.join(CONVERSIONS)}")
+    if cfg.diagonal not in DIAGONAL_MAPS:
+        raise PitError(f"unknown --diagonal {cfg.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
+    if not _DEVICE.match(cfg.device):
+        raise PitError(f"unknown --device {cfg.device!r}; choose auto, cpu, cuda, cuda:N or mps")
+    if (cfg.steps is None) == (cfg.tokens is None):
+        raise PitError("give exactly one of --steps and --tokens")
+    for name in ("seq_len", "batch_size", "grad_accum", "log_every", "eval_blocks", "keep_checkpoints",
+                 "lora_rank"):
+        if getattr(cfg, name) < 1:
+            raise PitError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("warmup_steps", "save_every", "eval_every"):
+        if getattr(cfg, name) < 0:
+            raise PitError(f"{_flag(name)} must be 0 or more, got {getattr(cfg, name)}")
+    if (cfg.steps is not None and cfg.steps < 1) or (cfg.tokens is not None and cfg.tokens < 1):
+        raise PitError("--steps/--tokens must be positive")
+    floats = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip,
+              "min_lr_ratio": cfg.min_lr_ratio, "distill_weight": cfg.distill_weight,
+              "distill_temperature": cfg.distill_temperature, "lora_alpha": cfg.lora_alpha,
+              "val_fraction": cfg.val_fraction}
+    if cfg.lr_t is not None:
+        floats["lr_t"] = cfg.lr_t
+    for name, value in floats.items():
+        if not math.isfinite(value):
+            raise PitError(f"{_flag(name)} must be a finite number, got {value}")
+    if cfg.lr <= 0:
+        raise PitError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.lr_t is not None and cfg.lr_t < 0:
+        raise PitError(f"--lr-t must be 0 or more, got {cfg.lr_t} (0 keeps T's factors at their start)")
+    for name in ("weight_decay", "grad_clip"):
+        if getattr(cfg, name) < 0:
+            raise PitError(f"{_flag(name)} must be 0 or more, got {getattr(cfg, name)}"
+                           + (" (0 turns clipping off)" if name == "grad_clip" else ""))
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise PitError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
+        raise PitError(f"--betas must be two numbers in [0, 1), got {cfg.betas}")
+    if not 0.0 <= cfg.distill_weight <= 1.0:
+        raise PitError("--distill-weight must be in [0, 1] (loss = (1-w)·LM + w·KL)")
+    if cfg.distill_temperature <= 0:
+        raise PitError(f"--distill-temperature must be positive, got {cfg.distill_temperature}")
+    if cfg.lora_alpha <= 0:
+        raise PitError(f"--lora-alpha must be positive, got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise PitError("--val-fraction must be in [0, 1)")
+    if cfg.from_scratch and cfg.distill:
+        raise PitError("--distill needs a pretrained source model; it cannot be used with --from-scratch")
+    if cfg.fsdp and cfg.lora:
+        raise PitError("--fsdp with --lora is not supported: LoRA adapters are small, use plain DDP "
+                       "(torchrun without --fsdp)")
+    if cfg.fsdp and cfg.precision == "fp16":
+        raise PitError("--fsdp supports --precision fp32 or bf16 (fp16 needs a gradient scaler "
+                       "that does not handle sharded gradients); use bf16")
+    if cfg.from_scratch and cfg.lora:
+        raise PitError("--lora adapts a trained model; train from scratch first, then run --lora on it")
+    if cfg.merge and not cfg.lora:
+        raise PitError("--merge only applies to --lora runs")
+    if cfg.lora_train_t and cfg.tying != "pit":
+        raise PitError("--lora-train-t needs --tying pit")
+    if cfg.train_z and cfg.tying != "pit":
+        raise PitError("--train-z needs --tying pit")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One ``pit-deploy train`` flag derived from a config field (``argparse`` keywords)."""
+
+    flag: str
+    dest: str
+    group: str
+    kwargs: dict[str, Any]
+
+
+def _comma_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _betas(text: str) -> tuple[float, float]:
+    import argparse
+
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+_PARSERS = {"str": str, "int": int, "float": float, "list[str]": _comma_list,
+            "tuple[float, float]": _betas}
+
+
+def config_flags() -> list[Flag]:
+    """The flags of every command-line field of :class:`TrainConfig`, in field order.
+
+    Booleans that default to false are ``store_true``; those that default to true take the
+    field's ``flag`` (``--no-…``) as ``store_false``; ``X | None`` fields parse as ``X``."""
+    flags = []
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        default = default_of(f.name)
+        kwargs: dict[str, Any] = {"help": meta.get("help") or None}
+        kind = str(f.type).replace(" | None", "")
+        if kind == "bool":
+            kwargs["action"] = "store_false" if default else "store_true"
+        else:
+            kwargs["type"] = _PARSERS[kind]
+            kwargs["default"] = default
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            if f.name == "out":
+                kwargs["required"] = True
+        flags.append(Flag(flag=meta.get("flag") or _flag(f.name), dest=f.name, group=meta["group"], kwargs=kwargs))
+    return flags
