@@ -28,7 +28,7 @@ def source_val_loss(args) -> float:
     """Validation loss of the unconverted source (TT) model on the runs' held-out blocks."""
     from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
     from pit_deploy.io.sources import load_source
-    from pit_deploy.train.loop import token_loss
+    from pit_deploy.train.loss import token_loss
 
     loaded = load_source(args.model)
     dcfg = DataConfig(args.data, seq_len=args.seq_len, seed=args.seed)

@@ -29,48 +29,24 @@ import torch
 
 
 def interleaved_step_times(args, device: torch.device) -> dict:
-    """Median fwd+bwd+AdamW step time of PIT and TT, alternating on one fixed batch."""
-    import copy
+    """Median training-step time of PIT and TT, alternating on one fixed batch. Each step is
+    the training loop's own ``TrainingRecipe.train_step`` (accumulation, clipping, AdamW,
+    retraction), on recipes built without a run directory."""
+    from pit_deploy.train.loop import TrainConfig, TrainingRecipe
 
-    from pit_deploy.convert.conversion import convert_model
-    from pit_deploy.model.core import PITSpec
-    from pit_deploy.train.data import DataConfig, TextSource, TrainStream
-    from pit_deploy.io.sources import load_source
-    from pit_deploy.train.loop import PRECISIONS, TrainConfig, param_groups, token_loss
-
-    loaded = load_source(args.model)
-    tt = loaded.model.to(device).train()
-    pit = convert_model(copy.deepcopy(loaded.model), args.t_init, PITSpec()).to(device).train()
-    dcfg = DataConfig(args.data, seq_len=args.seq_len, seed=args.seed)
-    batch = TrainStream(TextSource(dcfg), loaded.tokenizer, dcfg).next_batch(args.batch_size)
-    ids = batch.ids.to(device)
-    cfg = TrainConfig(out="-", lr=args.lr, lr_t=args.lr_t)
-    amp = PRECISIONS[args.precision]
     runs = {}
-    for name, model in (("pit", pit), ("tt", tt)):
-        opt = torch.optim.AdamW(param_groups(model, cfg), lr=args.lr)
-        runs[name] = (model, opt)
-
-    def one_step(model, opt) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-        loss = token_loss(logits, ids[:, 1:], torch.ones_like(ids[:, 1:], dtype=torch.float32))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    for tying in ("pit", "tt"):
+        cfg = TrainConfig(out="-", model=args.model, tying=tying, data=args.data, seq_len=args.seq_len,
+                          batch_size=args.batch_size, steps=1, lr=args.lr, lr_t=args.lr_t, t_init=args.t_init,
+                          precision=args.precision, seed=args.seed, device=str(device), progress=False)
+        runs[tying] = TrainingRecipe(cfg).setup(write=False)
+    batch = runs["pit"].stream.next_batch(runs["pit"].blocks_per_step)
 
     times = {"pit": [], "tt": []}
     for i in range(args.timing_steps + 1):
         order = ("pit", "tt") if i % 2 == 0 else ("tt", "pit")
         for name in order:
-            dt = one_step(*runs[name])
+            dt = runs[name].train_step(batch).seconds
             if i > 0:  # first round is warm-up
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}

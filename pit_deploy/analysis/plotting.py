@@ -27,10 +27,11 @@ class RunLog:
     @classmethod
     def load(cls, path: str | Path, label: str | None = None) -> "RunLog":
         path = Path(path)
-        metrics = path / "metrics.jsonl"
-        if not metrics.is_file():
-            raise PitError(f"{path} has no metrics.jsonl; pass a directory written by `pit-deploy train`")
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        from ..train.metrics import METRICS_NAME, read_metrics
+
+        if not (path / METRICS_NAME).is_file():
+            raise PitError(f"{path} has no {METRICS_NAME}; pass a directory written by `pit-deploy train`")
+        records = read_metrics(path)
         if label is None:
             label = path.name
             run = path / "run.json"

@@ -8,11 +8,11 @@ import math
 from typing import Any, Callable, ContextManager
 
 import torch
-from torch.nn import functional as F
 
 from ..errors import PitError
 from ..model.families import max_positions
 from .data import Block, DataConfig, TextSource, validation_blocks
+from .loss import token_nll_sum
 
 
 @torch.no_grad()
@@ -25,8 +25,7 @@ def block_nll(model: Any, block: Block, batch_size: int, device: torch.device | 
         mask = block.mask[i : i + batch_size, 1:].to(device)
         with autocast():
             logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-        ce = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        total += float((ce * mask.flatten()).sum())
+        total += float(token_nll_sum(logits, ids[:, 1:], mask))
         count += float(mask.sum())
     return total / max(count, 1.0)
 
