@@ -43,7 +43,8 @@ def _package_files(sub: str) -> list[Path]:
 
 
 @pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.export.recipes",
-                                   "pit_deploy.export.registry", "pit_deploy.runtime.base", "pit_deploy.evaluate.bounds"])
+                                   "pit_deploy.export.registry", "pit_deploy.runtime.base", "pit_deploy.evaluate.bounds",
+                                   "pit_deploy.io.hub", "pit_deploy.train.config", "pit_deploy.train.metrics"])
 def test_light_modules_import_without_torch(light):
     """A manifest is read on a device: the standard library must be enough."""
     code = (

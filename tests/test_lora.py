@@ -80,6 +80,17 @@ def test_lora_frozen_t_and_adapter_output(tmp_path, pit_dir):
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert not (out / "adapter" / "pit_interface.safetensors").exists()  # T frozen: nothing to add
     assert not (out / "model").exists()
+    # merged, with T frozen: T (L), Z and the untargeted layers are bit for bit the source's
+    merged_out = tmp_path / "merged"
+    train(config(merged_out, path, corpus, lora=True, lora_rank=2, steps=2, eval_every=0, lr=1e-2,
+                 lora_targets=["q_proj", "v_proj"], merge=True))
+    merged, src = load_pit_model(merged_out / "model"), load_pit_model(path)
+    for name in ("L_diag", "L_offdiag", "Z"):
+        assert torch.equal(getattr(merged.pit_interface, name), getattr(src.pit_interface, name)), name
+    attn, attn0 = merged.model.layers[0].self_attn, src.model.layers[0].self_attn
+    assert not torch.equal(attn.q_proj.weight, attn0.q_proj.weight)
+    assert not torch.equal(attn.v_proj.weight, attn0.v_proj.weight)
+    assert torch.equal(attn.k_proj.weight, attn0.k_proj.weight)
 
 
 def test_lora_target_matching_nothing(tmp_path, pit_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pit_deploy.cli import main
@@ -26,15 +27,24 @@ def test_pit_anchors_agree_at_every_layer(family: str) -> None:
     assert trace.layers[-1].top_tokens[0] == f"<{int(final.argmax())}>"
 
 
-def test_intermediate_readings_use_the_final_norm_and_head(family: str) -> None:
-    """The last hidden state is already normed; the lens of an un-normed copy must match it."""
-    model = tiny_model(family)
+def test_every_reading_equals_the_model_cut_after_that_layer(family: str) -> None:
+    """Reading ``i`` of the lens is what the model itself outputs when only its first ``i``
+    blocks run (final norm, head and any logit scaling applied by the model's own forward)."""
+    model = tiny_model(family).eval()
     trace = logit_lens(model, IDS, top_k=3)
-    with torch.no_grad():
-        out = model(IDS, output_hidden_states=True)
-    probs = torch.softmax(out.logits[0, -1], -1)
-    assert abs(trace.layers[-1].top_probs[0] - float(probs.max())) < 1e-6
-    assert all(0.0 <= r.top_probs[0] <= 1.0 for r in trace.layers)
+    body = model.model if hasattr(model, "model") else model.transformer
+    name = "layers" if hasattr(body, "layers") else "h"
+    blocks = getattr(body, name)
+    assert len(trace.layers) == len(blocks) + 1
+    try:
+        for i in range(len(blocks) + 1):
+            setattr(body, name, torch.nn.ModuleList(list(blocks)[:i]))
+            with torch.no_grad():
+                top = torch.softmax(model(IDS).logits[0, -1].float(), -1).topk(3)
+            assert trace.layers[i].top_probs == pytest.approx(top.values.tolist(), abs=1e-5), f"layer {i}"
+            assert trace.layers[i].top_tokens == [f"<{t}>" for t in top.indices.tolist()], f"layer {i}"
+    finally:
+        setattr(body, name, blocks)
 
 
 def test_cli_probe_json_and_plot(tmp_path, capsys) -> None:

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from train_fixtures import config, make_corpus, make_model_dir, read_metrics
+from train_fixtures import config, crash_worker, make_corpus, make_model_dir, read_metrics
 
 from pit_deploy.io.checkpoint import load_pit_model
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
-from pit_deploy.train.loop import param_groups, train
+from pit_deploy.io.sources import load_source
+from pit_deploy.train.data import TextSource, validation_blocks
+from pit_deploy.train.loop import TrainingRecipe, param_groups, train
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +62,17 @@ def test_tiny_model_learns(tmp_path, assets, tying):
     lrs = [r["lr"] for r in train_recs]
     assert lrs[0] < lrs[1] == pytest.approx(1e-2) and all(a >= b - 1e-12 for a, b in zip(lrs[1:], lrs[2:]))
     assert lrs[-1] < 0.3 * lrs[1]
+    # the reported validation loss is the saved model's: recompute it from the files
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_val_loss"] == evals[-1]["val_loss"]
+    saved = (load_pit_model(out / "model") if tying == "pit" else load_source(str(out / "model")).model).eval()
+    cfg = config(out, model, corpus)
+    dcfg = cfg.data_config_obj()
+    val = validation_blocks(TextSource(dcfg), load_source(str(model)).tokenizer, dcfg, cfg.eval_blocks)
+    with torch.no_grad():
+        logits = saved(input_ids=val.ids[:, :-1]).logits
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), val.ids[:, 1:].flatten(), reduction="none")
+    mask = val.mask[:, 1:].flatten()
+    assert summary["final_val_loss"] == pytest.approx(float((ce * mask).sum() / mask.sum()), rel=1e-5)
 
 
 def test_weight_decay_spares_interface(assets):
@@ -90,21 +106,118 @@ def test_train_z_stays_on_stiefel(tmp_path, assets):
     assert (z1 - z0).abs().max() > 1e-4
 
 
-def test_kill_and_resume_gives_the_same_curve(tmp_path, assets):
+def _run_worker(script, expect_signal=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if expect_signal is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == -expect_signal, proc.stderr[-3000:]  # killed by that signal
+    return proc
+
+
+def test_sigkilled_process_resumes_to_the_same_curve(tmp_path, assets):
+    """A real training process killed with SIGKILL after step 6 (checkpoint at 4) resumes to
+    bit-identical metrics and weights of an uninterrupted run."""
     model, corpus = assets
     common = dict(steps=10, save_every=4, eval_every=5, lr=3e-3)
-    full = tmp_path / "full"
+    full, part = tmp_path / "full", tmp_path / "part"
     train(config(full, model, corpus, **common))
-    part = tmp_path / "part"
-    assert train(config(part, model, corpus, stop_after=6, **common)) is None  # "killed" at step 6
+    _run_worker(crash_worker(tmp_path, part, model, corpus, crash_at=6, **common), expect_signal=signal.SIGKILL)
     assert (part / "checkpoints" / "LATEST").read_text() == "step-0000004"
     assert not (part / "model").exists()
+    assert [r["step"] for r in read_metrics(part, "train")] == list(range(1, 7))  # logged past the checkpoint
     train(config(part, model, corpus, resume=True, **common))
-    a, b = read_metrics(full), read_metrics(part)
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("step_time", "tokens_per_s")} for r in rs]
-    assert strip(a) == strip(b)  # bit-identical losses, lr, grad norms, delta_ti, evaluations
+    assert strip(read_metrics(full)) == strip(read_metrics(part))  # losses, lr, grad norms, delta_ti, evals
     sa = (full / "model" / "model.safetensors").read_bytes()
     assert sa == (part / "model" / "model.safetensors").read_bytes()
+
+
+class _StopAfter(TrainingRecipe):
+    """Ends the run with an exception after ``stop`` steps (their checkpoints are on disk)."""
+
+    stop = 4
+
+    def on_step_end(self, step):
+        if step == self.stop:
+            raise RuntimeError("stopped by the test")
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "truncate-optimizer", "bad-state", "no-rng"])
+def test_resume_skips_a_damaged_checkpoint(tmp_path, assets, caplog, damage):
+    """The newest checkpoint does not load: resume names it, takes the older one, and the run
+    still ends on the uninterrupted curve."""
+    model, corpus = assets
+    common = dict(steps=6, save_every=2, keep_checkpoints=3, eval_every=0, lr=3e-3)
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(config(full, model, corpus, **common))
+    recipe = _StopAfter(config(part, model, corpus, **common)).setup()
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        recipe.train()
+    recipe.cleanup()
+    newest = part / "checkpoints" / "step-0000004"
+    target = {"truncate-weights": "model.safetensors", "truncate-optimizer": "optimizer.pt",
+              "bad-state": "state.json", "no-rng": "rng.pt"}[damage]
+    if damage == "no-rng":
+        (newest / target).unlink()
+    else:
+        data = (newest / target).read_bytes()
+        (newest / target).write_bytes(data[: len(data) // 2])
+    with caplog.at_level("WARNING"):
+        train(config(part, model, corpus, resume=True, **common))
+    assert "skipping checkpoint step-0000004" in caplog.text and "step-0000002" in caplog.text
+    assert [r["loss"] for r in read_metrics(part, "train")] == [r["loss"] for r in read_metrics(full, "train")]
+
+
+def test_resume_with_every_checkpoint_damaged_is_exit_2(tmp_path, assets, capsys):
+    model, corpus = assets
+    run = tmp_path / "r"
+    train(config(run, model, corpus, steps=2, save_every=1, eval_every=0))
+    for ck in (run / "checkpoints").glob("step-*"):
+        (ck / "optimizer.pt").write_bytes(b"not a checkpoint")
+    rc = main(["train", "--model", str(model), "--data", str(corpus), "--out", str(run), "--steps", "4",
+               "--seq-len", "32", "--save-every", "1", "--resume", "--no-progress", "--no-plot"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no checkpoint" in err and "loads completely" in err and "step-0000001" in err
+
+
+def test_latest_pointing_outside_the_run_is_refused(tmp_path, assets):
+    model, corpus = assets
+    run = tmp_path / "r"
+    train(config(run, model, corpus, steps=2, save_every=2, eval_every=0))
+    (run / "checkpoints" / "LATEST").write_text("../../elsewhere")
+    with pytest.raises(PitError, match="points outside"):
+        train(config(run, model, corpus, steps=4, save_every=2, eval_every=0, resume=True))
+
+
+def test_sigterm_leaves_no_partial_directory(tmp_path, assets):
+    """SIGTERM while ``pit-deploy train`` writes checkpoints every step: exit 130, no
+    ``.step-*.partial-*`` left, and every checkpoint on disk loads."""
+    model, corpus = assets
+    run = tmp_path / "r"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "pit_deploy", "train", "--model", str(model), "--data",
+                             str(corpus), "--out", str(run), "--steps", "100000", "--seq-len", "32",
+                             "--save-every", "1", "--keep-checkpoints", "1000", "--no-progress", "--no-plot"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list((run / "checkpoints").glob("step-*"))) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    leftovers = [p.name for p in run.rglob("*") if ".partial-" in p.name or ".old-" in p.name]
+    assert leftovers == []
+    assert not (run / "model").exists()
+    from pit_deploy.train.checkpointer import load_latest
+
+    assert load_latest(run).path.name == (run / "checkpoints" / "LATEST").read_text()
 
 
 def test_from_scratch_tiny_trains(tmp_path, assets):

@@ -16,16 +16,23 @@ from pit_deploy.model.inspect import find_interface
 from pit_deploy.train.loop import train
 
 WORKER = """
-import sys
+import os, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from train_fixtures import config
-from pit_deploy.train.loop import train
+from pit_deploy.train.loop import TrainingRecipe
 options = dict(batch_size=2, steps=3, eval_every=3, save_every=3, lr=3e-3)
 options.update({options!r})
-train(config(Path({out!r}), Path({model!r}), Path({corpus!r}), **options))
-"""
+crash_at = options.pop("crash_at", None)
 
+class Recipe(TrainingRecipe):
+    def on_step_end(self, step):
+        if step == crash_at:  # every process ends here, after the step's checkpoint, with no cleanup
+            os._exit(0)
+
+recipe = Recipe(config(Path({out!r}), Path({model!r}), Path({corpus!r}), **options)).setup()
+recipe.train()
+"""
 
 def _torchrun_two(tmp_path: Path, out: Path, model: Path, corpus: Path, **options) -> None:
     """Run the worker above on 2 CPU processes (gloo) under torchrun."""
@@ -85,7 +92,7 @@ def test_fsdp_transpose_tying_and_resume(tmp_path):
     whole = tmp_path / "whole"
     _torchrun_two(tmp_path, whole, model, corpus, fsdp=True, tying="tt")
     cut = tmp_path / "cut"
-    _torchrun_two(tmp_path, cut, model, corpus, fsdp=True, tying="tt", save_every=1, stop_after=2)
+    _torchrun_two(tmp_path, cut, model, corpus, fsdp=True, tying="tt", save_every=1, crash_at=2)
     _torchrun_two(tmp_path, cut, model, corpus, fsdp=True, tying="tt", save_every=1, resume=True)
     a = [r["loss"] for r in read_metrics(whole) if r["kind"] == "train"]
     b = [r["loss"] for r in read_metrics(cut) if r["kind"] == "train"]

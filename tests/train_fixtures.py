@@ -14,6 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from pit_deploy.train.loop import TrainConfig  # noqa: E402
+from pit_deploy.train.metrics import read_metrics  # noqa: E402,F401  (re-exported for the tests)
 
 
 def make_model_dir(root: Path, family: str = "llama", **kwargs) -> Path:
@@ -54,5 +55,31 @@ def config(out: Path, model: Path, data: Path, **overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+# A training process that dies at the end of step ``crash_at`` (after that step's checkpoint),
+# the way a killed job does: SIGKILL, no cleanup, no exception handler runs.
+CRASH_WORKER = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from train_fixtures import config
+from pit_deploy.train.loop import TrainingRecipe
+
+class CrashAt(TrainingRecipe):
+    def on_step_end(self, step):
+        if step == {crash_at!r}:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+options = {options!r}
+recipe = CrashAt(config(Path({out!r}), Path({model!r}), Path({corpus!r}), **options))
+recipe.setup()
+recipe.train()
+"""
+
+
+def crash_worker(tmp_path: Path, out: Path, model: Path, corpus: Path, crash_at: int, **options) -> Path:
+    """A script that trains ``config(out, model, corpus, **options)`` and kills itself with
+    SIGKILL after step ``crash_at``."""
+    script = tmp_path / f"worker-{out.name}-{crash_at}.py"
+    script.write_text(CRASH_WORKER.format(tests=str(Path(__file__).parent), out=str(out), model=str(model),
+                                          corpus=str(corpus), options=options, crash_at=crash_at))
+    return script
