@@ -12,8 +12,8 @@ from pit_deploy.export.recipes import MODES, RUNTIMES
 from pit_deploy.tiny import FAMILIES
 from pit_deploy.evaluate.verify import DELTA_TI_BOUND, GREEDY_TOKENS, REL_L2_BOUND
 
-# Must match REAL_PAIRS in conftest.py (what the session exports of the real model).
-REAL_PAIRS = [("onnx", "materialized"), ("onnx", "factorized"), ("executorch", "factorized")]
+# What the session exports of the real model: every runtime × mode (conftest.py).
+REAL_PAIRS = [(runtime, mode) for runtime in RUNTIMES for mode in MODES]
 
 
 def assert_bounds(r) -> None:

@@ -62,12 +62,10 @@ def export_model(
     force: bool = False,
     progress: Progress | None = None,
     opset: int | None = None,
-    pairs: list[tuple[str, str]] | None = None,
     keep_tying: bool = False,
 ) -> Manifest:
     """Export a loaded PIT model as the recipe says; returns the written manifest.
 
-    ``pairs`` (``[(runtime, mode), ...]``) restricts the recipe's runtimes × modes product.
     ``keep_tying`` exports a plain (transpose-tied) model without conversion, through the same
     exporters, as the baseline PIT is compared with: one artifact per runtime, mode ``tied``.
 
@@ -88,10 +86,6 @@ def export_model(
         modes = recipe.modes
     out = check_output_dir(out, force, protect=(loaded.source.get("path") or "",))  # never the source
     wanted = [(r, m) for m in modes for r in recipe.runtimes]
-    if pairs is not None:
-        wanted = [p for p in wanted if p in set(pairs)]
-        if not wanted:
-            raise PitError(f"no (runtime, mode) pair of {pairs} is in the recipe")
     for runtime in dict.fromkeys(r for r, _ in wanted):
         exporter_for(runtime).precheck(model.config, recipe)
     recipe.check_model(model.config)
