@@ -358,6 +358,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with a `rows` list")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--plot", default=None, help="write a PNG chart")
+    p.add_argument("--bundle", default=None, metavar="OUT.tar.gz",
+                   help="instead of measuring here, pack the artifacts with a standalone run_bench.py "
+                   "(needs only numpy + onnxruntime or the executorch runtime) for another device")
+    p.add_argument("--ingest", action="append", default=[], metavar="ROWS.json",
+                   help="instead of measuring, read the rows a bundle's run_bench.py wrote (repeatable)")
     p.set_defaults(handler=run_bench)
 
 
@@ -369,7 +374,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .evaluate.bench import BenchOptions, bench_directories
+    from .evaluate.bench import BenchOptions, bench_directories, ingest_rows, write_bundle
 
     opts = BenchOptions(threads=_int_list(args.threads, "--threads"),
                         prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
@@ -377,7 +382,20 @@ def run_bench(args: argparse.Namespace) -> int:
     for target in (args.out, args.plot):
         if target is not None and not Path(target).resolve().parent.is_dir():
             raise PitError(f"cannot write {target}: its directory does not exist")
-    result = bench_directories(args.directories, opts, progress=stage)
+    if args.bundle and args.ingest:
+        raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
+                       "use one at a time")
+    if args.bundle:
+        path = write_bundle(args.bundle, args.directories, opts, progress=stage)
+        stage(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
+              "then `pit-deploy bench --ingest rows.json`")
+        return 0
+    if args.ingest:
+        if args.directories or args.torch_model:
+            raise PitError("--ingest reads rows measured elsewhere; do not also pass directories or --torch")
+        result = ingest_rows(args.ingest)
+    else:
+        result = bench_directories(args.directories, opts, progress=stage)
     if args.out:
         Path(args.out).write_text(result.to_json(indent=2) + "\n")
     if args.plot:

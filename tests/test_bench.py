@@ -12,7 +12,8 @@ import pytest
 
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
-from pit_deploy.evaluate.bench import ROW_FIELDS, BenchOptions, bench_directories, first_divergence
+from pit_deploy.evaluate.bench import ROW_FIELDS, BenchOptions, bench_directories
+from pit_deploy.runtime.standalone import first_divergence
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.tiny import tiny_model, tiny_pit_model, tiny_tokenizer
 
@@ -145,3 +146,78 @@ def test_first_divergence():
     assert first_divergence([1, 2], None) is None
     with pytest.raises(PitError):
         BenchOptions(gen_len=1)
+
+
+# A stand-in for this package and transformers that fails on import: a bundle must need neither.
+_BLOCKERS = {name: f"raise ImportError('the bundle imported {name}')\n" for name in ("pit_deploy", "transformers")}
+
+
+def test_bundle_runs_without_the_package_and_its_rows_ingest(exports, tmp_path, capsys):
+    """--bundle packs a standalone run_bench.py; run in a subprocess where importing
+    pit_deploy or transformers fails, it measures every artifact (rows with every field, the
+    reference's greedy tokens reproduced) and reports from each cell's own sys.modules that it
+    loaded neither; --ingest reads its rows back into the same table."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    pit, tt = exports
+    bundle = tmp_path / "edge.tar.gz"
+    assert main(["bench", str(pit), str(tt), "--bundle", str(bundle), "--prompt-len", "8", "--gen-len", "6",
+                 "--reps", "2"]) == 0
+    device = tmp_path / "device"
+    with tarfile.open(bundle) as tar:
+        tar.extractall(device, filter="data")
+    blockers = tmp_path / "blockers"
+    blockers.mkdir()
+    for name, text in _BLOCKERS.items():
+        (blockers / f"{name}.py").write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(blockers)
+    rows_path = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(device / "pit-bench" / "run_bench.py"), "--threads", "1,2",
+                           "--out", str(rows_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(rows_path.read_text())["rows"]
+    assert len(rows) == 2 * 2 and {r["tying"] for r in rows} == {"pit", "tied"}
+    for r in rows:
+        assert all(k in r for k in ROW_FIELDS)
+        assert r["first_divergence"] is None
+        assert not {"pit_deploy", "transformers"} & set(r["imported"]), r["imported"]
+        assert r["decode_tok_s"] > 0 and r["peak_rss_mb"] > 0
+    capsys.readouterr()
+    assert main(["bench", "--ingest", str(rows_path), "--json"]) == 0
+    ingested = json.loads(capsys.readouterr().out)
+    assert ingested["rows"] == rows and len(ingested["ratios"]) == 2  # PIT/TT at 1 and 2 threads
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ingest", "missing.json"], "no such file"),
+    (["--ingest", "{bad}"], "expected an object with a 'rows' list"),
+    (["--bundle", "out.tar.gz", "--torch", "default"], "--bundle packs exported artifacts only"),
+    (["--bundle", "out.tar.gz", "--ingest", "x.json"], "use one at a time"),
+])
+def test_bundle_and_ingest_bad_input_is_exit_2(exports, tmp_path, capsys, monkeypatch, args, message):
+    pit, _ = exports
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "{bad}").write_text(json.dumps({"rows": "not a list"}))
+    extra = [str(pit)] if "--bundle" in args else []
+    assert main(["bench", *extra, *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.tar.gz").exists()
+
+
+def test_standalone_runtime_imports_nothing_of_the_package():
+    """The file a bundle carries is this package's own runtime/standalone.py, unchanged: it
+    must not import pit_deploy (or it would not run on a device)."""
+    import ast
+
+    from pit_deploy.runtime import standalone
+
+    tree = ast.parse(Path(standalone.__file__).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("pit_deploy"), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith(("pit_deploy", "transformers", "optimum")) for a in node.names)

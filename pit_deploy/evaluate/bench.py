@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
+from ..runtime.standalone import first_divergence
 
 Progress = Callable[[str], None]
 ROW_FIELDS = ("artifact", "runtime", "mode", "dtype", "tying", "threads", "prompt_len", "gen_len",
@@ -171,16 +172,6 @@ def reference_tokens(reference_dir: Path, ids: list[int], gen_len: int) -> list[
         return greedy(driver, torch.tensor(ids, dtype=torch.long), gen_len)
 
 
-def first_divergence(tokens: list[int], reference: list[int] | None) -> int | None:
-    """Index of the first generated token that differs from the reference (``None``: none)."""
-    if reference is None:
-        return None
-    for i, (a, b) in enumerate(zip(tokens, reference)):
-        if a != b:
-            return i
-    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
-
-
 # --------------------------------------------------------------------------------------
 # Cells
 # --------------------------------------------------------------------------------------
@@ -324,4 +315,111 @@ def bench_directories(directories: Sequence[str | Path], opts: BenchOptions,
         rows.append(row)
     machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    return BenchResult(rows=rows, prompts=prompts, warnings=warnings, machine=machine)
+
+
+# --------------------------------------------------------------------------------------
+# Edge devices without the toolchain: a bundle, and its rows read back
+# --------------------------------------------------------------------------------------
+
+BUNDLE_RUNNER = "run_bench.py"
+BUNDLE_MODULE = "pit_bench_runtime.py"
+_RUNNER_TEXT = '''#!/usr/bin/env python3
+"""Benchmark this bundle's artifacts: python run_bench.py [--threads 1,2] [--reps 5] [--out ROWS.json].
+
+Needs numpy + onnxruntime (ONNX artifacts) or the executorch runtime (.pte), nothing else.
+Read the rows back with `pit-deploy bench --ingest ROWS.json`."""
+import sys
+
+from pit_bench_runtime import bundle_main
+
+sys.exit(bundle_main())
+'''
+
+
+def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: BenchOptions,
+                 progress: Progress | None = None) -> Path:
+    """Pack every ONNX/``.pte`` artifact of ``directories``, the fixed prompt ids, the PyTorch
+    reference's greedy tokens and a standalone ``run_bench.py`` into the tarball ``out``
+    (written atomically).
+
+    Raises:
+        PitError: nothing to pack, ``--torch`` given (an eager row needs this package), or an
+            unusable directory.
+    """
+    import tarfile
+
+    from ..io.fs import write_text_atomic
+    from ..runtime import standalone
+
+    say = progress or (lambda _m: None)
+    if opts.torch_model:
+        raise PitError("--bundle packs exported artifacts only; a --torch row needs this package (run it here)")
+    if not directories:
+        raise PitError("--bundle needs export directories to pack")
+    cells, prompts, warnings = plan_cells(directories, opts)
+    artifacts, references, seen = [], {}, set()
+    for cell in cells:
+        meta = cell["meta"]
+        if cell["runtime"] not in standalone.DECODERS:
+            raise PitError(f"{cell['label']}: the {cell['runtime']} runtime cannot run in a bundle")
+        directory = Path(cell["reference"]).parent
+        prompt = f"{directory.name}:{meta['prompt_len']}"
+        if (cell["label"], prompt) in seen:
+            continue
+        seen.add((cell["label"], prompt))
+        if prompt not in references:
+            say(f"reference tokens of {prompt}")
+            references[prompt] = reference_tokens(Path(cell["reference"]), cell["prompt_ids"], opts.gen_len)
+        artifacts.append({"artifact": meta["artifact"], "runtime": cell["runtime"], "prompt": prompt,
+                          "folder": f"artifacts/{cell['label']}",
+                          "meta": {k: v for k, v in meta.items() if k != "threads"}})
+    spec = {"name": Path(out).name, "threads": list(opts.threads), "reps": opts.reps, "gen_len": opts.gen_len,
+            "prompts": prompts, "reference_tokens": references, "artifacts": artifacts, "warnings": warnings}
+    out = Path(out)
+    if not out.resolve().parent.is_dir():
+        raise PitError(f"cannot write {out}: its directory does not exist")
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            files = {BUNDLE_RUNNER: _RUNNER_TEXT, BUNDLE_MODULE: Path(standalone.__file__).read_text(encoding="utf-8"),
+                     standalone.BUNDLE_SPEC: json.dumps(spec, indent=2) + "\n"}
+            with tarfile.open(tmp, "w:gz") as tar:
+                for name, text in files.items():
+                    write_text_atomic(Path(scratch) / name, text, mode=0o755 if name == BUNDLE_RUNNER else 0o644)
+                    tar.add(Path(scratch) / name, arcname=f"pit-bench/{name}")
+                for folder, label in dict.fromkeys((c["folder"], c["label"]) for c in cells):
+                    say(f"packing {label}")
+                    tar.add(folder, arcname=f"pit-bench/artifacts/{label}")
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def ingest_rows(paths: Sequence[str | Path]) -> BenchResult:
+    """The rows written by ``run_bench.py`` (or ``bench --json``) as one :class:`BenchResult`.
+
+    Raises:
+        PitError: a missing file, or one that is not such a JSON object (exit 2).
+    """
+    rows, prompts, warnings, machine = [], {}, [], {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise PitError(f"--ingest {path}: no such file")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PitError(f"--ingest {path}: not JSON ({exc})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise PitError(f"--ingest {path}: expected an object with a 'rows' list (what run_bench.py writes)")
+        for i, row in enumerate(data["rows"]):
+            missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise PitError(f"--ingest {path}: row {i} lacks {', '.join(missing)}")
+            rows.append(row)
+        prompts.update(data.get("prompts") or {})
+        warnings += list(data.get("warnings") or [])
+        machine = data.get("machine") or machine
     return BenchResult(rows=rows, prompts=prompts, warnings=warnings, machine=machine)

@@ -1,5 +1,6 @@
-"""onnxruntime driver: ``ORTModelForCausalLM`` (optimum) for the decoder with its KV cache, a
-plain ``onnxruntime.InferenceSession`` for ``interface.onnx``.
+"""onnxruntime driver: :class:`~pit_deploy.runtime.standalone.OrtDecoder` (a plain
+``InferenceSession`` over optimum's decoder with its KV cache) and a session for
+``interface.onnx``.
 
 Artifact layout (written by the ONNX exporter, ``docs/export.md``): ``model.onnx`` +
 ``model.onnx_data`` (optimum's text-generation-with-past decoder), ``interface.onnx``
@@ -14,58 +15,34 @@ import numpy as np
 import torch
 
 from .base import Driver
+from .standalone import DECODER_NAME, OrtDecoder, ort_session_options
 
-DECODER_NAME = "model.onnx"
+__all__ = ["OnnxDriver", "DECODER_NAME", "DECODER_DATA", "INTERFACE_NAME"]
+
 DECODER_DATA = "model.onnx_data"
 INTERFACE_NAME = "interface.onnx"
 
 
-def session_options(threads: int | None):
-    """``SessionOptions`` with ``threads`` intra-op threads (``None``: onnxruntime's default)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    if threads is not None:
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-    return opts
-
-
 class OnnxDriver(Driver):
-    """The decoder through ``ORTModelForCausalLM``; the interface graph through a session."""
+    """The decoder through :class:`OrtDecoder`; the interface graph through its own session."""
 
     runtime = "onnx"
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        from optimum.onnxruntime import ORTModelForCausalLM
-
-        self.model = ORTModelForCausalLM.from_pretrained(
-            self.folder, use_cache=True, use_io_binding=False, session_options=session_options(threads)
-        )
-        self.past = None
-        self.length = 0
+        self.decoder = OrtDecoder(self.folder, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), use_cache=True)
-        self.past, self.length = out.past_key_values, len(ids)
-        return out.logits[0]
+        return torch.from_numpy(self.decoder.prefill(ids.numpy()))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
-        if pos != self.length:
-            raise ValueError(f"step at position {pos}, but {self.length} tokens are cached")
-        out = self.model(
-            input_ids=torch.tensor([[token]]), attention_mask=torch.ones(1, pos + 1, dtype=torch.long),
-            past_key_values=self.past, use_cache=True,
-        )
-        self.past, self.length = out.past_key_values, pos + 1
-        return out.logits[0, -1]
+        return torch.from_numpy(self.decoder.step(token, pos))
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
 
         sess = ort.InferenceSession(
-            str(self.folder / INTERFACE_NAME), sess_options=session_options(self.threads),
+            str(self.folder / INTERFACE_NAME), sess_options=ort_session_options(self.threads),
             providers=["CPUExecutionProvider"],
         )
         emb, logits = sess.run(
@@ -74,5 +51,4 @@ class OnnxDriver(Driver):
         return torch.from_numpy(emb), torch.from_numpy(logits)
 
     def close(self) -> None:
-        self.model = None
-        self.past = None
+        self.decoder.close()
