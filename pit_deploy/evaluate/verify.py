@@ -1,8 +1,9 @@
 """Runtime parity verification of an export directory.
 
-Every artifact is loaded in its real runtime — ONNX through ``optimum.onnxruntime``'s
-``ORTModelForCausalLM`` (an ``onnxruntime.InferenceSession`` underneath) and the interface
-graph through a plain ``InferenceSession``; ``.pte`` files through ``executorch.runtime`` —
+Every artifact is loaded in its real runtime — ONNX through a plain
+``onnxruntime.InferenceSession`` over optimum's decoder and its KV cache
+(``runtime/standalone.py``, the code an edge bundle runs) and over the interface graph;
+``.pte`` files through ``executorch.runtime`` —
 and compared with the PyTorch reference rebuilt from ``reference/`` (the PIT checkpoint
 recorded in the manifest). All recorded sha256 digests are checked first.
 
