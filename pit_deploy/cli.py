@@ -31,6 +31,10 @@ def terminate_like_interrupt() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
+    # A blocked signal mask is inherited across exec (from a launcher, or a parent thread that
+    # had SIGTERM blocked while it started us): unblock, or the handler would never run.
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def stage(message: str) -> None:

@@ -193,14 +193,17 @@ def test_latest_pointing_outside_the_run_is_refused(tmp_path, assets):
 
 def test_sigterm_leaves_no_partial_directory(tmp_path, assets):
     """SIGTERM while ``pit-deploy train`` writes checkpoints every step: exit 130, no
-    ``.step-*.partial-*`` left, and every checkpoint on disk loads."""
+    ``.step-*.partial-*`` left, and every checkpoint on disk loads. The process starts with
+    SIGTERM blocked, as a launcher (or a parent thread) can leave it: the mask is inherited
+    across exec, and the command must unblock what it handles (this case hung in the suite)."""
     model, corpus = assets
     run = tmp_path / "r"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-m", "pit_deploy", "train", "--model", str(model), "--data",
                              str(corpus), "--out", str(run), "--steps", "100000", "--seq-len", "32",
                              "--save-every", "1", "--keep-checkpoints", "1000", "--no-progress", "--no-plot"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}))
     try:
         deadline = time.monotonic() + 240
         while len(list((run / "checkpoints").glob("step-*"))) < 3:
