@@ -12,12 +12,14 @@ the artifact's greedy output diverges from the PyTorch reference. Conventions:
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -349,7 +351,6 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
     """
     import tarfile
 
-    from ..io.fs import write_text_atomic
     from ..runtime import standalone
 
     say = progress or (lambda _m: None)
@@ -381,16 +382,17 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
         raise PitError(f"cannot write {out}: its directory does not exist")
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
-        with tempfile.TemporaryDirectory() as scratch:
-            files = {BUNDLE_RUNNER: _RUNNER_TEXT, BUNDLE_MODULE: Path(standalone.__file__).read_text(encoding="utf-8"),
-                     standalone.BUNDLE_SPEC: json.dumps(spec, indent=2) + "\n"}
-            with tarfile.open(tmp, "w:gz") as tar:
-                for name, text in files.items():
-                    write_text_atomic(Path(scratch) / name, text, mode=0o755 if name == BUNDLE_RUNNER else 0o644)
-                    tar.add(Path(scratch) / name, arcname=f"pit-bench/{name}")
-                for folder, label in dict.fromkeys((c["folder"], c["label"]) for c in cells):
-                    say(f"packing {label}")
-                    tar.add(folder, arcname=f"pit-bench/artifacts/{label}")
+        files = {BUNDLE_RUNNER: _RUNNER_TEXT, BUNDLE_MODULE: Path(standalone.__file__).read_text(encoding="utf-8"),
+                 standalone.BUNDLE_SPEC: json.dumps(spec, indent=2) + "\n"}
+        with tarfile.open(tmp, "w:gz") as tar:
+            for name, text in files.items():
+                data = text.encode("utf-8")
+                info = tarfile.TarInfo(f"pit-bench/{name}")
+                info.size, info.mode, info.mtime = len(data), 0o755 if name == BUNDLE_RUNNER else 0o644, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+            for folder, label in dict.fromkeys((c["folder"], c["label"]) for c in cells):
+                say(f"packing {label}")
+                tar.add(folder, arcname=f"pit-bench/artifacts/{label}")
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Any
 
 
 def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """Load, warm up, measure; returns the row (see :mod:`pit_deploy.evaluate.bench`)."""
+    """Load, warm up, measure through this package's driver; returns the row."""
     import torch
 
     from ..runtime.base import driver_class
-    from ..runtime.standalone import peak_rss_mb, time_generation
+    from ..runtime.standalone import measure_cell
 
-    baseline_rss = peak_rss_mb()
-    t0 = time.perf_counter()
-    driver = driver_class(spec["runtime"])(spec["folder"], threads=spec["threads"])
-    load_s = time.perf_counter() - t0
-    row = time_generation(driver, torch.tensor(spec["prompt_ids"], dtype=torch.long), int(spec["gen_len"]),
-                          int(spec["reps"]))
-    driver.close()
-    row.update(load_s=load_s, peak_rss_mb=peak_rss_mb(), baseline_rss_mb=baseline_rss)
-    return row
+    return measure_cell(driver_class(spec["runtime"]),
+                        {**spec, "prompt_ids": torch.tensor(spec["prompt_ids"], dtype=torch.long)})
 
 
 def main(argv: list[str] | None = None) -> int:

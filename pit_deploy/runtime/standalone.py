@@ -298,16 +298,22 @@ def watched_modules() -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
-def run_bundle_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """One cell of a bundle (in its own process): load, warm up, measure."""
+def measure_cell(open_decoder: Callable[..., Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell: open the artifact with ``open_decoder(folder, threads=...)`` (load time), time
+    greedy generation, and report the peak memory of this process before and after."""
     baseline = peak_rss_mb()
     t0 = time.perf_counter()
-    decoder = DECODERS[spec["runtime"]](spec["folder"], threads=spec["threads"])
+    decoder = open_decoder(spec["folder"], threads=spec["threads"])
     load_s = time.perf_counter() - t0
     row = time_generation(decoder, spec["prompt_ids"], int(spec["gen_len"]), int(spec["reps"]))
     decoder.close()
-    row.update(load_s=load_s, peak_rss_mb=peak_rss_mb(), baseline_rss_mb=baseline, imported=watched_modules())
+    row.update(load_s=load_s, peak_rss_mb=peak_rss_mb(), baseline_rss_mb=baseline)
     return row
+
+
+def run_bundle_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell of a bundle (in its own process), through this file's own decoders."""
+    return {**measure_cell(DECODERS[spec["runtime"]], spec), "imported": watched_modules()}
 
 
 def _int_list(text: str) -> list[int]:
@@ -325,6 +331,10 @@ def bundle_main(argv: list[str] | None = None, root: str | Path | None = None) -
     process; writes ``{"rows": [...], "prompts": ..., "machine": ...}`` (the rows of
     ``pit-deploy bench --json``), which ``pit-deploy bench --ingest`` reads."""
     root = Path(root or Path(sys.argv[0]).resolve().parent)
+    if not (root / BUNDLE_SPEC).is_file():
+        print(f"error: {root / BUNDLE_SPEC} is missing: run run_bench.py from an unpacked bundle "
+              "(pit-deploy bench DIR --bundle OUT.tar.gz)", file=sys.stderr)
+        return 2
     spec = json.loads((root / BUNDLE_SPEC).read_text(encoding="utf-8"))
     p = argparse.ArgumentParser(prog="run_bench.py", description=bundle_main.__doc__)
     p.add_argument("--threads", type=_int_list, default=spec["threads"], help="e.g. 1,2,4")

@@ -88,10 +88,6 @@ def _read(path: Path, device: torch.device | str) -> LoadedCheckpoint:
     state = json.loads((path / "state.json").read_text(encoding="utf-8"))
     if not isinstance(state, dict) or not {"step", "tokens", "data", "config"} <= state.keys():
         raise ValueError("state.json lacks step, tokens, data or config")
-    from safetensors import safe_open
-
-    with safe_open(str(path / "model.safetensors"), framework="pt"):  # a readable header
-        pass
     size = (path / "model.safetensors").stat().st_size
     with open(path / "model.safetensors", "rb") as fh:
         header = int.from_bytes(fh.read(8), "little")
