@@ -367,6 +367,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    "(needs only numpy + onnxruntime or the executorch runtime) for another device")
     p.add_argument("--ingest", action="append", default=[], metavar="ROWS.json",
                    help="instead of measuring, read the rows a bundle's run_bench.py wrote (repeatable)")
+    p.add_argument("--adb", action="store_true",
+                   help="measure the .pte artifacts on an Android phone over adb with ExecuTorch's llama_main")
+    p.add_argument("--serial", default=None, help="with --adb: the device's serial (see `adb devices`)")
+    p.add_argument("--runner", default=None, metavar="PATH", help="with --adb: llama_main built for the phone")
+    p.add_argument("--device-dir", default=None,
+                   help="with --adb: working directory on the device (default /data/local/tmp/pit-bench)")
     p.set_defaults(handler=run_bench)
 
 
@@ -389,12 +395,26 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bundle and args.ingest:
         raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
                        "use one at a time")
+    if args.adb:
+        clash = [f for f, v in (("--bundle", args.bundle), ("--ingest", args.ingest), ("--torch", args.torch_model)) if v]
+        if clash:
+            raise PitError(f"--adb measures on a phone; it does not combine with {', '.join(clash)}")
+        if not args.runner:
+            raise PitError("--adb needs --runner PATH: ExecuTorch's llama_main built for the phone (docs/bench.md)")
+    elif args.serial or args.runner or args.device_dir:
+        raise PitError("--serial, --runner and --device-dir apply to --adb only")
     if args.bundle:
         path = write_bundle(args.bundle, args.directories, opts, progress=stage)
         stage(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
               "then `pit-deploy bench --ingest rows.json`")
         return 0
-    if args.ingest:
+    if args.adb:
+        from .evaluate.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions, bench_adb
+
+        result = bench_adb(args.directories, opts, AdbOptions(runner=args.runner, serial=args.serial,
+                                                              device_dir=args.device_dir or DEFAULT_DEVICE_DIR),
+                           progress=stage)
+    elif args.ingest:
         if args.directories or args.torch_model:
             raise PitError("--ingest reads rows measured elsewhere; do not also pass directories or --torch")
         result = ingest_rows(args.ingest)
