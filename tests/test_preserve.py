@@ -1,6 +1,9 @@
 """The source-preserving conversion on tiny models of every family it covers: the body is
 exact after folding and rotation, W_out E = I, the fitted head is closer to the source than
-every paper init, the checkpoint round-trips, and LayerNorm families are refused clearly."""
+every paper init, the checkpoint round-trips, and LayerNorm families are refused clearly.
+
+Gemma is the family whose norms multiply by ``1 + w`` and whose embeddings are scaled by
+``√d``: its gains are set through the effective gain, so it meets negative gains too."""
 
 from __future__ import annotations
 
@@ -8,27 +11,30 @@ import torch
 import pytest
 
 from pit_deploy.convert import convert_model
-from pit_deploy.convert.preserve import fit_symmetric, weighted_misfit
+from pit_deploy.convert.preserve import PRESERVE_FAMILIES, fit_symmetric, weighted_misfit
 from pit_deploy.errors import PitError
 from pit_deploy.io.checkpoint import load_pit_model, save_model
 from pit_deploy.model.families import adapter_for
-from pit_deploy.model.inspect import interface_delta_ti
-from pit_deploy.tiny import tiny_model
+from pit_deploy.model.inspect import effective_interface, interface_delta_ti
+from pit_deploy.tiny import ALL_FAMILIES, tiny_model
 
-FAMILIES = ["llama", "qwen3", "granite"]
+FAMILIES = [f for f in ALL_FAMILIES if f in PRESERVE_FAMILIES]  # llama, qwen3, granite, gemma
 
 
 def _source(family: str) -> torch.nn.Module:
-    """A tiny model whose norm gains are not all one (block norms and the final norm, one
-    negative): with unit gains ``A = H²`` is symmetric and any method would look exact."""
+    """A tiny model whose effective norm gains are not all one (block norms and the final
+    norm, one negative): with unit gains ``A = H²`` is symmetric and any method would look
+    exact. The stored weight is the gain less the family's offset (Gemma stores ``w = g − 1``)."""
     model = tiny_model(family).eval()
+    offset = PRESERVE_FAMILIES[model.config.model_type]
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=gen))
+                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=gen) - offset)
         final = adapter_for(model.config).final_norm(model).weight
-        final[0] = -abs(float(final[0])) - 0.5
+        gain0 = float(final[0]) + offset
+        final[0] = -abs(gain0) - 0.5 - offset
     return model
 
 
@@ -62,7 +68,6 @@ def test_body_is_exact_after_folding_and_rotation(family):
     h.remove()
     # R from Z = U R (U: polar factor of the source embedding): R = Uᵀ Z
     from pit_deploy.model.core import polar_factor
-    from pit_deploy.model.inspect import effective_interface
 
     e_eff, _, _ = effective_interface(_source(family))
     u, _ = polar_factor(e_eff)
@@ -88,8 +93,9 @@ def test_interface_is_exact_and_closer_than_every_paper_init(family):
     assert kls["preserve"] < min(kls[t] for t in ("identity", "input", "output")), kls
 
 
-def test_checkpoint_round_trip_keeps_the_logits(tmp_path):
-    model = convert_model(_source("llama"), "preserve")
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_checkpoint_round_trip_keeps_the_logits(tmp_path, family):
+    model = convert_model(_source(family), "preserve")
     assert model.config.pit["t_init"] == "preserve"
     assert model.config.pit["preserve"]["misfit_fitted"] <= model.config.pit["preserve"]["misfit_identity_rotation"]
     save_model(model, tmp_path / "pit")
@@ -100,8 +106,51 @@ def test_checkpoint_round_trip_keeps_the_logits(tmp_path):
 
 
 def test_layernorm_family_is_refused_with_a_paper_init_named():
-    with pytest.raises(PitError, match="--t-init identity, input or output"):
+    with pytest.raises(PitError, match="LayerNorm.*--t-init identity, input or output"):
         convert_model(tiny_model("gpt2"), "preserve")
+
+
+def test_gemma_gains_are_stored_as_one_plus_w():
+    """Gemma's norms multiply by ``1 + w``: the source has negative effective block gains, the
+    folded block norms are left at ``w = 0`` (gain 1) and the final norm stores ``w = D − 1``."""
+    src = _source("gemma")
+    block = [p for n, p in src.named_parameters() if n.endswith("layernorm.weight")]
+    assert any(bool((1.0 + p < 0).any()) for p in block)
+    model = convert_model(src, "preserve")
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight"):
+            assert torch.count_nonzero(param) == 0, name
+    stored = 1.0 + adapter_for(model.config).final_norm(model).weight.detach().double()
+    fit = model.config.pit["preserve"]
+    assert abs(float(stored.min()) - fit["gain_min"]) < 1e-5 * max(1.0, abs(fit["gain_min"]))
+    assert abs(float(stored.max()) - fit["gain_max"]) < 1e-5 * max(1.0, abs(fit["gain_max"]))
+    # the effective interface is what Gemma's forward uses: the body reads √d · E_stored = E
+    # (the PIT embedding divides by √d, Gemma multiplies it back) and the logits are h W_out
+    ids = _ids()
+    e, w, _ = effective_interface(model)
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True)
+        logits = model(ids).logits.double()
+    first = out.hidden_states[0].double()
+    assert torch.allclose(first, e[ids], rtol=1e-5, atol=1e-6 * float(e.abs().max()))
+    head = out.last_hidden_state.double() @ w
+    assert float((logits - head).abs().max() / logits.abs().max()) < 1e-5
+
+
+def test_gemma2_post_block_norms_are_refused():
+    """Gemma 2 normalizes block outputs before they join the residual stream: no rotation
+    symmetry, so ``preserve`` refuses it and names why."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from pit_deploy.convert.preserve import preserve_convert
+
+    config = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(PitError, match="post-attention/post-feedforward.*--t-init identity"):
+        preserve_convert(model)
+    with pytest.raises(PitError):  # and convert does not take it at all
+        convert_model(model, "preserve")
 
 
 def test_fit_solves_the_weighted_problem():

@@ -36,14 +36,22 @@ from ..model.inspect import effective_interface
 
 log = logging.getLogger(__name__)
 
-#: families whose blocks are pre-norm RMSNorm with the residual stream only read through
-#: norms: ``(gain offset, reading linears, writing linears)``. Gemma's norm multiplies by
-#: ``1 + w``. Qwen3's per-head q/k norms act after the projections: a residual rotation
-#: leaves them untouched.
+#: Pre-norm RMSNorm blocks read the residual stream only through their norms: each norm's
+#: reading linears, and the linears that write into the stream. Qwen3's per-head q/k norms act
+#: after the projections: a residual rotation leaves them untouched.
 _READERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 _WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+#: the covered families and their norms' gain offset: the effective gain is ``w + offset``
+#: (Gemma's RMSNorm multiplies by ``1 + w``, so a gain ``g`` is stored as ``w = g − 1``).
 PRESERVE_FAMILIES = {"llama": 0.0, "mistral": 0.0, "qwen2": 0.0, "qwen3": 0.0, "granite": 0.0, "gemma": 1.0}
+#: why families outside :data:`PRESERVE_FAMILIES` are refused. Gemma 2/3 normalize each block's
+#: *output* before it is added to the residual stream: that norm's gain sits after the
+#: normalization with no linear layer to fold it into, so a residual rotation is no symmetry.
+_POST_NORMS = ("put a norm with its own gain on every block's output (post-attention/post-feedforward) "
+               "before it joins the residual stream, which breaks the rotation symmetry")
+_REFUSED = {"gpt2": "uses LayerNorm (mean-centering, biases)", "gemma2": _POST_NORMS, "gemma3": _POST_NORMS,
+            "gemma3_text": _POST_NORMS, "gemma3n": _POST_NORMS, "gemma3n_text": _POST_NORMS}
 CALIB_PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that adds two numbers.",
@@ -208,7 +216,10 @@ def weighted_misfit(g: torch.Tensor, a: torch.Tensor, c: torch.Tensor, p: torch.
 
 @torch.no_grad()
 def fold_and_rotate(model: PreTrainedModel, r: torch.Tensor, gain_offset: float) -> None:
-    """Fold block norm gains into their readers, rotate the residual stream by ``R`` (in place)."""
+    """Fold block norm gains into their readers, rotate the residual stream by ``R`` (in place).
+
+    The folded gain is the effective one, ``w + gain_offset``; the norm is then left at
+    effective gain 1 (``w = 1 − gain_offset``: 0 for Gemma's ``1 + w``)."""
     adapter = adapter_for(model.config)
     for layer in adapter.layers(model):
         for norm_name, readers in _READERS.items():
@@ -251,9 +262,10 @@ def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpe
     """
     model_type = getattr(model.config, "model_type", None)
     if model_type not in PRESERVE_FAMILIES:
+        why = _REFUSED.get(model_type, "is not a pre-norm RMSNorm model read only through its norms")
         raise PitError(
             f"--t-init preserve covers pre-norm RMSNorm families ({', '.join(sorted(PRESERVE_FAMILIES))}); "
-            f"{model_type!r} uses LayerNorm with biases — use --t-init identity, input or output"
+            f"{model_type!r} {why} — use --t-init identity, input or output"
         )
     offset = PRESERVE_FAMILIES[model_type]
     adapter = adapter_for(model.config)
