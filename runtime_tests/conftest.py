@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pit_deploy.export.recipes import MODES, RUNTIMES, Recipe
-from pit_deploy.tiny import tiny_pit_model
+from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
 
 TINY_MAX_SEQ_LEN = 64
 REAL_MAX_SEQ_LEN = 64  # prompts (< 32 tokens) + 32 greedy tokens
@@ -94,7 +94,8 @@ class _Exports:
             from pit_deploy.evaluate.verify import verify_directory
 
             out = self.root / f"tiny-{family}"
-            loaded = LoadedModel(tiny_pit_model(family), None, {"kind": "tiny", "family": family})
+            # with a tokenizer, so the .pte folders carry one and the stock LLM runner runs them
+            loaded = LoadedModel(tiny_pit_model(family), tiny_tokenizer(), {"kind": "tiny", "family": family})
             recipe = Recipe(runtimes=RUNTIMES, modes=MODES, max_seq_len=TINY_MAX_SEQ_LEN, name="tiny-ci")
             export_model(loaded, out, recipe)
             self.dirs[family] = out

@@ -73,3 +73,64 @@ def test_ort_model_generates_like_pytorch(exports, mode):
         expected = ref.generate(ids, **kw)
     got = ort.generate(ids, **kw)
     assert torch.equal(got, expected)
+
+
+def test_pte_folder_carries_a_tokenizer_the_stock_runner_loads(exports):
+    out, report = exports.tiny("llama")
+    manifest = Manifest.read(out)
+    for art in manifest.artifacts:
+        if art.runtime != "executorch":
+            continue
+        assert f"{art.path}/tokenizer.json" in art.files, "the tokenizer file must be digest-covered"
+        assert art.details["runner_tokenizer"] == "tokenizer.json"
+        runner = report.result("executorch", art.mode).stock_runner
+        assert runner["identical"] is True and runner["prompts"] == 3, runner
+        assert all(a["runner"] == a["reference"] and a["runner"] for a in runner["answers"])
+
+
+def test_tampered_runner_tokenizer_fails_verify(exports, tmp_path):
+    """A runner tokenizer that decodes differently (its byte-level decoder removed), digests
+    re-recorded so only the stock runner can notice: verify fails and says so."""
+    import shutil
+
+    from pit_deploy.evaluate.verify import verify_directory
+    from pit_deploy.io.fs import sha256_file
+
+    src, _ = exports.tiny("llama")
+    out = tmp_path / "tampered"
+    shutil.copytree(src, out)
+    tok_path = out / "executorch-factorized" / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    assert tok["decoder"] is not None
+    tok["decoder"] = None
+    tok_path.write_text(json.dumps(tok))
+    data = json.loads((out / MANIFEST_NAME).read_text())
+    for art in data["artifacts"]:
+        key = "executorch-factorized/tokenizer.json"
+        if key in art["files"]:
+            art["files"][key] = {"sha256": sha256_file(tok_path), "bytes": tok_path.stat().st_size}
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    report = verify_directory(out, runtimes="executorch", modes="factorized", record=False)
+    r = report.result("executorch", "factorized")
+    assert r.greedy_match is True, "the program itself is untouched"
+    assert not r.passed and any("stock ExecuTorch LLM runner" in f for f in r.failures), r.failures
+
+
+def test_bench_has_a_stock_runner_row_per_pte(exports, tmp_path, capsys):
+    """`bench` times each .pte twice: through the Python driver and through ExecuTorch's stock
+    LLM runner, whose row carries the runner's own Stats figures."""
+    import math
+
+    from pit_deploy.cli import main
+    from pit_deploy.evaluate.bench import ROW_FIELDS
+
+    out, _ = exports.tiny("llama")
+    assert main(["bench", str(out), "--threads", "1", "--prompt-len", "8", "--gen-len", "12", "--reps", "2",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    runner_rows = [r for r in rows if r["runtime"] == "executorch-llm-runner"]
+    assert {r["mode"] for r in runner_rows} == {"materialized", "factorized"} and len(rows) == 6
+    for r in runner_rows:
+        assert set(ROW_FIELDS) <= set(r) and "first_divergence" not in r
+        assert r["prompt_tokens"] >= 1 and r["generated_tokens"] >= 1 and r["runner_text"]
+        assert math.isfinite(r["decode_tok_s"]) and r["decode_tok_s"] > 0 and r["peak_rss_mb"] > 0

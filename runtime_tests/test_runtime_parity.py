@@ -25,6 +25,10 @@ def assert_bounds(r) -> None:
     assert r.delta_ti <= DELTA_TI_BOUND, f"delta_ti {r.delta_ti:.3e}"
     if r.runtime == "onnx":
         assert r.weights_shared is True, r.notes
+    if r.runtime == "executorch":  # ExecuTorch's stock LLM runner (TextLLMRunner) with the folder's tokenizer
+        runner = r.stock_runner
+        assert runner and runner["skipped"] is None and runner["error"] is None, runner
+        assert runner["prompts"] >= 3 and runner["identical"], runner["mismatches"]
     assert r.passed and not r.failures, r.failures
 
 

@@ -71,3 +71,39 @@ def test_passes_refuse_plain_models_and_unknown_modes():
         factorize(tiny_model("llama"))
     with pytest.raises(PitError, match="unknown export mode"):
         prepare(_pit("llama"), "quantized")
+
+
+def test_onnx_export_leaves_no_forward_on_the_model(tmp_path):
+    """optimum's patcher assigns the restored `forward` on the instance; the exporter removes it
+    so a later `.pte` export of the same model traces the class's forward (Gemma failed)."""
+    from pit_deploy.export.to_onnx import export_onnx
+
+    model = prepare(tiny_pit_model("llama"), "factorized")
+    assert "forward" not in vars(model)
+    export_onnx(model, tmp_path / "onnx")
+    assert "forward" not in vars(model)
+
+
+def test_llm_ops_decoder_matches_the_model_in_eager():
+    """The custom-op cache update and attention (ExecuTorch's llama::update_cache and
+    llama::custom_sdpa, run eagerly through their CPU kernels) give the model's own logits,
+    one-call prefill then single-token decode, for every family that uses them."""
+    from pit_deploy.export import llm_ops
+    from pit_deploy.export.to_executorch import StaticKVDecoder
+
+    assert llm_ops.available(), "the pinned executorch ships its LLM custom ops"
+    for family in ("llama", "qwen3", "granite"):
+        model = prepare(tiny_pit_model(family), "factorized")
+        ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+            saved = model.config._attn_implementation
+            model.config._attn_implementation = llm_ops.ATTN_NAME
+            try:
+                dec = StaticKVDecoder(model, 64, llm_ops=True).eval()
+                parts = [dec(ids[:, :12], torch.tensor([0]))]
+                parts += [dec(ids[:, i:i + 1], torch.tensor([i])) for i in range(12, 20)]
+            finally:
+                model.config._attn_implementation = saved
+        got = torch.cat(parts, dim=1)
+        assert float((got - ref).norm() / ref.norm()) < 1e-5, family

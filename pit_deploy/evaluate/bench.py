@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
+from ..runtime.llm_runner import RUNNER_NAME, RUNNER_TOKENIZER
 from ..runtime.standalone import first_divergence
 
 Progress = Callable[[str], None]
@@ -163,6 +164,14 @@ def prompt_ids(tokenizer: Any, vocab: int, length: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
+def prompt_text(tokenizer: Any, vocab: int, length: int) -> tuple[str, list[int]]:
+    """The text the stock LLM runner (``llama_main``, ``TextLLMRunner``) is given: the fixed prompt ids of :func:`prompt_ids` (the
+    default corpus's first held-out document, ``length`` tokens), decoded back to text with
+    the export's tokenizer, since the stock runner takes text, not ids."""
+    ids = prompt_ids(tokenizer, vocab, length)
+    return tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
 def reference_tokens(reference_dir: Path, ids: list[int], gen_len: int) -> list[int]:
     """The PyTorch reference's greedy tokens for ``ids`` (what every artifact should produce)."""
     import torch
@@ -250,6 +259,9 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
                                  "gen_len": opts.gen_len, "size_mb": art.bytes / 1e6, "verified": verified},
                         "reference": str(directory / REFERENCE_DIR),
                     })
+                if art.runtime == "executorch" and tokenizer is not None \
+                        and (directory / art.path / RUNNER_TOKENIZER).is_file():
+                    cells += _runner_cells(cells[-1], tokenizer, art.shapes["vocab_size"], p, opts.threads)
     if opts.torch_model:
         from ..io.sources import load_source
 
@@ -270,6 +282,32 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
                 })
         del loaded
     return cells, prompts, warnings
+
+
+def _runner_cells(cell: dict[str, Any], tokenizer: Any, vocab: int, prompt_len: int,
+                  threads: Sequence[int]) -> list[dict[str, Any]]:
+    """Cells that time the same ``.pte`` through ExecuTorch's stock LLM runner
+    (:mod:`pit_deploy.runtime.llm_runner`): its own tokenizer, prefill and decode loop, and its
+    ``Stats`` — the figures ``llama_main`` prints on a phone."""
+    text, _ = prompt_text(tokenizer, vocab, prompt_len)
+    return [{**cell, "runtime": RUNNER_NAME, "threads": t, "prompt_text": text,
+             "meta": {**cell["meta"], "runtime": RUNNER_NAME, "threads": t}} for t in threads]
+
+
+def measure_runner_cell(cell: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One stock-runner cell: a warm-up then ``reps`` generations in one child process."""
+    from ..runtime.llm_runner import LLMRunnerError, generate, pass_figures
+    from .bench_adb import cell_row
+
+    try:
+        out = generate(cell["folder"], [cell["prompt_text"]], cell["gen_len"], threads=cell["threads"],
+                       reps=cell["reps"] + 1, timeout=timeout)
+    except LLMRunnerError as exc:
+        raise PitError(f"{cell['label']}: {exc}") from None
+    runs = out["results"][0]["runs"][1:]
+    row = cell_row(cell["meta"], [pass_figures(r) for r in runs], [out["peak_rss_mb"] * 1024.0])
+    # no first_divergence: the runner reports text, not token ids (verify compares its text)
+    return {**row, "runner_text": out["results"][0]["text"]}
 
 
 def _torch_size_mb(spec: str) -> float:
@@ -300,6 +338,15 @@ def bench_directories(directories: Sequence[str | Path], opts: BenchOptions,
         meta = cell["meta"]
         say(f"[{i}/{len(cells)}] {meta['artifact']} {meta['dtype']} threads={meta['threads']} "
             f"pp{meta['prompt_len']} tg{meta['gen_len']}")
+        if cell["runtime"] == RUNNER_NAME:
+            row = measure_runner_cell(cell, opts.cell_timeout_s)
+            if row["generated_tokens"] < meta["gen_len"] - 1:
+                warnings.append(f"{meta['artifact']} (stock runner): stopped after {row['generated_tokens']} "
+                                f"generated tokens (an end-of-sequence token), not {meta['gen_len']}")
+            say(f"    pp{meta['prompt_len']} {row['prefill_tok_s']:.1f} tok/s, tg{meta['gen_len']} "
+                f"{row['decode_tok_s']:.1f} tok/s, RSS {row['peak_rss_mb']:.0f} MB (stock runner)")
+            rows.append(row)
+            continue
         measured = run_cell_process(cell, opts.cell_timeout_s)
         ref = None
         if cell["reference"]:
@@ -360,7 +407,7 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
         raise PitError("--bundle needs export directories to pack")
     cells, prompts, warnings = plan_cells(directories, opts)
     artifacts, references, seen = [], {}, set()
-    for cell in cells:
+    for cell in [c for c in cells if c["runtime"] != RUNNER_NAME]:  # the stock runner needs executorch's LLM bindings
         meta = cell["meta"]
         if cell["runtime"] not in standalone.DECODERS:
             raise PitError(f"{cell['label']}: the {cell['runtime']} runtime cannot run in a bundle")

@@ -37,8 +37,9 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
+from ..runtime.llm_runner import pass_figures
 from ..runtime.standalone import PTE_NAME, _mean_std, _percentile
-from .bench import BenchOptions, BenchResult, _verification, prompt_ids
+from .bench import BenchOptions, BenchResult, _verification, prompt_ids, prompt_text
 
 Progress = Callable[[str], None]
 
@@ -256,14 +257,6 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
     return found, warnings
 
 
-def prompt_text(tokenizer: Any, vocab: int, length: int) -> tuple[str, list[int]]:
-    """The text llama_main is given: the same fixed prompt ids as the local bench (the
-    default corpus's first held-out document, ``length`` tokens), decoded back to text with
-    the export's tokenizer, since the stock runner takes text, not ids."""
-    ids = prompt_ids(tokenizer, vocab, length)
-    return tokenizer.decode(ids, skip_special_tokens=True), ids
-
-
 def load_tokenizer(art: PhoneArtifact) -> Any:
     """The Hugging Face tokenizer that builds the prompt text here: the one beside the file
     pushed to the phone, else the export's reference one."""
@@ -314,32 +307,6 @@ def parse_peak_rss_kib(output: str) -> int | None:
     """``time -v``'s maximum resident set size in KiB (toybox or GNU wording)."""
     hits = _RSS.findall(output)
     return int(hits[-1]) if hits else None
-
-
-def pass_figures(stats: dict[str, Any]) -> dict[str, float]:
-    """One invocation's figures from its stats line. The runner's timestamps are whole
-    milliseconds (``SCALING_FACTOR_UNITS_PER_SECOND`` per second): prefill runs from
-    ``inference_start_ms`` (which includes encoding the prompt) to ``prompt_eval_end_ms``;
-    its last logits give the first token (``first_token_ms``); the decode loop runs from
-    ``prompt_eval_end_ms`` to ``inference_end_ms`` and makes ``generated_tokens`` tokens
-    (the prefill's token not among them). An interval of 0 units is below the clock's
-    resolution: its rate is NaN, not infinite."""
-    unit = float(stats.get("SCALING_FACTOR_UNITS_PER_SECOND") or 1000)
-
-    def seconds(a: str, b: str) -> float:
-        return (float(stats[b]) - float(stats[a])) / unit
-
-    prefill_s = seconds("inference_start_ms", "prompt_eval_end_ms")
-    decode_s = seconds("prompt_eval_end_ms", "inference_end_ms")
-    generated, prompt = int(stats["generated_tokens"]), int(stats["prompt_tokens"])
-    return {
-        "prefill_tok_s": prompt / prefill_s if prefill_s > 0 else math.nan,
-        "decode_tok_s": generated / decode_s if decode_s > 0 and generated > 0 else math.nan,
-        "decode_ms_per_token": decode_s * 1e3 / generated if generated > 0 else math.nan,
-        "ttft_ms": seconds("inference_start_ms", "first_token_ms") * 1e3,
-        "load_s": seconds("model_load_start_ms", "model_load_end_ms"),
-        "prompt_tokens": prompt, "generated_tokens": generated,
-    }
 
 
 def cell_row(meta: dict[str, Any], passes: list[dict[str, float]], rss_kib: list[int | None]) -> dict[str, Any]:

@@ -87,6 +87,8 @@ class ArtifactResult:
     weights_shared: bool | None = None
     tying: str = "pit"
     nonfinite_outputs: int = 0
+    #: ExecuTorch artifacts: the stock LLM runner's greedy texts vs the reference's (:mod:`.stock_runner`)
+    stock_runner: dict[str, Any] | None = None
     bounds: dict[str, Any] = field(default_factory=dict)
     passed: bool = False
     failures: list[str] = field(default_factory=list)
@@ -110,6 +112,12 @@ class ArtifactResult:
             fails += self._judge_fp32(bounds)
         if self.weights_shared is False:
             fails.append("interface graph weights are not byte-identical to the decoder's")
+        runner = self.stock_runner or {}
+        if runner.get("error"):
+            fails.append("the stock ExecuTorch LLM runner failed: " + runner["error"].splitlines()[0])
+        elif runner.get("identical") is False and not isinstance(bounds, QuantizedBounds):
+            fails.append(f"the stock ExecuTorch LLM runner's greedy text differs from PyTorch's on "
+                         f"{len(runner.get('mismatches', []))} of {runner.get('prompts')} prompt(s)")
         self.failures, self.passed = fails, not fails
         return self
 
@@ -183,13 +191,15 @@ class VerifyReport:
         return json.dumps(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'kl_mean':>9}{'kl_p99':>8}"
+        head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'kl_p99':>8}"
                 f"{'same1':>7}{'ppl_x':>7}{'delta_ti':>10}  result")
         rows = [head]
         for a in self.artifacts:
             greedy = "-" if a.greedy_match is None else ("yes" if a.greedy_match else "NO")
+            same = (a.stock_runner or {}).get("identical")
+            runner = "-" if same is None else ("yes" if same else "NO")
             rows.append(
-                f"{a.key:<30}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}"
+                f"{a.key:<30}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
                 f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
                 f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
@@ -427,9 +437,22 @@ def verify_directory(
     for art in selected:
         bounds = bounds_for(art.dtype, overrides.get(art.dtype))
         if isinstance(bounds, QuantizedBounds):
-            results.append(verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds))
+            result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds)
         else:
-            results.append(verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds))
+            result = verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds)
+        if art.runtime == "executorch":
+            from .stock_runner import check_stock_runner
+
+            check = check_stock_runner(directory / art.path, reference, tokenizer, TEXT_PROMPTS,
+                                       GREEDY_TOKENS, art.shapes.get("max_seq_len"))
+            result.stock_runner = check.to_dict()
+            if check.skipped:
+                result.notes.append(f"stock LLM runner not run: {check.skipped}")
+            elif check.identical is False and isinstance(bounds, QuantizedBounds):
+                result.notes.append("the stock LLM runner's greedy text differs from the fp32 reference's "
+                                    "(expected of a quantized artifact; judged by its KL bounds)")
+            result.judge(bounds)
+        results.append(result)
     report = VerifyReport(str(directory), results)
     if record:
         data = json.loads((directory / MANIFEST_NAME).read_text())

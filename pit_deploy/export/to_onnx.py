@@ -52,9 +52,17 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     # do_validation=False: optimum's check only warns above atol; `pit-deploy verify` fails instead.
-    onnx_export_from_model(
-        model, out_dir, task=ONNX_TASK, opset=opset, do_validation=False, preprocessors=None
-    )
+    had_forward = "forward" in vars(model)
+    try:
+        onnx_export_from_model(
+            model, out_dir, task=ONNX_TASK, opset=opset, do_validation=False, preprocessors=None
+        )
+    finally:
+        # optimum's model patcher restores `forward` by assigning it on the instance; left there,
+        # a later torch.export of the same model (the .pte exporter) traces that bound method and
+        # fails on Gemma (its √d constant is built inside the class's forward)
+        if not had_forward:
+            vars(model).pop("forward", None)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)
     probe = InterfaceProbe(model).eval()

@@ -121,6 +121,19 @@ def set_executorch_threads(threads: int | None) -> None:
     portable_lib._unsafe_reset_threadpool(int(threads))
 
 
+def load_llm_custom_ops() -> bool:
+    """Register ExecuTorch's LLM custom-op kernels (``llama::update_cache``,
+    ``llama::custom_sdpa``) with the runtime of this process, as the exported decoders of
+    Llama-style families use them. They live in the ``executorch`` wheel's
+    ``extension/llm/custom_ops`` library, which the runtime does not load by itself; importing
+    the module loads it. Returns whether it could be loaded."""
+    try:
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+    except Exception:  # noqa: BLE001 — an install without them: programs that need them fail to load
+        return False
+    return True
+
+
 class PteDecoder:
     """``model.pte``'s ``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over the
     static KV cache in the program's mutable buffers (the ExecuTorch LLM runner's convention)."""
@@ -129,8 +142,14 @@ class PteDecoder:
         from executorch.runtime import Runtime
 
         set_executorch_threads(threads)
+        have_ops = load_llm_custom_ops()
         self.program = Runtime.get().load_program(str(Path(folder) / PTE_NAME))
-        self.forward = self.program.load_method("forward")
+        try:
+            self.forward = self.program.load_method("forward")
+        except RuntimeError as exc:
+            hint = "" if have_ops else (" — this program may use ExecuTorch's LLM custom ops "
+                                        "(llama::update_cache, llama::custom_sdpa), which could not be loaded")
+            raise RuntimeError(f"{exc}{hint}") from None
 
     def _run(self, ids: list[int], pos: int):
         import torch  # the executorch runtime's tensor type
@@ -230,7 +249,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
-    if not values:
+    """Mean and sample standard deviation; NaN for none or for any NaN (an interval below the
+    clock's resolution): ``statistics.stdev`` raises on NaN instead of returning it."""
+    if not values or any(v != v for v in values):
         return float("nan"), float("nan")
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 

@@ -1,0 +1,109 @@
+"""Does ExecuTorch's stock LLM runner generate what PyTorch generates from an artifact?
+
+``verify`` runs every ``.pte`` artifact through ``TextLLMRunner`` (the C++ runner behind
+``llama_main``, :mod:`pit_deploy.runtime.llm_runner`) on fixed text prompts — the
+verification prompts plus, when the tokenizer has a chat template, a chat-formatted question —
+greedy, with the folder's own ``tokenizer.json``. The reference encodes the same text with the
+export's Hugging Face tokenizer (no special tokens added: the runner adds no BOS), decodes
+greedily up to the same number of tokens (stopping at an end-of-sequence id, as the runner
+does) and the two texts must be identical, as must the number of prompt tokens the two
+tokenizers produce. This checks what the Python drivers cannot: the tokenizer file, the
+metadata methods and the runner's own prefill/decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..runtime.llm_runner import RUNNER_TOKENIZER, LLMRunnerError, generate
+
+CHAT_QUESTION = "What is the capital of France?"
+
+
+@dataclass
+class StockRunnerCheck:
+    """The stock runner's greedy texts against the reference's, prompt by prompt."""
+
+    prompts: int = 0
+    new_tokens: int = 0
+    identical: bool | None = None
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    answers: list[dict[str, str]] = field(default_factory=list)
+    error: str | None = None
+    skipped: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def runner_prompts(tokenizer: Any, text_prompts: Sequence[str]) -> list[str]:
+    """The verification prompts, plus :data:`CHAT_QUESTION` in the chat template if there is one."""
+    prompts = list(text_prompts)
+    if getattr(tokenizer, "chat_template", None):
+        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}],
+                                                     tokenize=False, add_generation_prompt=True))
+    return prompts
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = getattr(model.config, "eos_token_id", None)
+    ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+    return ids
+
+
+@torch.no_grad()
+def reference_text(model: Any, ids: list[int], new_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy ids after ``ids`` (at most ``new_tokens``; an end-of-sequence id ends it, included)."""
+    out: list[int] = []
+    seq = torch.tensor([ids], dtype=torch.long)
+    past = None
+    for _ in range(new_tokens):
+        result = model(input_ids=seq, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        nxt = int(result.logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt in eos:
+            break
+        seq = torch.tensor([[nxt]], dtype=torch.long)
+    return out
+
+
+def check_stock_runner(folder: Path, reference: Any, tokenizer: Any, text_prompts: Sequence[str],
+                       new_tokens: int, max_seq_len: int | None) -> StockRunnerCheck:
+    """Run the folder's ``model.pte`` through the stock runner and compare with the reference."""
+    if tokenizer is None:
+        return StockRunnerCheck(skipped="the export has no tokenizer, so the stock runner has nothing to read")
+    if not (folder / RUNNER_TOKENIZER).is_file():
+        return StockRunnerCheck(skipped=f"{folder.name} has no {RUNNER_TOKENIZER} (exported before the "
+                                        "stock-runner tokenizer was added: re-export)")
+    prompts = runner_prompts(tokenizer, text_prompts)
+    encoded = [list(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    if max_seq_len:
+        keep = [i for i, ids in enumerate(encoded) if len(ids) + 2 <= max_seq_len]
+        prompts, encoded = [prompts[i] for i in keep], [encoded[i] for i in keep]
+        new_tokens = min([new_tokens] + [max_seq_len - len(ids) for ids in encoded])
+    if not prompts:
+        return StockRunnerCheck(skipped="no verification prompt fits the artifact's static cache")
+    check = StockRunnerCheck(prompts=len(prompts), new_tokens=new_tokens)
+    try:
+        results = generate(folder, prompts, new_tokens)["results"]
+    except LLMRunnerError as exc:
+        check.error, check.identical = str(exc), False
+        return check
+    eos = _eos_ids(reference)
+    for prompt, ids, got in zip(prompts, encoded, results):
+        want_ids = reference_text(reference, ids, new_tokens, eos)
+        want = tokenizer.decode(want_ids, skip_special_tokens=False)
+        runner_tokens = got["runs"][0]["prompt_tokens"] if got.get("runs") else None
+        check.answers.append({"prompt": prompt, "runner": got["text"], "reference": want})
+        if got["text"] != want or (runner_tokens is not None and runner_tokens != len(ids)):
+            at = next((i for i, (a, b) in enumerate(zip(got["text"], want)) if a != b), min(len(got["text"]), len(want)))
+            check.mismatches.append({"prompt": prompt, "runner_prompt_tokens": runner_tokens,
+                                     "reference_prompt_tokens": len(ids), "first_differing_char": at,
+                                     "runner": got["text"], "reference": want})
+    check.identical = not check.mismatches
+    return check
