@@ -77,7 +77,8 @@ class BenchResult:
             if t is None:
                 continue
             out.append({
-                "artifact": r["artifact"], "baseline": t["artifact"], "threads": r["threads"], "prompt_len": r["prompt_len"],
+                "artifact": r["artifact"], "baseline": t["artifact"], "runtime": r["runtime"], "threads": r["threads"],
+                "prompt_len": r["prompt_len"],
                 "decode_time_ratio": t["decode_tok_s"] / r["decode_tok_s"],
                 "prefill_time_ratio": t["prefill_tok_s"] / r["prefill_tok_s"],
                 "rss_ratio": r["peak_rss_mb"] / t["peak_rss_mb"],
@@ -97,7 +98,8 @@ class BenchResult:
                 f"{'p50 ms':>7} | {'p90 ms':>7} | {'load s':>6} | {'RSS MB':>7} | {'size MB':>7} | verified |")
         lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
         for r in self.rows:
-            name = f"{r['artifact']} ({r['dtype']})"[:44]
+            runner = " stock runner" if r["runtime"] == RUNNER_NAME else ""
+            name = f"{r['artifact']} ({r['dtype']}{runner})"[:44]
             ok = {True: "yes", False: "FAILED", None: "no"}[r.get("verified")]
             for test, mean, std in ((f"pp{r['prompt_len']}", r["prefill_tok_s"], r["prefill_tok_s_std"]),
                                     (f"tg{r['gen_len']}", r["decode_tok_s"], r["decode_tok_s_std"])):
@@ -106,7 +108,8 @@ class BenchResult:
                     f"{r['decode_ms_p50']:>7.2f} | {r['decode_ms_p90']:>7.2f} | {r['load_s']:>6.2f} | "
                     f"{r['peak_rss_mb']:>7.0f} | {r['size_mb']:>7.1f} | {ok:>8} |")
         for q in self.ratios():
-            lines.append(f"PIT/TT {q['artifact']} vs {q['baseline']} ({q['threads']} threads, pp{q['prompt_len']}): "
+            runner = ", stock runner" if q.get("runtime") == RUNNER_NAME else ""
+            lines.append(f"PIT/TT {q['artifact']} vs {q['baseline']} ({q['threads']} threads, pp{q['prompt_len']}{runner}): "
                          f"decode time ×{q['decode_time_ratio']:.3f}, prefill time ×{q['prefill_time_ratio']:.3f}, "
                          f"RSS ×{q['rss_ratio']:.3f}, size ×{q['size_ratio']:.4f}")
         foreign = [r["foreign_load_cores"] for r in self.rows if r.get("foreign_load_cores") is not None]
