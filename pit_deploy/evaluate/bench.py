@@ -219,6 +219,28 @@ def _cell_env() -> dict[str, str]:
     return env
 
 
+def verification_state(manifest: Manifest, art: Any, label: str, directory: Path,
+                       warnings: list[str]) -> bool | None:
+    """The artifact's recorded verification (``None``: never verified); a warning is added for
+    an unverified or failed one — it is still measured, but flagged."""
+    verified = _verification(manifest, art)
+    if verified is None:
+        warnings.append(f"{label} was never verified: run `pit-deploy verify {directory}` — its figures may be of a wrong model")
+    elif not verified:
+        warnings.append(f"{label} FAILED verification: it does not compute what PyTorch computes")
+    return verified
+
+
+def check_context(label: str, art: Any, opts: BenchOptions) -> None:
+    """Every prompt length plus the generation must fit the artifact's static cache (exit 2)."""
+    context = art.shapes.get("max_seq_len")
+    for p in opts.prompt_lens:
+        if context is not None and p + opts.gen_len > context:
+            raise PitError(f"{label}: prompt {p} + {opts.gen_len} generated tokens exceed the artifact's "
+                           f"context of {context}; use a shorter --prompt-len/--gen-len or export with a "
+                           "longer --max-seq-len")
+
+
 def _verification(manifest: Manifest, art: Any) -> bool | None:
     ver = manifest.verification or {}
     for a in ver.get("artifacts", []):
@@ -239,18 +261,10 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
         tokenizer = _maybe_tokenizer(directory / REFERENCE_DIR, True, False)
         for art in manifest.artifacts:
             driver_class(art.runtime)  # an uninstalled runtime is unusable input, before any work
-            verified = _verification(manifest, art)
             label = f"{directory.name}/{art.path}"
-            if verified is None:
-                warnings.append(f"{label} was never verified: run `pit-deploy verify {directory}` — its figures may be of a wrong model")
-            elif not verified:
-                warnings.append(f"{label} FAILED verification: it does not compute what PyTorch computes")
-            context = art.shapes.get("max_seq_len")
+            verified = verification_state(manifest, art, label, directory, warnings)
+            check_context(label, art, opts)
             for p in opts.prompt_lens:
-                if context is not None and p + opts.gen_len > context:
-                    raise PitError(f"{label}: prompt {p} + {opts.gen_len} generated tokens exceed the artifact's "
-                                   f"context of {context}; use a shorter --prompt-len/--gen-len or export with a "
-                                   "longer --max-seq-len")
                 ids = prompt_ids(tokenizer, art.shapes["vocab_size"], p)
                 prompts[f"{directory.name}:{p}"] = ids
                 for t in opts.threads:

@@ -39,7 +39,7 @@ from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
 from ..runtime.llm_runner import pass_figures
 from ..runtime.standalone import PTE_NAME, _mean_std, _percentile
-from .bench import BenchOptions, BenchResult, _verification, prompt_ids, prompt_text
+from .bench import BenchOptions, BenchResult, check_context, prompt_text, verification_state
 
 Progress = Callable[[str], None]
 
@@ -231,20 +231,11 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
                 raise PitError(f"{label}: no tokenizer file ({', '.join(TOKENIZER_FILES)}) in {folder} or "
                                f"{directory / REFERENCE_DIR}; llama_main needs one — re-export from a model "
                                "with a tokenizer")
-            context = art.shapes.get("max_seq_len")
-            for p in opts.prompt_lens:
-                if context is not None and p + opts.gen_len > context:
-                    raise PitError(f"{label}: prompt {p} + {opts.gen_len} generated tokens exceed the artifact's "
-                                   f"context of {context}; use a shorter --prompt-len/--gen-len or export with a "
-                                   "longer --max-seq-len")
-            verified = _verification(manifest, art)
-            if verified is None:
-                warnings.append(f"{label} was never verified: run `pit-deploy verify {directory}` — its figures may be of a wrong model")
-            elif not verified:
-                warnings.append(f"{label} FAILED verification: it does not compute what PyTorch computes")
+            check_context(label, art, opts)
+            verified = verification_state(manifest, art, label, directory, warnings)
             found.append(PhoneArtifact(
                 label=label, directory=directory, pte=pte, tokenizer=tokenizer,
-                vocab=int(art.shapes.get("vocab_size") or 1), context=context,
+                vocab=int(art.shapes.get("vocab_size") or 1), context=art.shapes.get("max_seq_len"),
                 meta={"artifact": label, "runtime": RUNTIME, "mode": art.mode, "dtype": art.dtype,
                       "tying": getattr(art, "tying", "pit"), "gen_len": opts.gen_len,
                       "size_mb": art.bytes / 1e6, "verified": verified}))
