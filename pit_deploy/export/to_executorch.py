@@ -211,8 +211,8 @@ def _lower(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_me
         programs = {"forward": programs["forward"]}
     meta = metadata_methods(model.config, max_seq_len)
     # _check_ir_validity=False skips the edge-dialect verifier, which re-runs every graph on fake
-    # tensors after each pass (96 % of the lowering time of the default model, profiled);
-    # ExecuTorch's own LLM export builder turns it off too. `verify` checks the numbers.
+    # tensors after each pass (most of the samples of a profile window of the default model's
+    # lowering); ExecuTorch's own LLM export builder turns it off too. `verify` checks the numbers.
     lowered = to_edge_transform_and_lower(
         programs, partitioner=[XnnpackPartitioner()], constant_methods=meta,
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
