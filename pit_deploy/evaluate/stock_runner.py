@@ -73,8 +73,12 @@ def reference_text(model: Any, ids: list[int], new_tokens: int, eos: set[int]) -
 
 
 def check_stock_runner(folder: Path, reference: Any, tokenizer: Any, text_prompts: Sequence[str],
-                       new_tokens: int, max_seq_len: int | None) -> StockRunnerCheck:
-    """Run the folder's ``model.pte`` through the stock runner and compare with the reference."""
+                       new_tokens: int, max_seq_len: int | None,
+                       reference_cache: dict[tuple[str, int], str] | None = None) -> StockRunnerCheck:
+    """Run the folder's ``model.pte`` through the stock runner and compare with the reference.
+
+    ``reference_cache`` keeps the reference's texts by (prompt, tokens) across the artifacts of
+    one export, which all share the reference: its greedy decode runs once per prompt."""
     if tokenizer is None:
         return StockRunnerCheck(skipped="the export has no tokenizer, so the stock runner has nothing to read")
     if not (folder / RUNNER_TOKENIZER).is_file():
@@ -95,9 +99,12 @@ def check_stock_runner(folder: Path, reference: Any, tokenizer: Any, text_prompt
         check.error, check.identical = str(exc), False
         return check
     eos = _eos_ids(reference)
+    cache = {} if reference_cache is None else reference_cache
     for prompt, ids, got in zip(prompts, encoded, results):
-        want_ids = reference_text(reference, ids, new_tokens, eos)
-        want = tokenizer.decode(want_ids, skip_special_tokens=False)
+        if (prompt, new_tokens) not in cache:
+            want_ids = reference_text(reference, ids, new_tokens, eos)
+            cache[(prompt, new_tokens)] = tokenizer.decode(want_ids, skip_special_tokens=False)
+        want = cache[(prompt, new_tokens)]
         runner_tokens = got["runs"][0]["prompt_tokens"] if got.get("runs") else None
         check.answers.append({"prompt": prompt, "runner": got["text"], "reference": want})
         if got["text"] != want or (runner_tokens is not None and runner_tokens != len(ids)):

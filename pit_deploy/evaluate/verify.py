@@ -432,6 +432,7 @@ def verify_directory(
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
+    runner_refs: dict = {}  # the reference's stock-runner texts, shared by the .pte artifacts
     overrides = (manifest.recipe or {}).get("bounds") or {}
     results = []
     for art in selected:
@@ -444,7 +445,7 @@ def verify_directory(
             from .stock_runner import check_stock_runner
 
             check = check_stock_runner(directory / art.path, reference, tokenizer, TEXT_PROMPTS,
-                                       GREEDY_TOKENS, art.shapes.get("max_seq_len"))
+                                       GREEDY_TOKENS, art.shapes.get("max_seq_len"), runner_refs)
             result.stock_runner = check.to_dict()
             if check.skipped:
                 result.notes.append(f"stock LLM runner not run: {check.skipped}")
