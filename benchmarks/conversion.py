@@ -26,11 +26,11 @@ from pit_deploy.model.inspect import interface_delta_ti  # noqa: E402
 from pit_deploy.train.data import DataConfig, TextSource, validation_blocks  # noqa: E402
 
 CHAT_PROMPTS = (
-    "What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+    "What is the capital of Japan?", "Name three primary colors.", "How many legs does a spider have?",
     "Write a haiku about autumn.", "What does CPU stand for?", "Give a synonym for 'happy'.",
     "How do I open a file in Python?", "What is the boiling point of water in Celsius?",
     "Who wrote 'Romeo and Juliet'?", "What is the square root of 81?", "List two uses of a paperclip.",
-    "What is photosynthesis, in one sentence?", "Write a Python function that adds two numbers.",
+    "What is photosynthesis, in one sentence?", "Write a Python function that checks whether a number is even.",
     "Which planet is closest to the sun?", "How many days are in a leap year?", "Say hello in German.",
 )
 

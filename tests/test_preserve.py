@@ -169,3 +169,18 @@ def test_fit_solves_the_weighted_problem():
     # a symmetric A is recovered exactly
     s = a + a.T
     assert torch.allclose(fit_symmetric(s, c, p), s, atol=1e-8)
+
+
+def test_conversion_benchmark_holds_out_the_calibration_prompts():
+    """``benchmarks/conversion.py`` scores chat fidelity on prompts the conversion never saw:
+    none of its held-out chat prompts may be one of the calibration prompts."""
+    import ast
+    from pathlib import Path
+
+    from pit_deploy.convert.preserve import CALIB_PROMPTS
+
+    tree = ast.parse((Path(__file__).parents[1] / "benchmarks" / "conversion.py").read_text())
+    held_out = next(ast.literal_eval(node.value) for node in tree.body
+                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CHAT_PROMPTS")
+    assert len(held_out) == 16
+    assert not set(held_out) & set(CALIB_PROMPTS)
