@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pit_deploy.cli import main
+from pit_deploy.errors import PitError
 from pit_deploy.convert.conversion import convert_model
 from pit_deploy.evaluate.verify import verify_directory
 from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix
@@ -183,3 +184,35 @@ def test_executorch_quantized_pte_verifies(tmp_path):
     mat = report.result("executorch", "materialized", "int4")
     assert fact.interface_exact is True and fact.delta_ti <= 1e-4
     assert mat.interface_exact is False and mat.delta_ti > 1e-3
+
+
+def test_executorch_int4_scheme_keeps_named_layers_at_8_bits():
+    """``int4_8bit_layers`` (default ``v_proj``, ``down_proj``) get per-channel int8 weights, every
+    other linear symmetric int4 in groups; the twin stays close to the fp32 model, the source is
+    untouched."""
+    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.tiny import tiny_model
+
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    twin, details = quantize_linears(model, "int4", 32, ("v_proj", "down_proj"))
+    layer = twin.model.layers[0]
+    in_features = layer.mlp.down_proj.in_features
+    assert layer.mlp.down_proj.weight.block_size[-1] == in_features  # per channel: one block a row
+    assert layer.self_attn.v_proj.weight.block_size[-1] == layer.self_attn.v_proj.in_features
+    assert layer.self_attn.q_proj.weight.block_size[-1] == 32 and layer.mlp.up_proj.weight.block_size[-1] == 32
+    assert "v_proj, down_proj" in details["linear_8bit"] and "HQQ" in details["linear"]
+    assert type(model.model.layers[0].mlp.down_proj.weight) is torch.nn.Parameter  # the source is a copy
+    with torch.no_grad():
+        ref, got = model(input_ids=ids).logits, twin(input_ids=ids).logits
+    assert float((got - ref).norm() / ref.norm()) < 0.2
+    _, none_kept = quantize_linears(model, "int4", 32, ())
+    assert "none (0 layers)" in none_kept["linear_8bit"]
+
+
+def test_recipe_refuses_a_bad_int4_8bit_layers():
+    from pit_deploy.export.recipes import Recipe
+
+    with pytest.raises(PitError, match="int4_8bit_layers must be a list"):
+        Recipe(int4_8bit_layers="down_proj")
+    assert Recipe(int4_8bit_layers=["o_proj"]).to_dict()["int4_8bit_layers"] == ["o_proj"]

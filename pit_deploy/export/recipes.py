@@ -10,6 +10,7 @@ quantized dtypes the group size, the PIT correction and the parity bounds::
     group_size = 32                         # int4 blocks / int8 table blocks along the input dim
     pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
     table_bits = 8                          # bits of the token table(s) of quantized ONNX artifacts
+    int4_8bit_layers = ["v_proj", "down_proj"]  # ExecuTorch int4: linears kept at 8 bits
     [bounds.int4]                           # overrides the built-in bounds of a dtype
     kl_mean = 0.5
 
@@ -39,7 +40,7 @@ DTYPES: tuple[str, ...] = tuple(dict.fromkeys(d for spec in EXPORTERS.values() f
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 _FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description", "group_size", "pit_correction", "bounds",
-           "table_bits")
+           "table_bits", "int4_8bit_layers")
 GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -56,6 +57,8 @@ class Recipe:
     group_size: int = 32
     pit_correction: bool = True
     table_bits: int = 8
+    #: ExecuTorch int4: linear layers (name suffixes) kept at 8 bits (docs/quantization.md)
+    int4_8bit_layers: tuple[str, ...] = ("v_proj", "down_proj")
     bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -74,6 +77,11 @@ class Recipe:
             raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
         if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
             raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
+        layers = self.int4_8bit_layers
+        if isinstance(layers, str) or not all(isinstance(n, str) and n for n in layers):
+            raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "
+                           f"got {layers!r}")
+        object.__setattr__(self, "int4_8bit_layers", tuple(layers))
         if not isinstance(self.pit_correction, bool):
             raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
         if not isinstance(self.bounds, dict) or any(k not in DTYPES or not isinstance(v, dict)
@@ -98,6 +106,7 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["runtimes"], data["modes"], data["dtype"] = list(self.runtimes), list(self.modes), list(self.dtype)
+        data["int4_8bit_layers"] = list(self.int4_8bit_layers)
         return data
 
 
