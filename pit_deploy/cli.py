@@ -56,7 +56,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--t-init", default=None,
                    help="preserve (default where the family allows it, else output) | identity | input | output")
     p.add_argument("--calib", default="default", help="calibration text for --t-init preserve (default: the default corpus)")
-    p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens for --t-init preserve (default 2048)")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens for --t-init preserve (default 4096)")
     p.add_argument("--diagonal", default="softplus", help=f"map to L's diagonal: {' | '.join(DIAGONAL_MAPS)}")
     p.add_argument("--train-z", action="store_true", help="mark Z trainable (retracted after each step)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")

@@ -184,3 +184,26 @@ def test_conversion_benchmark_holds_out_the_calibration_prompts():
                     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CHAT_PROMPTS")
     assert len(held_out) == 16
     assert not set(held_out) & set(CALIB_PROMPTS)
+
+
+def test_chat_rows_batched_equal_one_by_one_generation():
+    """Calibration chat rows are generated in left-padded batches; each row must be what greedy
+    generation of that prompt alone gives (prompt + answer up to its end-of-sequence token), and
+    the budget stops adding rows once reached."""
+    from pit_deploy.convert.preserve import CALIB_PROMPTS, chat_rows
+    from pit_deploy.tiny import tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama").eval()
+    tok = tiny_tokenizer(model.config.vocab_size)
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}<s>"
+    prompts = CALIB_PROMPTS[:5]
+    rows = chat_rows(model, tok, prompts, max_new_tokens=12, batch=3)
+    assert len(rows) == 5
+    for text, row in zip(prompts, rows):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = list(ids) if isinstance(ids, list) else list(ids["input_ids"])
+        alone = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=tok.eos_token_id)[0].tolist()
+        assert row.tolist() == alone
+    first_two = sum(len(r) for r in rows[:2])
+    assert len(chat_rows(model, tok, prompts, max_new_tokens=12, batch=3, budget=first_two)) == 2

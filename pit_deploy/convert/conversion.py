@@ -34,7 +34,7 @@ def convert_model(
     source: dict[str, Any] | None = None,
     tokenizer: Any = None,
     calib: str = "default",
-    calib_tokens: int = 2048,
+    calib_tokens: int = 4096,
 ) -> PreTrainedModel:
     """Convert a plain causal LM (tied or untied) into a PIT model, in place.
 

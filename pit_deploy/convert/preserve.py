@@ -61,7 +61,35 @@ CALIB_PROMPTS = (
     "Summarize the water cycle for a child.",
     "How do I reverse a list in Python?",
     "Translate 'good morning' into Spanish and French.",
+    "Explain recursion with a short example.",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a small bakery.",
+    "How do I make a cup of green tea?",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a cat in one sentence.",
+    "What is the largest ocean on Earth?",
+    "Give two reasons to exercise regularly.",
+    "Convert 5 kilometers to miles.",
+    "What is an API?",
+    "Write a short thank-you note to a teacher.",
+    "Who painted the Mona Lisa?",
+    "What is the chemical symbol for gold?",
+    "How does a bicycle stay upright?",
+    "Write a SQL query that counts rows in a table.",
+    "What is the freezing point of water in Fahrenheit?",
+    "Name a famous composer from Austria.",
+    "What is a prime number?",
+    "How do vaccines work, briefly?",
+    "What is the capital of Canada?",
+    "Recommend a book for a beginner programmer.",
+    "What does HTML stand for?",
+    "Describe the color blue to someone who cannot see.",
+    "How many continents are there?",
 )
+#: the share of the calibration budget the chat rows may take (the rest is corpus text). Measured
+#: on the default model (docs/conversion.md): 8 chat prompts in 2135 tokens left the held-out chat
+#: KL at 0.16; 32 prompts in ~3.9k tokens brought it to 0.11 for +0.01 on code.
+CHAT_SHARE = 0.6
 
 
 def supports_preserve(config: Any) -> bool:
@@ -79,11 +107,12 @@ def _sub(module: nn.Module, dotted: str) -> nn.Module:
 # --------------------------------------------------------------------------------------
 
 
-def calibration_batches(model: PreTrainedModel, tokenizer: Any, data: str = "default", tokens: int = 2048,
+def calibration_batches(model: PreTrainedModel, tokenizer: Any, data: str = "default", tokens: int = 4096,
                         seq_len: int = 256, chat: bool = True, seed: int = 0) -> list[torch.Tensor]:
-    """Token-id rows to calibrate on: the training split of ``data`` (packed rows of ``seq_len``)
-    plus, when the tokenizer has a chat template, the model's own greedy answers to fixed
-    prompts in that template — so chat-formatted text is covered without any dataset.
+    """Token-id rows to calibrate on: when the tokenizer has a chat template, the model's own
+    greedy answers to fixed prompts in that template (up to :data:`CHAT_SHARE` of ``tokens``) —
+    so chat-formatted text is covered without any dataset — then the training split of ``data``
+    (packed rows of ``seq_len``) for the rest of the budget.
     Without a tokenizer: seeded random ids (the fit then only sees the model's own statistics)."""
     if tokenizer is None:
         gen = torch.Generator().manual_seed(seed)
@@ -93,7 +122,7 @@ def calibration_batches(model: PreTrainedModel, tokenizer: Any, data: str = "def
 
     rows: list[torch.Tensor] = []
     if chat and getattr(tokenizer, "chat_template", None):
-        rows += chat_rows(model, tokenizer)
+        rows += chat_rows(model, tokenizer, budget=int(CHAT_SHARE * tokens))
     budget = tokens - sum(len(r) for r in rows)
     cfg = DataConfig(spec=data, seq_len=seq_len, seed=seed)
     buf: list[int] = []
@@ -112,17 +141,36 @@ def calibration_batches(model: PreTrainedModel, tokenizer: Any, data: str = "def
 
 @torch.no_grad()
 def chat_rows(model: PreTrainedModel, tokenizer: Any, prompts: Iterable[str] = CALIB_PROMPTS,
-              max_new_tokens: int = 48) -> list[torch.Tensor]:
-    """Each fixed prompt in the chat template, followed by the model's own greedy answer."""
-    rows = []
+              max_new_tokens: int = 48, budget: int | None = None, batch: int = 8) -> list[torch.Tensor]:
+    """Each fixed prompt in the chat template, followed by the model's own greedy answer (up to
+    and including its end-of-sequence token), in order, until the rows hold ``budget`` tokens
+    (always at least one row).
+
+    Prompts are generated ``batch`` at a time, left-padded with an attention mask: on a 2-core
+    CPU one-by-one generation of the 32 default prompts took most of the conversion's time.
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    encoded = []
     for text in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        if not isinstance(ids, list):
-            ids = list(ids["input_ids"])
-        prompt = torch.tensor([ids], dtype=torch.long)
-        out = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id or 0)
-        rows.append(out[0])
+        encoded.append(list(ids) if isinstance(ids, list) else list(ids["input_ids"]))
+    rows: list[torch.Tensor] = []
+    for first in range(0, len(encoded), max(1, batch)):
+        if rows and budget is not None and sum(len(r) for r in rows) >= budget:
+            break
+        chunk = encoded[first:first + max(1, batch)]
+        width = max(len(ids) for ids in chunk)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chunk], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], dtype=torch.long)
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad)
+        for ids, generated in zip(chunk, out[:, width:].tolist()):
+            if eos is not None and eos in generated:
+                generated = generated[:generated.index(eos) + 1]
+            if rows and budget is not None and sum(len(r) for r in rows) >= budget:
+                break
+            rows.append(torch.tensor(ids + generated, dtype=torch.long))
     return rows
 
 
@@ -253,7 +301,7 @@ class PreserveFit:
 
 @torch.no_grad()
 def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpec = PITSpec(),
-                     calib: str = "default", calib_tokens: int = 2048, seq_len: int = 256,
+                     calib: str = "default", calib_tokens: int = 4096, seq_len: int = 256,
                      rows: list[torch.Tensor] | None = None) -> tuple[PITInterface, PreserveFit]:
     """Fold, fit, rotate ``model`` in place; return its PIT interface (not yet installed).
 

@@ -32,7 +32,7 @@ STAGES: tuple[str, ...] = ("convert", "train", "export", "verify", "bench", "rep
 DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {"description": "", "model": "default", "data": "default"},
     "convert": {"t_init": "preserve", "diagonal": "softplus", "train_z": False, "calib": "default",
-                "calib_tokens": 2048},
+                "calib_tokens": 4096},
     "train": {
         "enabled": True, "tying": ["pit"], "steps": 20, "seq_len": 256, "batch_size": 4, "grad_accum": 1,
         "lr": 1e-5, "lr_t": None, "warmup_steps": 5, "weight_decay": 0.0, "eval_every": 10, "eval_blocks": 8,

@@ -1,0 +1,107 @@
+"""How the calibration mix of the `preserve` conversion (corpus tokens, number of chat prompts)
+moves its held-out KL on the default model: the measurement behind the default calibration
+(docs/conversion.md, "Calibration"). Fits from token-weighted mixes of calibration statistics;
+held-out code and chat sets as in ``benchmarks/conversion.py``.
+
+    python benchmarks/preserve_calibration_mix.py [--out benchmarks/results/preserve_calibration_mix.json]
+"""
+import json, os, sys, time
+from pathlib import Path
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conversion import chat_sequences  # noqa
+from pit_deploy.io.sources import load_source
+from pit_deploy.convert.preserve import calibration_batches, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
+from pit_deploy.model.core import polar_factor, spd_and_inverse
+from pit_deploy.model.inspect import effective_interface
+from pit_deploy.model.families import adapter_for
+from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
+
+FIRST8, MORE = CALIB_PROMPTS[:8], CALIB_PROMPTS[8:32]  # the first default, and the 24 prompts added
+torch.set_num_threads(2)
+src = load_source("default")
+model, tok = src.model.eval(), src.tokenizer
+e_eff, w_eff, _ = effective_interface(model)
+u, h = polar_factor(e_eff)
+u, h = u.double(), h.double()
+h_sym, h_inv = spd_and_inverse(h)
+norm = adapter_for(model.config).final_norm(model)
+eps = float(getattr(norm, "variance_epsilon", 1e-6))
+g = norm.weight.detach().double()
+a = g[:, None] * (w_eff @ u @ h_sym)
+K = (h_inv @ u.T).float()
+
+
+def states(rows_with_start):
+    ns, lps, cap = [], [], []
+    hd = norm.register_forward_pre_hook(lambda _m, a_: cap.append(a_[0].detach()))
+    with torch.no_grad():
+        for seq, start in rows_with_start:
+            cap.clear()
+            lg = model(input_ids=seq[None]).logits[0, :-1].float()
+            x = cap[-1][0, :-1].double()
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            ns.append(n[start - 1:].float()); lps.append(torch.log_softmax(lg[start - 1:], -1))
+    hd.remove()
+    return torch.cat(ns), torch.cat(lps)
+
+
+def kl(gm, n, lp, chunk=512):
+    tot = 0.0
+    for i in range(0, len(n), chunk):
+        q = torch.log_softmax(n[i:i + chunk] @ gm.float() @ K, -1)
+        pp = lp[i:i + chunk]
+        tot += float((pp.exp() * (pp - q)).sum())
+    return tot / len(n)
+
+
+cfg = DataConfig(spec="default", seq_len=256)
+block = validation_blocks(TextSource(cfg), tok, cfg, 8)
+n_code, lp_code = states([(r, 1) for r in block.ids])
+n_chat, lp_chat = states(chat_sequences(model, tok))
+t0 = time.time()
+chat8 = chat_rows(model, tok, FIRST8)
+chat24 = chat_rows(model, tok, MORE)
+print("chat rows", time.time() - t0, flush=True)
+code8k = calibration_batches(model, tok, tokens=8192, chat=False)
+print("code rows", len(code8k), flush=True)
+stats_cache = {}
+
+
+def stats_of(name, rows):
+    if name not in stats_cache:
+        stats_cache[name] = calibration_stats(model, rows, u)
+    return stats_cache[name]
+
+
+def combine(parts):
+    """token-weighted mix of calibration statistics"""
+    tot = sum(s.tokens for s in parts)
+    c = sum(s.second_moment * s.tokens for s in parts) / tot
+    f = sum(s.fisher * s.tokens for s in parts) / tot
+    return c, f, tot
+
+
+parts = {
+    "code2k": stats_of("code2k", code8k[:6]),  # ~1.6k tokens code (what the default mixes with 8 chat rows)
+    "code8k": stats_of("code8k", code8k),
+    "chat8": stats_of("chat8", chat8),
+    "chat24": stats_of("chat24", chat24),
+}
+mixes = {
+    "default(code2k+chat8)": ["code2k", "chat8"],
+    "code8k+chat8": ["code8k", "chat8"],
+    "code2k+chat8+chat24": ["code2k", "chat8", "chat24"],
+    "code8k+chat8+chat24": ["code8k", "chat8", "chat24"],
+    "chat8+chat24": ["chat8", "chat24"],
+}
+res = {}
+for name, keys in mixes.items():
+    c, f, tot = combine([parts[k] for k in keys])
+    gm = fit_symmetric(a, c, h_inv @ f @ h_inv)
+    res[name] = {"tokens": tot, "code": kl(gm, n_code, lp_code), "chat": kl(gm, n_chat, lp_chat)}
+    print(name, res[name], flush=True)
+out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results/preserve_calibration_mix.json"
+Path(out).write_text(json.dumps(res, indent=1) + "\n")
+print("wrote", out)
