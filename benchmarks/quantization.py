@@ -15,7 +15,15 @@ runtime and mode the decode speed-up and size of each quantized artifact over it
 Usage::
 
     python benchmarks/quantization.py [--model default] [--runtime onnx] [--work DIR]
+        [--mode materialized,factorized] [--dtype float32,int8,int4] [--baselines uncorrected,tied]
         [--threads 2] [--prompt-len 64] [--gen-len 64] [--reps 3]
+
+``--mode``, ``--dtype`` and ``--baselines`` narrow the run where lowering is slow (an ExecuTorch
+program of the default model takes minutes to lower on a laptop CPU), e.g. the ExecuTorch
+figures of ``docs/quantization.md``::
+
+    python benchmarks/quantization.py --runtime executorch --mode factorized --dtype float32,int4 \
+        --baselines none --threads 1,2 --out benchmarks/results/quantization_executorch.json
 """
 
 from __future__ import annotations
@@ -45,6 +53,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--runtime", default="onnx", help="comma list of runtimes to export")
     parser.add_argument("--work", default="bench_work/quantization", help="export directories go here")
+    parser.add_argument("--mode", default="materialized,factorized", help="comma list of PIT export modes")
+    parser.add_argument("--dtype", default=DTYPES, help="comma list of dtypes (float32 is the twin of the ratios)")
+    parser.add_argument("--baselines", default="uncorrected,tied",
+                        help="comma list of extra exports: uncorrected (factorized without the PIT correction), "
+                             "tied (the transpose-tied source); 'none' for neither")
     parser.add_argument("--max-seq-len", default="256")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--prompt-len", default="64")
@@ -57,12 +70,20 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     common = ["--runtime", args.runtime, "--max-seq-len", args.max_seq_len, "--force"]
+    quantized = ",".join(d for d in args.dtype.split(",") if d != "float32")
     exports = {
-        "pit": ["export", args.model, "--out", str(work / "pit"), "--dtype", DTYPES, *common],
+        "pit": ["export", args.model, "--out", str(work / "pit"), "--mode", args.mode, "--dtype", args.dtype, *common],
         "uncorrected": ["export", args.model, "--out", str(work / "uncorrected"), "--mode", "factorized",
-                        "--dtype", "int8,int4", "--no-pit-correction", *common],
-        "tied": ["export", args.model, "--out", str(work / "tied"), "--keep-tying", "--dtype", DTYPES, *common],
+                        "--dtype", quantized, "--no-pit-correction", *common],
+        "tied": ["export", args.model, "--out", str(work / "tied"), "--keep-tying", "--dtype", args.dtype, *common],
     }
+    wanted = {b for b in args.baselines.split(",") if b and b != "none"}
+    unknown = wanted - {"uncorrected", "tied"}
+    if unknown:
+        parser.error(f"--baselines: unknown {sorted(unknown)}; choose from uncorrected, tied, none")
+    if "factorized" not in args.mode.split(",") or not quantized:
+        wanted.discard("uncorrected")
+    exports = {k: v for k, v in exports.items() if k == "pit" or k in wanted}
     timings, verify = {}, {}
     for name, cmd in exports.items():
         if args.reuse and (work / name / "manifest.json").is_file():
