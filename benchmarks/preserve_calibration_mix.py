@@ -11,49 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
-from pit_deploy.io.sources import load_source
 from pit_deploy.convert.preserve import calibration_batches, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
-from pit_deploy.model.core import polar_factor, spd_and_inverse
-from pit_deploy.model.inspect import effective_interface
-from pit_deploy.model.families import adapter_for
+from preserve_probe import SourceHead  # noqa
 from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
 
 FIRST8, MORE = CALIB_PROMPTS[:8], CALIB_PROMPTS[8:32]  # the first default, and the 24 prompts added
 torch.set_num_threads(2)
-src = load_source("default")
-model, tok = src.model.eval(), src.tokenizer
-e_eff, w_eff, _ = effective_interface(model)
-u, h = polar_factor(e_eff)
-u, h = u.double(), h.double()
-h_sym, h_inv = spd_and_inverse(h)
-norm = adapter_for(model.config).final_norm(model)
-eps = float(getattr(norm, "variance_epsilon", 1e-6))
-g = norm.weight.detach().double()
-a = g[:, None] * (w_eff @ u @ h_sym)
-K = (h_inv @ u.T).float()
-
-
-def states(rows_with_start):
-    ns, lps, cap = [], [], []
-    hd = norm.register_forward_pre_hook(lambda _m, a_: cap.append(a_[0].detach()))
-    with torch.no_grad():
-        for seq, start in rows_with_start:
-            cap.clear()
-            lg = model(input_ids=seq[None]).logits[0, :-1].float()
-            x = cap[-1][0, :-1].double()
-            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            ns.append(n[start - 1:].float()); lps.append(torch.log_softmax(lg[start - 1:], -1))
-    hd.remove()
-    return torch.cat(ns), torch.cat(lps)
-
-
-def kl(gm, n, lp, chunk=512):
-    tot = 0.0
-    for i in range(0, len(n), chunk):
-        q = torch.log_softmax(n[i:i + chunk] @ gm.float() @ K, -1)
-        pp = lp[i:i + chunk]
-        tot += float((pp.exp() * (pp - q)).sum())
-    return tot / len(n)
+head = SourceHead()
+model, tok, u, h_inv, a, K = head.model, head.tokenizer, head.u, head.h_inv, head.a, head.k
+states, kl = head.states, head.kl
 
 
 cfg = DataConfig(spec="default", seq_len=256)
