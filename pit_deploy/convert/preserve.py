@@ -156,21 +156,27 @@ def chat_rows(model: PreTrainedModel, tokenizer: Any, prompts: Iterable[str] = C
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         encoded.append(list(ids) if isinstance(ids, list) else list(ids["input_ids"]))
     rows: list[torch.Tensor] = []
-    for first in range(0, len(encoded), max(1, batch)):
-        if rows and budget is not None and sum(len(r) for r in rows) >= budget:
+    held, step = 0, max(1, batch)
+
+    def full() -> bool:
+        return bool(rows) and budget is not None and held >= budget
+
+    for first in range(0, len(encoded), step):
+        if full():
             break
-        chunk = encoded[first:first + max(1, batch)]
+        chunk = encoded[first:first + step]
         width = max(len(ids) for ids in chunk)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in chunk], dtype=torch.long)
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], dtype=torch.long)
         out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=pad)
         for ids, generated in zip(chunk, out[:, width:].tolist()):
+            if full():
+                break
             if eos is not None and eos in generated:
                 generated = generated[:generated.index(eos) + 1]
-            if rows and budget is not None and sum(len(r) for r in rows) >= budget:
-                break
             rows.append(torch.tensor(ids + generated, dtype=torch.long))
+            held += len(rows[-1])
     return rows
 
 

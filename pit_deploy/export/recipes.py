@@ -78,7 +78,7 @@ class Recipe:
         if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
             raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
         layers = self.int4_8bit_layers
-        if isinstance(layers, str) or not all(isinstance(n, str) and n for n in layers):
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(n, str) and n for n in layers):
             raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "
                            f"got {layers!r}")
         object.__setattr__(self, "int4_8bit_layers", tuple(layers))

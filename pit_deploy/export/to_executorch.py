@@ -256,31 +256,25 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
 
     twin = copy.deepcopy(model)
+    common = {"token_table": "float32 (not quantized on this runtime)",
+              "library": "torchao Int8DynamicActivationIntxWeightConfig"}
     int8 = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
     if dtype == "int8":
         quantize_(twin, int8, filter_fn=lambda module, _fqn: isinstance(module, nn.Linear))
-        return twin, {"linear": "8da8w (int8 dynamic activations, per-channel int8 weights)",
-                      "token_table": "float32 (not quantized on this runtime)",
-                      "library": "torchao Int8DynamicActivationIntxWeightConfig"}
-    keep = tuple(keep_8bit)
-    kept: list[str] = []
+        return twin, {"linear": "8da8w (int8 dynamic activations, per-channel int8 weights)", **common}
 
-    def eight_bit(module: nn.Module, fqn: str) -> bool:
-        hit = isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] in keep
-        if hit:
-            kept.append(fqn)
-        return hit
+    def kept(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] in keep_8bit
 
-    quantize_(twin, int8, filter_fn=eight_bit)
+    n_kept = sum(kept(module, fqn) for fqn, module in twin.named_modules())
+    quantize_(twin, int8, filter_fn=kept)
     int4 = Int8DynamicActivationIntxWeightConfig(
         weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
         intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY)
-    quantize_(twin, int4, filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn not in kept)
+    quantize_(twin, int4, filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and not kept(module, fqn))
     return twin, {"linear": f"8da4w (int8 dynamic activations, symmetric int4 weights, group {group_size}, "
                             "HQQ scale-only scales)",
-                  "linear_8bit": f"8da8w for {', '.join(keep) or 'none'} ({len(kept)} layers)",
-                  "token_table": "float32 (not quantized on this runtime)",
-                  "library": "torchao Int8DynamicActivationIntxWeightConfig"}
+                  "linear_8bit": f"8da8w for {', '.join(keep_8bit) or 'none'} ({n_kept} layers)", **common}
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
