@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
-from pit_deploy.convert.preserve import calibration_batches, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
+from pit_deploy.convert.preserve import calibration_set, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
 
@@ -30,7 +30,7 @@ t0 = time.time()
 chat8 = chat_rows(model, tok, FIRST8)
 chat24 = chat_rows(model, tok, MORE)
 print("chat rows", time.time() - t0, flush=True)
-code8k = calibration_batches(model, tok, tokens=8192, chat=False)
+code8k = calibration_set(model, tok, tokens=8192, chat=False).rows
 print("code rows", len(code8k), flush=True)
 stats_cache = {}
 

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
-from pit_deploy.convert.preserve import CALIB_PROMPTS, calibration_batches, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
+from pit_deploy.convert.preserve import CALIB_PROMPTS, calibration_set, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
 
@@ -23,7 +23,7 @@ states, kl = head.states, head.kl
 
 t0 = time.time()
 chat = chat_rows(model, tok, CALIB_PROMPTS[:8])
-calib = chat + calibration_batches(model, tok, tokens=2048 - sum(len(r) for r in chat), chat=False)
+calib = chat + calibration_set(model, tok, tokens=2048 - sum(len(r) for r in chat), chat=False).rows
 print("calib rows", len(calib), sum(len(r) for r in calib), time.time() - t0, flush=True)
 stats = calibration_stats(model, calib, u)
 p = h_inv @ stats.fisher @ h_inv

@@ -207,3 +207,28 @@ def test_chat_rows_batched_equal_one_by_one_generation():
         assert row.tolist() == alone
     first_two = sum(len(r) for r in rows[:2])
     assert len(chat_rows(model, tok, prompts, max_new_tokens=12, batch=3, budget=first_two)) == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_states_give_the_forward_pass_statistics(family):
+    """The chat rows' statistics come from the hidden states their batched, left-padded
+    generation computed (no second pass): they must equal the statistics of a forward pass
+    over each row (fp32 rounding apart), with only the last position of a row still
+    generating at the final step left out."""
+    from pit_deploy.convert.preserve import CALIB_PROMPTS, CalibrationSet, calibration_stats, chat_calibration
+    from pit_deploy.model.core import polar_factor
+    from pit_deploy.tiny import tiny_tokenizer
+
+    model = _source(family)
+    tok = tiny_tokenizer(model.config.vocab_size)
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}<s>"
+    calib = chat_calibration(model, tok, CALIB_PROMPTS[:5], max_new_tokens=10, batch=3)
+    assert [len(s) for s in calib.states] != [len(r) for r in calib.rows]  # some row hit the step limit
+    assert all(len(r) - 1 <= len(s) <= len(r) for r, s in zip(calib.rows, calib.states))
+    u, _ = polar_factor(effective_interface(model)[0])
+    reused = calibration_stats(model, calib, u)
+    trimmed = [r[:len(s)] for r, s in zip(calib.rows, calib.states)]  # the positions that have states
+    forward = calibration_stats(model, CalibrationSet(trimmed, [None] * len(trimmed)), u)
+    assert reused.tokens == forward.tokens == sum(len(s) for s in calib.states)
+    for got, want in ((reused.second_moment, forward.second_moment), (reused.fisher, forward.fisher)):
+        assert float((got - want).norm() / want.norm()) < 1e-5

@@ -64,3 +64,27 @@ def test_t_inits_on_the_real_embedding(default_model, t_init: str) -> None:
     if t_init == "identity":
         t = iface.transform().double()
         assert torch.allclose(t, torch.eye(t.shape[0], dtype=torch.float64), atol=1e-6)
+
+
+def test_cached_conversion_of_the_gguf_loads_the_same_model(tmp_path, monkeypatch) -> None:
+    """The default model through its cached conversion (built here, then reused) has the same
+    weights and tokenizer as the GGUF read directly, and the second load reads the cache."""
+    from pit_deploy.io import gguf_files
+
+    monkeypatch.setenv(gguf_files.CACHE_ENV, "off")
+    direct = load_source("default")
+    monkeypatch.setenv(gguf_files.CACHE_ENV, str(tmp_path / "cache"))
+    built = load_source("default")
+    entries = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(entries) == 1 and (entries[0] / gguf_files.CACHE_META).is_file()
+    stamp = (entries[0] / "model.safetensors").stat().st_mtime_ns
+    cached = load_source("default")
+    assert (entries[0] / "model.safetensors").stat().st_mtime_ns == stamp, "the second load rebuilt the cache"
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n def f(x):\n\treturn x ** 2"
+    want = direct.model.state_dict()
+    for loaded in (built, cached):
+        assert loaded.source == direct.source
+        got = loaded.model.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert loaded.tokenizer(text)["input_ids"] == direct.tokenizer(text)["input_ids"]
+        assert loaded.tokenizer.chat_template == direct.tokenizer.chat_template

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .checkpoint import is_pit_directory, load_pit_model, read_config_dict
+from .checkpoint import is_pit_directory, load_pit_model, read_config_dict, save_tokenizer
 from .fs import sha256_file
+from .gguf_files import converted_gguf, gguf_tensor_names
 from .hub import is_hub_id
 from ..errors import PitError
 from ..model.families import adapter_for, supported_model_types
@@ -112,9 +113,27 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, kind: str) -> LoadedModel:
-    if not _has_gguf_magic(path):
-        raise PitError(f"{path} is not a GGUF file (bad magic bytes); pass a GGUF model file")
+    """A GGUF model, through its cached conversion (:mod:`.gguf_files`; built on the first load)
+    or, with the cache off or unwritable, from the file itself."""
     _check_gguf_has_weights(path)
+    source = {"kind": kind, "path": path.name, "sha256": sha256_file(path)}
+    folder = converted_gguf(path, source["sha256"], lambda out: _convert_gguf(path, out))
+    if folder is None:
+        _, model, tokenizer = _read_gguf(path, dtype, with_tokenizer)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True)
+            tokenizer = AutoTokenizer.from_pretrained(folder) if with_tokenizer else None
+        except Exception as exc:
+            raise PitError(f"cannot load the converted GGUF model in {folder} ({_short(exc)}); delete that "
+                           "directory to rebuild it") from None
+    model.eval()
+    return LoadedModel(model, tokenizer, source)
+
+
+def _read_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool) -> tuple[Any, PreTrainedModel, Any]:
+    """Config, model and tokenizer straight from the GGUF file; the config is read once and
+    handed to the other two (each ``from_pretrained`` would otherwise parse the file again)."""
     log.info("loading GGUF %s (de-quantizing to %s)", path.name, dtype)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -122,28 +141,40 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, kind: str) 
         raise PitError(f"{path} is not a GGUF language model transformers can read ({_short(exc)})") from None
     _check_supported(config, str(path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype)
         tokenizer = (
-            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if with_tokenizer else None
+            AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, config=config) if with_tokenizer else None
         )
     except Exception as exc:
         raise PitError(f"cannot load the GGUF model {path} ({_short(exc)})") from None
-    model.eval()
-    source = {"kind": kind, "path": path.name, "sha256": sha256_file(path)}
-    return LoadedModel(model, tokenizer, source)
+    return config, model, tokenizer
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Write ``path`` as a Hugging Face model directory: fp32 safetensors, config, tokenizer."""
+    _, model, tokenizer = _read_gguf(path, torch.float32, True)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tokenizer, out)
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer of a GGUF model, from its cached conversion when there is one."""
+    _check_gguf_has_weights(path)
+    folder = converted_gguf(path, sha256_file(path), lambda out: _convert_gguf(path, out))
+    if folder is not None:
+        return AutoTokenizer.from_pretrained(folder)
+    return _read_gguf(path, torch.float32, True)[2]
 
 
 def _check_gguf_has_weights(path: Path) -> None:
-    """Refuse GGUF files without a token-embedding tensor (vocab-only or adapter files).
-
-    Without this, transformers builds a model from default config values (a 7B Llama) and
-    then fails or exhausts memory; reading the tensor index is cheap (memory-mapped).
-    """
-    from gguf import GGUFReader
-
+    """Refuse files that are not GGUF, and GGUF files without a token-embedding tensor
+    (vocab-only or adapter files): without this, transformers builds a model from default
+    config values (a 7B Llama) and then fails or exhausts memory. Only the header is read."""
+    if not _has_gguf_magic(path):
+        raise PitError(f"{path} is not a GGUF file (bad magic bytes); pass a GGUF model file")
     try:
-        names = {t.name for t in GGUFReader(str(path)).tensors}
-    except Exception as exc:
+        names = set(gguf_tensor_names(path))
+    except (OSError, ValueError) as exc:
         raise PitError(f"{path} is not a readable GGUF file ({_short(exc)})") from None
     if "token_embd.weight" not in names:
         what = "no tensors at all" if not names else f"{len(names)} tensors but no token embedding"

@@ -104,15 +104,14 @@ def load_tokenizer(spec: str):
     """Tokenizer of a model source (``default``, GGUF file, directory or hub id)."""
     from transformers import AutoTokenizer
 
-    from ..io.sources import default_gguf_path
+    from ..io.sources import default_gguf_path, gguf_tokenizer
 
     try:
         if spec == "default":
-            path = default_gguf_path()
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            return gguf_tokenizer(default_gguf_path())
         p = Path(spec).expanduser()
         if p.is_file():
-            return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+            return gguf_tokenizer(p)
         return AutoTokenizer.from_pretrained(spec)
     except PitError:
         raise

@@ -1,0 +1,164 @@
+"""GGUF files, read once: a header scan for the tensor names, and a converted copy in a cache.
+
+``transformers`` reads a GGUF file through gguf-py's ``GGUFReader``, which builds a NumPy view
+for every element of every metadata array — the 49,152 tokens and 48,900 merges of the default
+SmolLM2-135M file among them. One parse of that file took about 10 s on a 2-core CPU, and
+loading its config, weights and tokenizer parsed it five times (58 s for one load, before this
+module; ``docs/conventions.md``). Every stage that loads the default model paid that. So:
+
+* :func:`gguf_tensor_names` reads only the file's header (the GGUF format: magic, version,
+  counts, key/value metadata, tensor infos; ggml's ``docs/gguf.md``), skipping the metadata
+  values without building them;
+* :func:`converted_gguf` converts a GGUF file once — config, de-quantized weights as
+  safetensors, the fast tokenizer — into a cache directory keyed by the file's SHA-256 and the
+  ``transformers`` version, with every file's digest recorded; later loads read that directory.
+  A cache entry whose files do not match their digests is rebuilt, never trusted. The cache is
+  ``$PIT_DEPLOY_CACHE`` (``off`` disables it), else ``$XDG_CACHE_HOME/pit_deploy``, else
+  ``~/.cache/pit_deploy``; a cache that cannot be written is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+from .fs import atomic_directory, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "PIT_DEPLOY_CACHE"
+CACHE_META = "pit_gguf_cache.json"
+
+# GGUF metadata value types (ggml docs/gguf.md, ``gguf_metadata_value_type``): fixed sizes in
+# bytes; 8 is a string (uint64 length + bytes), 9 an array (uint32 type, uint64 count, items).
+_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFormatError(ValueError):
+    """The file is not a well-formed GGUF (v2/v3) file."""
+
+
+class _Cursor:
+    """Little-endian reads over a memory map, with bounds checks."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFFormatError("file ends inside its header")
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def skip(self, size: int) -> None:
+        if size < 0 or self.pos + size > len(self.buf):
+            raise GGUFFormatError("file ends inside its header")
+        self.pos += size
+
+    def string(self) -> bytes:
+        size = self.take("Q")
+        start = self.pos
+        self.skip(size)
+        return bytes(self.buf[start:self.pos])
+
+    def skip_value(self, vtype: int) -> None:
+        if vtype in _FIXED:
+            self.skip(_FIXED[vtype])
+        elif vtype == _STRING:
+            self.skip(self.take("Q"))
+        elif vtype == _ARRAY:
+            item, count = self.take("I"), self.take("Q")
+            if item in _FIXED:
+                self.skip(_FIXED[item] * count)
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+        else:
+            raise GGUFFormatError(f"unknown metadata value type {vtype}")
+
+
+def gguf_tensor_names(path: str | os.PathLike) -> list[str]:
+    """The tensor names a GGUF file declares, read from its header only.
+
+    Raises:
+        GGUFFormatError: bad magic, an unsupported version (1), or a truncated header.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf)
+        if cur.take("4s") != b"GGUF":
+            raise GGUFFormatError("bad magic bytes")
+        version = cur.take("I")
+        if version not in (2, 3):
+            raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+        for _ in range(n_kv):
+            cur.string()
+            cur.skip_value(cur.take("I"))
+        names = []
+        for _ in range(n_tensors):
+            names.append(cur.string().decode("utf-8", "replace"))
+            cur.skip(8 * cur.take("I"))  # dims
+            cur.skip(4 + 8)  # type, offset
+        return names
+
+
+def cache_root() -> Path | None:
+    """Where converted files are kept, or ``None`` when ``$PIT_DEPLOY_CACHE`` is ``off``."""
+    value = os.environ.get(CACHE_ENV)
+    if value:
+        return None if value.lower() == "off" else Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pit_deploy"
+
+
+def _entry(root: Path, sha256: str) -> Path:
+    import transformers
+
+    return root / "gguf" / f"{sha256[:24]}-transformers-{transformers.__version__}"
+
+
+def _valid(folder: Path, sha256: str) -> bool:
+    """The entry is complete and every file still has the digest recorded when it was written."""
+    try:
+        meta = json.loads((folder / CACHE_META).read_text())
+        files = meta["files"]
+        return meta.get("gguf_sha256") == sha256 and bool(files) and all(
+            sha256_file(folder / name) == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Path | None:
+    """A directory holding ``path`` converted to a Hugging Face model (``build(folder)`` writes
+    it on a miss), or ``None`` when the cache is off or cannot be written (load the GGUF itself).
+    """
+    root = cache_root()
+    if root is None:
+        return None
+    folder = _entry(root, sha256)
+    if folder.is_dir():
+        if _valid(folder, sha256):
+            return folder
+        log.warning("the cached conversion of %s in %s does not match its recorded digests; rebuilding it",
+                    path.name, folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder.parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"{folder.parent} is not writable")
+        with atomic_directory(folder, force=True) as tmp:
+            build(tmp)  # a PitError (say, an unsupported architecture) propagates
+            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            write_json_atomic(tmp / CACHE_META, {"gguf": path.name, "gguf_sha256": sha256, "files": files})
+    except OSError as exc:
+        log.warning("cannot write the GGUF cache under %s (%s); loading %s directly (set %s to a writable "
+                    "directory to speed up later loads)", root, exc, path.name, CACHE_ENV)
+        return None
+    return folder
