@@ -74,6 +74,12 @@ def test_every_stage_runs_and_the_report_shows_what_the_stages_measured(finished
     assert format(conv["source_val_nll"], ".4g") in report
     assert "data:image/png;base64," in html  # single file: images embedded
     assert "Greedy answers" in report
+    ran = [a["stock_runner"] for a in artifacts if (a.get("stock_runner") or {}).get("answers")]
+    assert ran, "the stock runner ran on no .pte"
+    for check in ran:  # the stock runner's counts and answers, as verify recorded them
+        n = len(check["answers"])
+        assert f"| {n - len(check['mismatches'])}/{n} |" in report
+        assert " ".join(check["answers"][-1]["runner"].split())[:60] in report
 
 
 def test_rerun_of_a_finished_run_does_no_work_and_says_why(finished_run, capsys):

@@ -121,6 +121,12 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
                              _fmt(a.get("greedy_match")), _fmt(a.get("delta_ti"), ".2e"),
                              "pass" if a["passed"] else "FAIL: " + "; ".join(a["failures"])])
         blocks.append(("table", ["export", "runtime", "mode", "dtype", "rel L2", "top-1", "greedy", "delta_ti", "result"], rows))
+        runner_rows = _stock_runner_rows(reports)
+        if runner_rows:
+            blocks.append(("p", "ExecuTorch's stock LLM runner (`TextLLMRunner`, the runner behind `llama_main`) on each "
+                                "`.pte`, greedy, with the artifact's own tokenizer file, against the PyTorch reference:"))
+            blocks.append(("table", ["export", "mode", "dtype", "texts identical", "its last prompt", "its answer"],
+                           runner_rows))
 
     bench = records.get("bench")
     if bench is not None and bench.status == "done" and bench.outputs.get("rows"):
@@ -149,6 +155,28 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
                 same = "identical" if row["identical"] else "different"
                 blocks.append(("pre", f"Q: {row['prompt']}\nsource:   {row['source']}\nartifact: {row['artifact']}\n({same})"))
     return blocks
+
+
+def _stock_runner_rows(reports: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per ``.pte`` the stock runner ran: how many of its texts equal the reference's,
+    and its answer to the last prompt (the chat question, when the tokenizer has a template)."""
+    rows = []
+    for rep in reports:
+        for a in rep["artifacts"]:
+            check = a.get("stock_runner") or {}
+            answers = check.get("answers") or []
+            if not answers:
+                continue
+            same = len(answers) - len(check.get("mismatches") or [])
+            last = answers[-1]
+            rows.append([Path(rep["directory"]).name, a["mode"], a.get("dtype", "float32"), f"{same}/{len(answers)}",
+                         _one_line(last["prompt"]), _one_line(last["runner"])])
+    return rows
+
+
+def _one_line(text: str, limit: int = 120) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 
 def _device_of(run_dir: str) -> str:

@@ -1,0 +1,107 @@
+"""Continued pretraining from the source's own loss: PIT (``--t-init preserve``) against TT
+(the source model, tied as it ships), same data, budget and seed, over a grid of learning rates
+and warm-ups; writes JSON + PNG.
+
+The question (issue: training from the preserved start): at which learning rate and warm-up do
+PIT and TT continued pretraining *both* end below their step-0 validation loss, so the defaults
+never undo what the conversion kept? Each run is ``pit_deploy.train.loop.train`` on the default
+model and corpus (LM loss only, all weights, ``Z`` frozen for PIT), evaluated on the same
+held-out blocks every ``--eval-every`` steps.
+
+    python benchmarks/cpt_from_preserve.py --steps 32 --lrs 3e-6,1e-5,3e-5 --warmups 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+
+def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
+    from pit_deploy.analysis.plotting import RunLog
+    from pit_deploy.train.loop import TrainConfig, train
+
+    name = f"{tying}-lr{lr:g}-wu{warmup}"
+    cfg = TrainConfig(
+        out=str(work / name), model=args.model, tying=tying, data=args.data, seq_len=args.seq_len,
+        batch_size=args.batch_size, steps=args.steps, lr=lr, warmup_steps=warmup, weight_decay=0.0,
+        t_init="preserve", eval_every=args.eval_every, eval_blocks=args.eval_blocks, seed=args.seed,
+        device="cpu", force=True, plot=False, progress=False,
+    )
+    start = time.perf_counter()
+    res = train(cfg)
+    log = RunLog.load(work / name, label=f"{tying.upper()} lr {lr:g} warm-up {warmup}")
+    curves = log.curves()
+    return {"tying": tying, "lr": lr, "warmup_steps": warmup, "wall_s": time.perf_counter() - start,
+            "initial_val_loss": res.initial_val_loss, "final_val_loss": res.final_val_loss,
+            "best_val_loss": min(curves["val_loss"]) if curves["val_loss"] else None,
+            "improved": res.final_val_loss is not None and res.final_val_loss < res.initial_val_loss,
+            "change": None if res.final_val_loss is None else res.final_val_loss - res.initial_val_loss,
+            "summary": asdict(res), "curves": curves, "_log": log}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--data", default="default")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--lrs", default="3e-6,1e-5,3e-5")
+    p.add_argument("--warmups", default="4")
+    p.add_argument("--eval-every", type=int, default=8)
+    p.add_argument("--eval-blocks", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", default="benchmarks/results/cpt_from_preserve_cpu.json")
+    args = p.parse_args(argv)
+    from pit_deploy.analysis.plotting import plot_runs
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="cpt-preserve-"))
+    lrs = [float(x) for x in args.lrs.split(",")]
+    warmups = [int(x) for x in args.warmups.split(",")]
+    runs = []
+    for lr in lrs:
+        for warmup in warmups:
+            for tying in ("tt", "pit"):
+                print(f"[bench] {tying} lr {lr:g} warm-up {warmup}", file=sys.stderr, flush=True)
+                runs.append(run_one(args, tying, lr, warmup, work))
+                r = runs[-1]
+                print(f"[bench]   val {r['initial_val_loss']:.4f} -> {r['final_val_loss']:.4f}", file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    plot_runs([r["_log"] for r in runs], png,
+              title=f"continued pretraining from the source's loss: PIT (preserve) vs TT, {args.steps} steps (CPU)")
+    table = [{k: r[k] for k in ("tying", "lr", "warmup_steps", "initial_val_loss", "final_val_loss", "best_val_loss",
+                                "change", "improved")} for r in runs]
+    both = sorted({(r["lr"], r["warmup_steps"]) for r in runs
+                   if all(o["improved"] for o in runs if (o["lr"], o["warmup_steps"]) == (r["lr"], r["warmup_steps"]))})
+    report = {
+        "benchmark": "cpt_from_preserve",
+        "command": "python benchmarks/cpt_from_preserve.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "settings": vars(args),
+        "tokens_per_run": args.steps * args.batch_size * args.seq_len,
+        "both_improve": [{"lr": lr, "warmup_steps": wu} for lr, wu in both],
+        "table": table,
+        "runs": [{k: v for k, v in r.items() if k != "_log"} for r in runs],
+        "plot": png.name,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for row in table:
+        print(json.dumps(row))
+    print(f"both improve at: {report['both_improve']}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
