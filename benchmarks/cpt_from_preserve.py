@@ -37,10 +37,17 @@ def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
         device="cpu", force=True, plot=False, progress=False,
     )
     start = time.perf_counter()
-    res = train(cfg)
+    summary = work / name / "summary.json"
+    if args.reuse_runs and summary.is_file():  # a finished run of an earlier invocation
+        from pit_deploy.train.loop import TrainResult
+
+        res = TrainResult(**json.loads(summary.read_text()))
+    else:
+        res = train(cfg)
     log = RunLog.load(work / name, label=f"{tying.upper()} lr {lr:g} warm-up {warmup}")
     curves = log.curves()
     return {"tying": tying, "lr": lr, "warmup_steps": warmup, "wall_s": time.perf_counter() - start,
+            "median_step_time_s": res.median_step_time_s,
             "initial_val_loss": res.initial_val_loss, "final_val_loss": res.final_val_loss,
             "best_val_loss": min(curves["val_loss"]) if curves["val_loss"] else None,
             "improved": res.final_val_loss is not None and res.final_val_loss < res.initial_val_loss,
@@ -61,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-blocks", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--reuse-runs", action="store_true", help="keep finished runs found in --work-dir")
     p.add_argument("--out", default="benchmarks/results/cpt_from_preserve_cpu.json")
     args = p.parse_args(argv)
     from pit_deploy.analysis.plotting import plot_runs

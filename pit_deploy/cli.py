@@ -84,8 +84,11 @@ def run_convert(args: argparse.Namespace) -> int:
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
     if loaded.is_pit:
         raise PitError(f"{args.model} is already a PIT model; nothing to convert")
+    from .convert.conversion import default_conversion
+
     t_init = args.t_init or default_conversion(loaded.model.config)
-    stage(f"converting to PIT (T init: {t_init})")
+    why = "" if args.t_init or t_init == "preserve" else f"; {loaded.model.config.model_type} is not covered by preserve"
+    stage(f"converting to PIT (T init: {t_init}{why})")
     before = _heldout(loaded)
     model = convert_model(
         loaded.model, t_init, PITSpec(diagonal=args.diagonal, train_z=args.train_z), loaded.source,
@@ -99,16 +102,6 @@ def run_convert(args: argparse.Namespace) -> int:
     save_model(model, args.out, loaded.tokenizer, force=args.force)
     stage("done")
     return 0
-
-
-def default_conversion(config) -> str:
-    """``preserve`` where the family allows it, else the paper init that disturbs least."""
-    from .convert.preserve import supports_preserve
-
-    if supports_preserve(config):
-        return "preserve"
-    stage(f"{config.model_type} is not covered by --t-init preserve: using --t-init output")
-    return "output"
 
 
 def _heldout(loaded) -> float | None:

@@ -27,6 +27,15 @@ log = logging.getLogger(__name__)
 CONVERSIONS: tuple[str, ...] = (*T_INITS, "preserve")
 
 
+def default_conversion(config: Any) -> str:
+    """The conversion a plain model gets when none is named: ``preserve`` where the family
+    allows it (it keeps what the source knew), else ``output``, the paper init that disturbs
+    least (``docs/conversion.md``)."""
+    from .preserve import supports_preserve
+
+    return "preserve" if supports_preserve(config) else "output"
+
+
 def convert_model(
     model: PreTrainedModel,
     t_init: str = "identity",

@@ -45,9 +45,9 @@ def load_pit_source(model: str, t_init: str | None = None, progress: Progress | 
     loaded = load_source(model)
     if find_interface(loaded.model) is None:
         if t_init is None:
-            from ..convert.preserve import supports_preserve
+            from ..convert.conversion import default_conversion
 
-            t_init = "preserve" if supports_preserve(loaded.model.config) else "output"
+            t_init = default_conversion(loaded.model.config)
         if progress:
             progress(f"{model} is not a PIT model: converting (T init: {t_init})")
         convert_model(loaded.model, t_init, source=loaded.source, tokenizer=loaded.tokenizer)

@@ -54,7 +54,7 @@ from ..model.inspect import interface_delta_ti as delta_ti
 from ..model.modules import INTERFACE_ATTR
 from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng_state,
                            save_checkpoint, set_rng_state)
-from .config import RESUME_KEYS, TrainConfig, validate
+from .config import RESUME_KEYS, TrainConfig, validate, with_start_defaults
 from .data import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll
 from .loss import distill_kl_sum, token_loss, token_nll_sum
@@ -168,6 +168,7 @@ class TrainingRecipe:
     """One training job described by a :class:`TrainConfig` (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig) -> None:
+        cfg = with_start_defaults(cfg)
         validate(cfg)
         self.cfg = cfg
         self.out = Path(cfg.out)
@@ -316,7 +317,10 @@ class TrainingRecipe:
         if cfg.distill:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False).to(self.device)
         if cfg.tying == "pit":
-            model = convert_model(model, cfg.t_init, spec, loaded.source, tokenizer=tokenizer)
+            from ..convert.conversion import default_conversion
+
+            t_init = cfg.t_init or default_conversion(model.config)
+            model = convert_model(model, t_init, spec, loaded.source, tokenizer=tokenizer)
         return model, tokenizer, loaded.source
 
     def _setup_data(self) -> None:
