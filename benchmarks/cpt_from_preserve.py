@@ -50,6 +50,7 @@ def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
             "median_step_time_s": res.median_step_time_s,
             "initial_val_loss": res.initial_val_loss, "final_val_loss": res.final_val_loss,
             "best_val_loss": min(curves["val_loss"]) if curves["val_loss"] else None,
+            "peak_rise": (max(curves["val_loss"]) - res.initial_val_loss) if curves["val_loss"] else None,
             "improved": res.final_val_loss is not None and res.final_val_loss < res.initial_val_loss,
             "change": None if res.final_val_loss is None else res.final_val_loss - res.initial_val_loss,
             "summary": asdict(res), "curves": curves, "_log": log}
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_runs([r["_log"] for r in runs], png,
               title=f"continued pretraining from the source's loss: PIT (preserve) vs TT, {args.steps} steps (CPU)")
     table = [{k: r[k] for k in ("tying", "lr", "warmup_steps", "initial_val_loss", "final_val_loss", "best_val_loss",
-                                "change", "improved")} for r in runs]
+                                "peak_rise", "change", "improved")} for r in runs]
     both = sorted({(r["lr"], r["warmup_steps"]) for r in runs
                    if all(o["improved"] for o in runs if (o["lr"], o["warmup_steps"]) == (r["lr"], r["warmup_steps"]))})
     report = {

@@ -35,7 +35,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                 "calib_tokens": 4096},
     "train": {
         "enabled": True, "tying": ["pit"], "steps": 20, "seq_len": 256, "batch_size": 4, "grad_accum": 1,
-        "lr": 1e-5, "lr_t": None, "warmup_steps": 5, "weight_decay": 0.0, "eval_every": 10, "eval_blocks": 8,
+        "lr": 1e-5, "lr_t": None, "warmup_steps": 4, "weight_decay": 0.0, "eval_every": 10, "eval_blocks": 8,
         "save_every": 5, "precision": "fp32", "device": "auto", "distill": False, "nproc": 1, "seed": 0,
         "data_config": None, "streaming": True, "tokens": None,
     },
