@@ -56,6 +56,31 @@ def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
             "summary": asdict(res), "curves": curves, "_log": log}
 
 
+def plot_validation(runs: list[dict], png: Path, title: str) -> None:
+    """Validation curves only (the training loss follows each batch's content and hides them):
+    one colour per learning rate, TT solid, PIT dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    rates = sorted({(r["lr"], r["warmup_steps"]) for r in runs})
+    for r in runs:
+        c = r["curves"]
+        ax.plot(c["eval_tokens"], c["val_loss"], color=f"C{rates.index((r['lr'], r['warmup_steps']))}",
+                ls="-" if r["tying"] == "tt" else "--", marker="o", ms=3,
+                label=f"{r['tying'].upper()} lr {r['lr']:g}, warm-up {r['warmup_steps']}")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -72,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse-runs", action="store_true", help="keep finished runs found in --work-dir")
     p.add_argument("--out", default="benchmarks/results/cpt_from_preserve_cpu.json")
     args = p.parse_args(argv)
-    from pit_deploy.analysis.plotting import plot_runs
-
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="cpt-preserve-"))
     lrs = [float(x) for x in args.lrs.split(",")]
     warmups = [int(x) for x in args.warmups.split(",")]
@@ -88,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
-    plot_runs([r["_log"] for r in runs], png,
-              title=f"continued pretraining from the source's loss: PIT (preserve) vs TT, {args.steps} steps (CPU)")
+    plot_validation(runs, png, f"validation loss, PIT (preserve) vs TT, {args.steps} steps of "
+                               f"{args.batch_size}x{args.seq_len} tokens (CPU)")
     table = [{k: r[k] for k in ("tying", "lr", "warmup_steps", "initial_val_loss", "final_val_loss", "best_val_loss",
                                 "peak_rise", "change", "improved")} for r in runs]
     both = sorted({(r["lr"], r["warmup_steps"]) for r in runs
