@@ -7,7 +7,7 @@ loading its config, weights and tokenizer parsed it five times (58 s for one loa
 module; ``docs/conventions.md``). Every stage that loads the default model paid that. So:
 
 * :func:`gguf_tensor_names` reads only the file's header (the GGUF format: magic, version,
-  counts, key/value metadata, tensor infos; ggml's ``docs/gguf.md``), skipping the metadata
+  counts, key/value metadata, tensor infos; the GGUF specification in the ggml repository), skipping the metadata
   values without building them;
 * :func:`converted_gguf` converts a GGUF file once — config, de-quantized weights as
   safetensors, the fast tokenizer — into a cache directory keyed by the file's SHA-256 and the
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "PIT_DEPLOY_CACHE"
 CACHE_META = "pit_gguf_cache.json"
 
-# GGUF metadata value types (ggml docs/gguf.md, ``gguf_metadata_value_type``): fixed sizes in
+# GGUF metadata value types (the GGUF specification, ``gguf_metadata_value_type``): fixed sizes in
 # bytes; 8 is a string (uint64 length + bytes), 9 an array (uint32 type, uint64 count, items).
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
