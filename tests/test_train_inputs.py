@@ -138,3 +138,21 @@ def test_every_config_field_is_a_flag_with_the_config_default():
                                 "--no-progress", "--lr-t", "0"])
     assert parsed.betas == (0.8, 0.99) and parsed.lora_targets == ["q_proj", "v_proj"]
     assert parsed.progress is False and parsed.lr_t == 0.0
+
+
+def test_learning_rate_and_warmup_follow_the_start():
+    """Left out, --lr and --warmup-steps follow where training starts: the measured continued-
+    pretraining rate from a pretrained model (PIT from preserve, or TT), the from-scratch rate
+    from scratch, for LoRA and from a paper init; given, they are kept as given."""
+    from pit_deploy.train.config import CPT_LR, CPT_WARMUP, SCRATCH_LR, TrainConfig, with_start_defaults
+
+    def resolved(**kw):
+        cfg = with_start_defaults(TrainConfig(out="o", steps=1, **kw))
+        return cfg.lr, cfg.warmup_steps
+
+    assert resolved() == resolved(tying="tt") == resolved(t_init="preserve") == (CPT_LR, CPT_WARMUP)
+    assert CPT_LR < SCRATCH_LR
+    for start in ({"from_scratch": True}, {"lora": True}, {"t_init": "identity"}, {"t_init": "output"}):
+        assert resolved(**start) == (SCRATCH_LR, 0), start
+    assert resolved(tying="tt", t_init="identity") == (CPT_LR, CPT_WARMUP)  # TT converts nothing
+    assert resolved(lr=2e-5, warmup_steps=0) == (2e-5, 0)
