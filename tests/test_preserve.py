@@ -171,6 +171,55 @@ def test_fit_solves_the_weighted_problem():
     assert torch.allclose(fit_symmetric(s, c, p), s, atol=1e-8)
 
 
+def _spd(gen: torch.Generator, d: int) -> torch.Tensor:
+    m = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    return m @ m.T + 0.1 * torch.eye(d, dtype=torch.float64)
+
+
+def test_grouped_fit_solves_the_summed_problem():
+    """With one term the grouped fit is the closed form; with several, its gradient projected on
+    symmetric matrices vanishes, it beats symmetric perturbations of itself and both the
+    pooled closed form and each term's own fit on the summed objective."""
+    from pit_deploy.convert.preserve import fit_symmetric_grouped, grouped_misfit
+
+    gen = torch.Generator().manual_seed(1)
+    d = 7
+    a = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    c, p = _spd(gen, d), _spd(gen, d)
+    assert torch.allclose(fit_symmetric_grouped(a, [(3.0, c, p)]), fit_symmetric(a, c, p), atol=1e-10)
+    terms = [(w, _spd(gen, d), _spd(gen, d)) for w in (1.0, 4.0, 0.5)]
+    g = fit_symmetric_grouped(a, terms)
+    assert torch.allclose(g, g.T)
+    grad = sum(w * (ck @ (g - a) @ pk + pk @ (g - a).T @ ck) for w, ck, pk in terms)
+    # the iterations run in float32: the gradient vanishes to float32 precision
+    assert float(grad.norm()) < 1e-5 * float(sum(w * (ck @ a @ pk) for w, ck, pk in terms).norm())
+    best = grouped_misfit(g, a, terms)
+    for _ in range(20):
+        e = torch.randn(d, d, generator=gen, dtype=torch.float64) * 1e-3
+        assert grouped_misfit(g + e + e.T, a, terms) >= best
+    total = sum(w for w, _, _ in terms)
+    pooled = fit_symmetric(a, sum(w * ck for w, ck, _ in terms) / total, sum(w * pk for w, _, pk in terms) / total)
+    for other in [pooled] + [fit_symmetric(a, ck, pk) for _, ck, pk in terms]:
+        assert grouped_misfit(other, a, terms) > best
+
+
+def test_position_groups_and_the_shared_chat_prefix():
+    """A chat row's positions split into prompt, first answer token and answer; a plain row is
+    all text; the chat template's shared prefix counts once: left out of every chat row after
+    the first."""
+    from pit_deploy.convert.preserve import (ANSWER, FIRST_ANSWER, PROMPT, TEXT, CalibrationSet, _shared_prefix,
+                                             position_groups)
+
+    assert position_groups(4, None) == [TEXT] * 4
+    assert position_groups(6, 3) == [PROMPT, PROMPT, FIRST_ANSWER, ANSWER, ANSWER, ANSWER]
+    assert position_groups(6, 3, skip=1) == [None, PROMPT, FIRST_ANSWER, ANSWER, ANSWER, ANSWER]
+    rows = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([5, 6, 2, 3]), torch.tensor([5, 1, 2])]
+    assert _shared_prefix(CalibrationSet(rows[:2], [None, None], [3, 3])) == 2
+    assert _shared_prefix(CalibrationSet(rows, [None] * 3, [3, 3, None])) == 2
+    assert _shared_prefix(CalibrationSet(rows, [None] * 3, [3, 3, 2])) == 1
+    assert _shared_prefix(CalibrationSet(rows[:1], [None], [3])) == 0
+
+
 def test_conversion_benchmark_holds_out_the_calibration_prompts():
     """``benchmarks/conversion.py`` scores chat fidelity on prompts the conversion never saw:
     none of its held-out chat prompts may be one of the calibration prompts."""
@@ -215,7 +264,8 @@ def test_generation_states_give_the_forward_pass_statistics(family):
     generation computed (no second pass): they must equal the statistics of a forward pass
     over each row (fp32 rounding apart), with only the last position of a row still
     generating at the final step left out."""
-    from pit_deploy.convert.preserve import CALIB_PROMPTS, CalibrationSet, calibration_stats, chat_calibration
+    from pit_deploy.convert.preserve import (CALIB_PROMPTS, CalibrationSet, _shared_prefix, calibration_stats,
+                                             chat_calibration)
     from pit_deploy.model.core import polar_factor
     from pit_deploy.tiny import tiny_tokenizer
 
@@ -228,7 +278,12 @@ def test_generation_states_give_the_forward_pass_statistics(family):
     u, _ = polar_factor(effective_interface(model)[0])
     reused = calibration_stats(model, calib, u)
     trimmed = [r[:len(s)] for r, s in zip(calib.rows, calib.states)]  # the positions that have states
-    forward = calibration_stats(model, CalibrationSet(trimmed, [None] * len(trimmed)), u)
-    assert reused.tokens == forward.tokens == sum(len(s) for s in calib.states)
-    for got, want in ((reused.second_moment, forward.second_moment), (reused.fisher, forward.fisher)):
-        assert float((got - want).norm() / want.norm()) < 1e-5
+    forward = calibration_stats(model, CalibrationSet(trimmed, [None] * len(trimmed), calib.prompt_lens), u)
+    assert reused.tokens == forward.tokens
+    shared = _shared_prefix(calib)  # counted in the first chat row only
+    assert shared > 0 and reused.tokens == sum(len(s) for s in calib.states) - shared * (len(calib.rows) - 1)
+    assert [g.name for g in reused.groups] == [g.name for g in forward.groups]
+    for mine, theirs in zip(reused.groups, forward.groups):
+        assert mine.tokens == theirs.tokens
+        for got, want in ((mine.second_moment, theirs.second_moment), (mine.fisher, theirs.fisher)):
+            assert float((got - want).norm() / want.norm()) < 1e-5

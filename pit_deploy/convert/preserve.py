@@ -13,9 +13,12 @@ A tied model has ``W_out E = H²`` (``E0 = U H``, thin polar); PIT needs ``I``. 
    source head acts as ``n A H⁻¹ Uᵀ`` with ``A = diag(g) W_outᵀ… `` (see the docs), so ``G`` is
    fitted to ``A`` where it matters: ``min tr(C (G−A) P (G−A)ᵀ)`` over symmetric ``G``, with
    ``C`` the second moment of the normalized final states and ``P = H⁻¹ F H⁻¹`` (``F`` the
-   softmax Fisher matrix mapped into d-space), both from calibration text. The stationarity
-   condition ``C G P + P G C = C A P + P A C`` is solved in closed form through two symmetric
-   eigendecompositions; ``G = R D Rᵀ`` gives the rotation and the new gain.
+   softmax Fisher matrix mapped into d-space), both from calibration text — one such term per
+   group of calibration positions (chat prompt, first answer token, rest of the answer, plain
+   text), summed. With one term the stationarity condition ``C G P + P G C = C A P + P A C``
+   has a closed form through two symmetric eigendecompositions; the sum is solved by conjugate
+   gradients preconditioned with that closed form. ``G = R D Rᵀ`` gives the rotation and the
+   new gain.
 4. ``Z = U R``, ``T = Rᵀ H⁻¹ R``: ``W_out E = I`` exactly, the body computes what it computed.
 """
 
@@ -111,13 +114,21 @@ def _sub(module: nn.Module, dotted: str) -> nn.Module:
 class CalibrationSet:
     """Token-id rows to calibrate on and, where a row's source run was already done (the chat
     rows, during their generation), the final norm's inputs at each of its positions whose state
-    that run computed (``None``: the row still needs a forward pass)."""
+    that run computed (``None``: the row still needs a forward pass). ``prompt_lens`` gives a
+    chat row's prompt length (prompt in the chat template, before the answer) and ``None`` for
+    a row of plain text; the statistics group positions by it (:func:`position_groups`)."""
 
     rows: list[torch.Tensor]
     states: list[torch.Tensor | None]
+    prompt_lens: list[int | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_lens is None:
+            self.prompt_lens = [None] * len(self.rows)
 
     def __add__(self, other: "CalibrationSet") -> "CalibrationSet":
-        return CalibrationSet(self.rows + other.rows, self.states + other.states)
+        return CalibrationSet(self.rows + other.rows, self.states + other.states,
+                              list(self.prompt_lens) + list(other.prompt_lens))
 
     @property
     def tokens(self) -> int:
@@ -214,18 +225,82 @@ def chat_calibration(model: PreTrainedModel, tokenizer: Any, prompts: Iterable[s
                 start, stop = width - len(ids), width + len(generated)
                 found.rows.append(torch.tensor(ids + generated, dtype=torch.long))
                 found.states.append(states[b, start:min(stop, states.shape[1])])
+                found.prompt_lens.append(len(ids))
     finally:
         handle.remove()
     return found
 
 
-@dataclass
-class CalibrationStats:
-    """``C = E[nᵀn]`` and the d-space Fisher ``F`` (float64), and how many tokens made them."""
+#: Position groups of the calibration statistics (:func:`position_groups`).
+TEXT, PROMPT, FIRST_ANSWER, ANSWER = "text", "chat prompt", "first answer token", "chat answer"
+#: How much more a first answer token counts than any other calibration position. The first
+#: token of an answer decides which answer greedy decoding gives; weighting the 32 calibration
+#: prompts' first answer tokens ×10 (with the grouped fit) took the default model's held-out
+#: KL from 0.058 / 0.111 (code / chat, one pooled group) to 0.056 / 0.099 and the held-out
+#: chat prompts' first token from 14/16 to 15/16 identical to the source's (docs/conversion.md).
+FIRST_ANSWER_WEIGHT = 10.0
 
+
+def position_groups(positions: int, prompt_len: int | None, skip: int = 0) -> list[str | None]:
+    """The group of each position of a calibration row (position ``j`` predicts token ``j+1``):
+    all :data:`TEXT` for a plain-text row; for a chat row with a ``prompt_len``-token prompt,
+    :data:`PROMPT` before ``prompt_len − 1``, :data:`FIRST_ANSWER` there, :data:`ANSWER` after.
+    The first ``skip`` positions are left out (``None``): the chat template's shared prefix
+    (system prompt), whose states are the same in every chat row, counts once, not once per row.
+    """
+    if prompt_len is None:
+        return [TEXT] * positions
+    return [None if j < skip else PROMPT if j < prompt_len - 1 else FIRST_ANSWER if j == prompt_len - 1 else ANSWER
+            for j in range(positions)]
+
+
+def _shared_prefix(calib: CalibrationSet) -> int:
+    """Length of the prompt prefix every chat row shares (0 with fewer than two chat rows)."""
+    prompts = [row[:n].tolist() for row, n in zip(calib.rows, calib.prompt_lens) if n is not None]
+    if len(prompts) < 2:
+        return 0
+    common = min(len(p) for p in prompts)
+    for j in range(common):
+        if any(p[j] != prompts[0][j] for p in prompts[1:]):
+            return j
+    return common
+
+
+@dataclass
+class StatGroup:
+    """One group's ``C = E[nᵀn]`` and d-space Fisher ``F`` (float64), its token count and its
+    weight in the fit (tokens × the group's multiplier)."""
+
+    name: str
     second_moment: torch.Tensor
     fisher: torch.Tensor
     tokens: int
+    weight: float
+
+
+@dataclass
+class CalibrationStats:
+    """Per-group statistics of the calibration positions (:func:`position_groups`)."""
+
+    groups: list[StatGroup]
+
+    @property
+    def tokens(self) -> int:
+        return sum(g.tokens for g in self.groups)
+
+    def _pooled(self, field: str) -> torch.Tensor:
+        total = sum(g.weight for g in self.groups)
+        return sum(getattr(g, field) * (g.weight / total) for g in self.groups)
+
+    @property
+    def second_moment(self) -> torch.Tensor:
+        """The weighted mean of the groups' ``C``."""
+        return self._pooled("second_moment")
+
+    @property
+    def fisher(self) -> torch.Tensor:
+        """The weighted mean of the groups' ``F``."""
+        return self._pooled("fisher")
 
 
 def _head_logits(model: PreTrainedModel, x: torch.Tensor) -> torch.Tensor:
@@ -236,28 +311,45 @@ def _head_logits(model: PreTrainedModel, x: torch.Tensor) -> torch.Tensor:
     return logits / float(getattr(model.config, "logits_scaling", 1.0) or 1.0)
 
 
+class _GroupSums:
+    """Running sums of one group: ``Σ nᵀn``, ``Σ (Uᵀp)(Uᵀp)ᵀ``, ``Σ p`` and the count."""
+
+    def __init__(self, d: int, vocab: int):
+        self.c = torch.zeros(d, d, dtype=torch.float64)
+        self.s = torch.zeros(d, d, dtype=torch.float64)
+        self.pbar = torch.zeros(vocab, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, n: torch.Tensor, p: torch.Tensor, pu: torch.Tensor) -> None:
+        self.c += n.T @ n
+        self.s += pu.T @ pu
+        self.pbar += p.sum(0).to(torch.float64)
+        self.count += n.shape[0]
+
+    def finish(self, name: str, u: torch.Tensor, multiplier: float) -> StatGroup:
+        pbar = self.pbar / self.count
+        fisher = (u * pbar[:, None]).T @ u - self.s / self.count
+        return StatGroup(name, self.c / self.count, 0.5 * (fisher + fisher.T), self.count, self.count * multiplier)
+
+
 @torch.no_grad()
 def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch.Tensor],
                       u: torch.Tensor) -> CalibrationStats:
     """The source's normalized final states ``n`` (the final norm's output before its gain) and
-    next-token distributions ``p`` over ``calib``: rows with recorded states reuse them (only
-    the head runs), the others go through the model."""
+    next-token distributions ``p`` over ``calib``, summed per position group: rows with
+    recorded states reuse them (only the head runs), the others go through the model."""
     if not isinstance(calib, CalibrationSet):
         calib = CalibrationSet(list(calib), [None] * len(calib))
-    adapter = adapter_for(model.config)
-    norm = adapter.final_norm(model)
+    norm = adapter_for(model.config).final_norm(model)
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     captured: list[torch.Tensor] = []
     handle = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach()))
-    d = u.shape[1]
-    c = torch.zeros(d, d, dtype=torch.float64)
-    s = torch.zeros(d, d, dtype=torch.float64)
-    pbar = torch.zeros(u.shape[0], dtype=torch.float64)
-    u32 = u.to(torch.float32)
-    count = 0
+    u64, u32 = u.to(torch.float64), u.to(torch.float32)
+    sums: dict[str, _GroupSums] = {}
+    shared, seen_chat = _shared_prefix(calib), False
     try:
         model.eval()
-        for row, state in zip(calib.rows, calib.states):
+        for row, state, prompt_len in zip(calib.rows, calib.states, calib.prompt_lens):
             if state is None:
                 captured.clear()
                 logits = model(input_ids=row[None]).logits[0].float()
@@ -266,24 +358,29 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
                 logits = _head_logits(model, state).float()
             x = state.to(torch.float64)
             n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            c += n.T @ n
             p = torch.softmax(logits, dim=-1)
             pu = (p @ u32).to(torch.float64)
-            s += pu.T @ pu
-            pbar += p.sum(0).to(torch.float64)
-            count += x.shape[0]
+            labels = position_groups(len(x), prompt_len, shared if seen_chat else 0)
+            seen_chat = seen_chat or prompt_len is not None
+            for name in dict.fromkeys(lab for lab in labels if lab is not None):
+                idx = torch.tensor([j for j, lab in enumerate(labels) if lab == name])
+                sums.setdefault(name, _GroupSums(u.shape[1], u.shape[0])).add(n[idx], p[idx], pu[idx])
     finally:
         handle.remove()
-    if count == 0:
+    if not sums:
         raise PitError("calibration produced no tokens")
-    pbar /= count
-    fisher = (u.to(torch.float64) * pbar[:, None]).T @ u.to(torch.float64) - s / count
-    return CalibrationStats(c / count, 0.5 * (fisher + fisher.T), count)
+    return CalibrationStats([
+        total.finish(name, u64, FIRST_ANSWER_WEIGHT if name == FIRST_ANSWER else 1.0) for name, total in sums.items()
+    ])
 
 
 # --------------------------------------------------------------------------------------
 # The fit
 # --------------------------------------------------------------------------------------
+
+
+def _sym(m: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (m + m.T)
 
 
 def _sym_sqrt_inv(m: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -292,30 +389,90 @@ def _sym_sqrt_inv(m: torch.Tensor, ridge: float) -> torch.Tensor:
     return (evecs * evals.rsqrt()) @ evecs.T
 
 
+class _KroneckerSolver:
+    """Solves ``C X P + P X C = B`` for symmetric ``X`` (``C``, ``P`` SPD, ``B`` symmetric).
+
+    With ``W`` such that ``Wᵀ C W = I`` and ``Wᵀ P W = Λ`` (from ``C^{-1/2}`` and the
+    eigendecomposition of ``C^{-1/2} P C^{-1/2}``), ``X = W Y Wᵀ`` turns it into
+    ``Y Λ + Λ Y = Wᵀ B W``: ``Y_ij = (Wᵀ B W)_ij / (λ_i + λ_j)``."""
+
+    def __init__(self, c: torch.Tensor, p: torch.Tensor, ridge: float = 1e-8):
+        c_mh = _sym_sqrt_inv(_sym(c), ridge)
+        lam, q = torch.linalg.eigh(c_mh @ _sym(p) @ c_mh)
+        self.lam = lam.clamp_min(ridge * lam.max().clamp_min(1e-300))
+        self.w = c_mh @ q
+
+    def __call__(self, b: torch.Tensor) -> torch.Tensor:
+        y = (self.w.T @ b @ self.w) / (self.lam[:, None] + self.lam[None, :])
+        return _sym(self.w @ _sym(y) @ self.w.T)
+
+
 def fit_symmetric(a: torch.Tensor, c: torch.Tensor, p: torch.Tensor, ridge: float = 1e-8) -> torch.Tensor:
     """The symmetric ``G`` minimizing ``tr(C (G−A) P (G−A)ᵀ)`` (all float64, ``C``, ``P`` SPD).
 
-    Stationarity: ``C G P + P G C = C A P + P Aᵀ C``. With ``W`` such that ``Wᵀ C W = I`` and
-    ``Wᵀ P W = Λ`` (from ``C^{-1/2}`` and the eigendecomposition of ``C^{-1/2} P C^{-1/2}``),
-    ``G = W X Wᵀ`` turns it into ``X Λ + Λ X = Wᵀ B W``: ``X_ij = (Wᵀ B W)_ij / (λ_i + λ_j)``.
+    Stationarity: ``C G P + P G C = C A P + P Aᵀ C``, solved in closed form by
+    :class:`_KroneckerSolver` (two symmetric eigendecompositions, no iteration)."""
+    c, p = _sym(c), _sym(p)
+    return _KroneckerSolver(c, p, ridge)(c @ a @ p + p @ a.T @ c)
+
+
+Term = tuple[float, torch.Tensor, torch.Tensor]
+
+
+def fit_symmetric_grouped(a: torch.Tensor, terms: list[Term], ridge: float = 1e-8, rtol: float = 1e-6,
+                          max_iter: int = 40) -> torch.Tensor:
+    """The symmetric ``G`` minimizing ``Σ_k w_k tr(C_k (G−A) P_k (G−A)ᵀ)`` over ``terms``
+    ``(w_k, C_k, P_k)`` (float64).
+
+    One Kronecker term per group of positions (chat prompt, answer, plain text…) is a closer
+    second-order model of the KL than one pooled ``C ⊗ P`` when the groups' statistics differ.
+    Stationarity, ``Σ_k w_k (C_k G P_k + P_k G C_k) = Σ_k w_k (C_k A P_k + P_k Aᵀ C_k)``, is a
+    symmetric positive definite linear system in ``G``. It is solved by conjugate gradients in
+    the basis ``W`` of the pooled term's closed form (:class:`_KroneckerSolver`): there
+    ``G = W Y Wᵀ``, the pooled operator is diagonal (``Y_ij (λ_i + λ_j)``) and serves as the
+    preconditioner, and the system is well scaled, so the iterations run in float32 (the
+    statistics' own precision). One term converges at once. On the default model's four
+    groups the objective is within 0.5 % of its converged value after 40 iterations (0.06635
+    against 0.06608 after 200, held-out KL unchanged to 0.001 nat), hence ``max_iter=40``.
     """
-    c = 0.5 * (c + c.T)
-    p = 0.5 * (p + p.T)
-    c_mh = _sym_sqrt_inv(c, ridge)
-    lam, q = torch.linalg.eigh(c_mh @ p @ c_mh)
-    lam = lam.clamp_min(ridge * lam.max().clamp_min(1e-300))
-    w = c_mh @ q
-    b = c @ a @ p + p @ a.T @ c
-    bt = w.T @ b @ w
-    x = bt / (lam[:, None] + lam[None, :])
-    x = 0.5 * (x + x.T)
-    g = w @ x @ w.T
-    return 0.5 * (g + g.T)
+    total = sum(w for w, _, _ in terms)
+    terms = [(w / total, _sym(c), _sym(p)) for w, c, p in terms]
+    basis = _KroneckerSolver(sum(w * c for w, c, _ in terms), sum(w * p for w, _, p in terms), ridge)
+    wt = basis.w
+    rhs = sum(w * (c @ a @ p + p @ a.T @ c) for w, c, p in terms)
+    # In the basis: C̃_k = Wᵀ C_k W, P̃_k = Wᵀ P_k W, the right-hand side Wᵀ B W.
+    white = [(w, (wt.T @ c @ wt).float(), (wt.T @ p @ wt).float()) for w, c, p in terms]
+    b = (wt.T @ rhs @ wt).float()
+    scale = (basis.lam[:, None] + basis.lam[None, :]).float()
+
+    def op(y: torch.Tensor) -> torch.Tensor:
+        out = sum(w * (c @ y @ p) for w, c, p in white)
+        return out + out.T
+
+    y = b / scale
+    r = b - op(y)
+    z = r / scale
+    direction, rz, stop = z, float((r * z).sum()), rtol * float(b.norm())
+    for _ in range(max_iter):
+        if float(r.norm()) <= stop:
+            break
+        ad = op(direction)
+        alpha = rz / float((direction * ad).sum())
+        y, r = y + alpha * direction, r - alpha * ad
+        z = r / scale
+        rz_next = float((r * z).sum())
+        direction, rz = z + (rz_next / rz) * direction, rz_next
+    return _sym(wt @ _sym(y.to(torch.float64)) @ wt.T)
 
 
 def weighted_misfit(g: torch.Tensor, a: torch.Tensor, c: torch.Tensor, p: torch.Tensor) -> float:
     delta = g - a
     return float(torch.trace(c @ delta @ p @ delta.T))
+
+
+def grouped_misfit(g: torch.Tensor, a: torch.Tensor, terms: list[Term]) -> float:
+    """``Σ_k w_k tr(C_k (G−A) P_k (G−A)ᵀ) / Σ_k w_k``: the objective of :func:`fit_symmetric_grouped`."""
+    return sum(w * weighted_misfit(g, a, c, p) for w, c, p in terms) / sum(w for w, _, _ in terms)
 
 
 # --------------------------------------------------------------------------------------
@@ -355,6 +512,7 @@ class PreserveFit:
     gain_min: float
     gain_max: float
     calib_tokens: int
+    groups: dict[str, int]
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -389,13 +547,14 @@ def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpe
         limit = max_positions(model.config) or seq_len
         rows = calibration_set(model, tokenizer, calib, calib_tokens, min(seq_len, limit))
     stats = calibration_stats(model, rows, u)
-    p = h_inv @ stats.fisher @ h_inv
-    gfit = fit_symmetric(a, stats.second_moment, p)
+    terms = [(g.weight, g.second_moment, h_inv @ g.fisher @ h_inv) for g in stats.groups]
+    gfit = fit_symmetric_grouped(a, terms)
     d_vals, r = torch.linalg.eigh(gfit)
     fit = PreserveFit(
-        misfit_identity_rotation=weighted_misfit(torch.diag(torch.diagonal(a)), a, stats.second_moment, p),
-        misfit_fitted=weighted_misfit(gfit, a, stats.second_moment, p),
+        misfit_identity_rotation=grouped_misfit(torch.diag(torch.diagonal(a)), a, terms),
+        misfit_fitted=grouped_misfit(gfit, a, terms),
         gain_min=float(d_vals.min()), gain_max=float(d_vals.max()), calib_tokens=stats.tokens,
+        groups={g.name: g.tokens for g in stats.groups},
     )
     fold_and_rotate(model, r, offset)
     norm.weight.copy_((d_vals - offset).to(norm.weight.dtype))
