@@ -49,7 +49,9 @@ def runner_prompts(tokenizer: Any, text_prompts: Sequence[str]) -> list[str]:
     return prompts
 
 
-def _eos_ids(model: Any) -> set[int]:
+def eos_ids(model: Any) -> set[int]:
+    """The model config's end-of-sequence ids: what the exported program's metadata declares and
+    the stock runner stops at (a GGUF-converted tokenizer's own ``eos_token`` can differ)."""
     eos = getattr(model.config, "eos_token_id", None)
     ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
     return ids
@@ -98,7 +100,7 @@ def check_stock_runner(folder: Path, reference: Any, tokenizer: Any, text_prompt
     except LLMRunnerError as exc:
         check.error, check.identical = str(exc), False
         return check
-    eos = _eos_ids(reference)
+    eos = eos_ids(reference)
     cache = {} if reference_cache is None else reference_cache
     for prompt, ids, got in zip(prompts, encoded, results):
         if (prompt, new_tokens) not in cache:

@@ -39,6 +39,7 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
     """``{artifact, prompts: [{prompt, source, artifact, identical}]}`` for the report."""
     from transformers import AutoTokenizer
 
+    from ..evaluate.stock_runner import eos_ids
     from ..io.sources import load_source
     from ..runtime.base import driver_class, greedy
     from ..runtime.torch_driver import TorchDriver
@@ -52,10 +53,13 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
         tokenizer = AutoTokenizer.from_pretrained(str(reference))
     except Exception as exc:  # no tokenizer in the export: nothing readable to show
         raise PitError(f"the export has no tokenizer ({exc}); answers need one") from None
-    eos = frozenset() if tokenizer.eos_token_id is None else frozenset({int(tokenizer.eos_token_id)})
     context = art.shapes.get("max_seq_len")
     max_new = int(recipe["report"]["max_new_tokens"])
     source = load_source(recipe["run"]["model"])
+    # stop where the artifact's runner stops (the config's end of sequence: SmolLM2's end of turn)
+    # and at the tokenizer's own end-of-sequence token
+    tok_eos = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
+    eos = frozenset(eos_ids(source.model) | tok_eos)
     src_driver = TorchDriver(model=source.model)
     runtime_driver = driver_class(art.runtime)(directory / art.path)
     rows = []
