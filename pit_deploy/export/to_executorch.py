@@ -21,7 +21,8 @@ The program follows the conventions of ExecuTorch's stock LLM runner
 Lowering: ``torch.export.export(..., strict=True)`` then
 ``executorch.exir.to_edge_transform_and_lower(..., partitioner=[XnnpackPartitioner()])``
 (ExecuTorch docs, "Exporting to ExecuTorch" / "Building and Running ExecuTorch with XNNPACK
-Backend"). The cache wrapper is written here on top of ``transformers.StaticCache`` (its
+Backend"). Before tracing, RMSNorm and RoPE are rewritten so that each layer lowers to one
+XNNPACK partition per side of the attention (:mod:`.xnnpack_rewrites`). The cache wrapper is written here on top of ``transformers.StaticCache`` (its
 ``early_initialization`` allocates the tensors up front; see ``transformers.cache_utils``).
 """
 
@@ -39,6 +40,7 @@ from ..runtime.executorch_driver import PTE_NAME
 from ..model.modules import PITHead
 from .passes import InterfaceProbe
 from .runner_tokenizer import write_runner_tokenizer
+from .xnnpack_rewrites import inferred_view_sizes, xnnpack_friendly
 
 
 def _kv_geometry(config) -> tuple[int, int]:
@@ -164,6 +166,24 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
     Returns:
         a dict with the method names, the metadata values, ``max_seq_len`` and the attention used.
     """
+    edge, use_llm_ops = lower_to_edge(model, max_seq_len, interface_methods)
+    lowered = edge.to_executorch()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / PTE_NAME
+    with open(path, "wb") as fh:
+        lowered.write_to_file(fh)
+    meta = metadata_methods(model.config, max_seq_len)
+    return {"methods": sorted(edge.methods) + sorted(meta), "metadata": meta, "max_seq_len": int(max_seq_len),
+            "attention": "llama::custom_sdpa + llama::update_cache" if use_llm_ops else "transformers StaticCache + SDPA"}
+
+
+@torch.no_grad()
+def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: bool = True):
+    """``torch.export`` the methods of ``model`` and lower them for XNNPACK.
+
+    Returns:
+        ``(EdgeProgramManager, whether the LLM custom ops were used)``; the model is unchanged.
+    """
     from . import llm_ops
 
     model.eval()
@@ -172,13 +192,12 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
     if use_llm_ops:
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
-        return _lower(model, out_dir, max_seq_len, interface_methods, use_llm_ops)
+        return _lower(model, max_seq_len, interface_methods, use_llm_ops), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn
 
 
-def _lower(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_methods: bool,
-           use_llm_ops: bool) -> dict:
+def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, use_llm_ops: bool):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
@@ -192,13 +211,16 @@ def _lower(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_me
     v = model.config.vocab_size
     ids_dim = torch.export.Dim("ids", min=1, max=v)
     rows = torch.export.Dim("rows", min=1, max=d)
-    programs = {
-        "forward": torch.export.export(
+    _, head_dim = _kv_geometry(model.config)
+    with xnnpack_friendly(decoder, model, head_dim):
+        forward = torch.export.export(
             decoder,
             (torch.zeros(1, prompt_len, dtype=torch.long), torch.tensor([0], dtype=torch.long)),
             dynamic_shapes=({1: seq}, None),
             strict=True,
-        ),
+        )
+    programs = {
+        "forward": forward,
         "embed": torch.export.export(
             _EmbedMethod(probe), (torch.arange(4, dtype=torch.long),),
             dynamic_shapes=({0: ids_dim},), strict=True,
@@ -213,16 +235,11 @@ def _lower(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_me
     # _check_ir_validity=False skips the edge-dialect verifier, which re-runs every graph on fake
     # tensors after each pass (most of the samples of a profile window of the default model's
     # lowering); ExecuTorch's own LLM export builder turns it off too. `verify` checks the numbers.
-    lowered = to_edge_transform_and_lower(
+    return to_edge_transform_and_lower(
         programs, partitioner=[XnnpackPartitioner()], constant_methods=meta,
+        transform_passes=[inferred_view_sizes],
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
-    ).to_executorch()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / PTE_NAME
-    with open(path, "wb") as fh:
-        lowered.write_to_file(fh)
-    return {"methods": sorted(programs) + sorted(meta), "metadata": meta, "max_seq_len": int(max_seq_len),
-            "attention": "llama::custom_sdpa + llama::update_cache" if use_llm_ops else "transformers StaticCache + SDPA"}
+    )
 
 
 def precheck(config, recipe) -> None:

@@ -1,0 +1,68 @@
+"""The RMSNorm / RoPE / view rewrites that keep exported decoder layers inside XNNPACK."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from pit_deploy.export import llm_ops
+from pit_deploy.export.passes import prepare
+from pit_deploy.export.to_executorch import StaticKVDecoder, lower_to_edge
+from pit_deploy.export.xnnpack_rewrites import LinearRMSNorm, rotate_half_matrix, xnnpack_friendly
+from pit_deploy.tiny import tiny_pit_model
+
+REWRITTEN = ("llama", "qwen3", "granite")
+
+
+def test_rotate_half_matrix_is_rotate_half():
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    x = torch.randn(2, 3, 5, 16)
+    assert torch.equal(torch.nn.functional.linear(x, rotate_half_matrix(16)), rotate_half(x))
+    with pytest.raises(ValueError):
+        rotate_half_matrix(7)
+
+
+@pytest.mark.parametrize("family", REWRITTEN)
+def test_rewrites_keep_the_logits_and_are_undone(family):
+    model = prepare(tiny_pit_model(family), "factorized")
+    norms_before = [type(m) for m in model.modules()]
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        decoder = StaticKVDecoder(model, 32).eval()
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        head_dim = getattr(model.config, "head_dim", None) or head_dim
+        with xnnpack_friendly(decoder, model, head_dim):
+            assert any(isinstance(m, LinearRMSNorm) for m in model.modules())
+            got = model(input_ids=ids).logits
+    assert float((got - ref).norm() / ref.norm()) < 1e-6
+    assert [type(m) for m in model.modules()] == norms_before
+    assert not hasattr(decoder, "pit_rope_rotation")
+
+
+def test_each_layer_lowers_to_one_partition_per_side_of_the_attention():
+    """Between two consecutive attention calls (the ``llama::custom_sdpa`` custom op, which has
+    to run outside XNNPACK) lies exactly one delegate: the output projection, the MLP, the next
+    layer's RMSNorm, its q/k/v projections and RoPE. Without the rewrites the RMSNorm mean, the
+    RoPE slices and the views of the dynamic length split it into about five."""
+    assert llm_ops.available()
+    model = prepare(tiny_pit_model("llama", num_layers=3), "factorized")
+    edge, used = lower_to_edge(model, 32, interface_methods=False)
+    assert used
+    nodes = [n for n in edge.exported_program("forward").graph.nodes if n.op == "call_function"]
+    outside = " ".join(str(n.target) for n in nodes)
+    for refused in ("aten.mean.dim", "aten.slice_copy", "aten.rsqrt", "aten.mul.Tensor"):
+        assert refused not in outside, refused
+    gaps, current = [], None
+    for node in nodes:
+        name = str(node.target)
+        if "custom_sdpa" in name:
+            if current is not None:
+                gaps.append(current)
+            current = 0
+        elif "executorch_call_delegate" in name and current is not None:
+            current += 1
+    assert gaps == [1] * (model.config.num_hidden_layers - 1), gaps
