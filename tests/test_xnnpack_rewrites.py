@@ -50,12 +50,21 @@ def test_each_layer_lowers_to_one_partition_per_side_of_the_attention():
     RoPE slices and the views of the dynamic length split it into about five."""
     assert llm_ops.available()
     model = prepare(tiny_pit_model("llama", num_layers=3), "factorized")
-    edge, used = lower_to_edge(model, 32, interface_methods=False)
-    assert used
-    nodes = [n for n in edge.exported_program("forward").graph.nodes if n.op == "call_function"]
+    nodes, gaps = _partition_gaps(model, rewrites=True)
     outside = " ".join(str(n.target) for n in nodes)
     for refused in ("aten.mean.dim", "aten.slice_copy", "aten.rsqrt", "aten.mul.Tensor"):
         assert refused not in outside, refused
+    assert gaps == [1] * (model.config.num_hidden_layers - 1), gaps
+    _, plain = _partition_gaps(model, rewrites=False)
+    assert min(plain) > 1, plain  # what the rewrites remove
+
+
+def _partition_gaps(model, rewrites: bool):
+    """The forward's operators outside delegates, and the number of delegate calls between each
+    pair of consecutive attention calls."""
+    edge, used = lower_to_edge(model, 32, interface_methods=False, rewrites=rewrites)
+    assert used
+    nodes = [n for n in edge.exported_program("forward").graph.nodes if n.op == "call_function"]
     gaps, current = [], None
     for node in nodes:
         name = str(node.target)
@@ -65,4 +74,4 @@ def test_each_layer_lowers_to_one_partition_per_side_of_the_attention():
             current = 0
         elif "executorch_call_delegate" in name and current is not None:
             current += 1
-    assert gaps == [1] * (model.config.num_hidden_layers - 1), gaps
+    return nodes, gaps

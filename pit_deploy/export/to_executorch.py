@@ -22,12 +22,14 @@ Lowering: ``torch.export.export(..., strict=True)`` then
 ``executorch.exir.to_edge_transform_and_lower(..., partitioner=[XnnpackPartitioner()])``
 (ExecuTorch docs, "Exporting to ExecuTorch" / "Building and Running ExecuTorch with XNNPACK
 Backend"). Before tracing, RMSNorm and RoPE are rewritten so that each layer lowers to one
-XNNPACK partition per side of the attention (:mod:`.xnnpack_rewrites`). The cache wrapper is written here on top of ``transformers.StaticCache`` (its
+XNNPACK partition per side of the attention (:mod:`.xnnpack_rewrites`). The cache wrapper is
+written here on top of ``transformers.StaticCache`` (its
 ``early_initialization`` allocates the tensors up front; see ``transformers.cache_utils``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -178,8 +180,10 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
 
 
 @torch.no_grad()
-def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: bool = True):
-    """``torch.export`` the methods of ``model`` and lower them for XNNPACK.
+def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: bool = True,
+                  rewrites: bool = True):
+    """``torch.export`` the methods of ``model`` and lower them for XNNPACK; ``rewrites=False``
+    skips :mod:`.xnnpack_rewrites` (for measuring what they change).
 
     Returns:
         ``(EdgeProgramManager, whether the LLM custom ops were used)``; the model is unchanged.
@@ -192,12 +196,13 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
     if use_llm_ops:
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
-        return _lower(model, max_seq_len, interface_methods, use_llm_ops), use_llm_ops
+        return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn
 
 
-def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, use_llm_ops: bool):
+def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, use_llm_ops: bool,
+           rewrites: bool):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
@@ -212,7 +217,7 @@ def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, us
     ids_dim = torch.export.Dim("ids", min=1, max=v)
     rows = torch.export.Dim("rows", min=1, max=d)
     _, head_dim = _kv_geometry(model.config)
-    with xnnpack_friendly(decoder, model, head_dim):
+    with xnnpack_friendly(decoder, model, head_dim) if rewrites else contextlib.nullcontext():
         forward = torch.export.export(
             decoder,
             (torch.zeros(1, prompt_len, dtype=torch.long), torch.tensor([0], dtype=torch.long)),
@@ -237,7 +242,7 @@ def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, us
     # lowering); ExecuTorch's own LLM export builder turns it off too. `verify` checks the numbers.
     return to_edge_transform_and_lower(
         programs, partitioner=[XnnpackPartitioner()], constant_methods=meta,
-        transform_passes=[inferred_view_sizes],
+        transform_passes=[inferred_view_sizes] if rewrites else None,
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
     )
 
