@@ -364,7 +364,9 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
             seen_chat = seen_chat or prompt_len is not None
             for name in dict.fromkeys(lab for lab in labels if lab is not None):
                 idx = torch.tensor([j for j, lab in enumerate(labels) if lab == name])
-                sums.setdefault(name, _GroupSums(u.shape[1], u.shape[0])).add(n[idx], p[idx], pu[idx])
+                if name not in sums:  # not setdefault: that would allocate a V-sized sum per row
+                    sums[name] = _GroupSums(u.shape[1], u.shape[0])
+                sums[name].add(n[idx], p[idx], pu[idx])
     finally:
         handle.remove()
     if not sums:
