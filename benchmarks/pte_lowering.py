@@ -6,7 +6,7 @@ builds the same program; PIT adds only the small ``T`` matmuls) through
 ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of ``forward``.
 
 * ``--layers N`` keeps the first N decoder layers (both variants, side by side, in one process);
-* the full model is lowered with the rewrites only (unless ``--full-baseline``: +7 minutes).
+* the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here).
 
 Writes ``benchmarks/results/pte_lowering.json``.
 

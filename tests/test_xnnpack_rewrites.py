@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
 from pit_deploy.export import llm_ops
 from pit_deploy.export.passes import prepare
-from pit_deploy.export.to_executorch import StaticKVDecoder, lower_to_edge
+from pit_deploy.export.to_executorch import StaticKVDecoder, _kv_geometry, lower_to_edge
 from pit_deploy.export.xnnpack_rewrites import LinearRMSNorm, rotate_half_matrix, xnnpack_friendly
 from pit_deploy.tiny import tiny_pit_model
 
@@ -33,8 +31,7 @@ def test_rewrites_keep_the_logits_and_are_undone(family):
     with torch.no_grad():
         ref = model(input_ids=ids).logits
         decoder = StaticKVDecoder(model, 32).eval()
-        head_dim = model.config.hidden_size // model.config.num_attention_heads
-        head_dim = getattr(model.config, "head_dim", None) or head_dim
+        _, head_dim = _kv_geometry(model.config)
         with xnnpack_friendly(decoder, model, head_dim):
             assert any(isinstance(m, LinearRMSNorm) for m in model.modules())
             got = model(input_ids=ids).logits
