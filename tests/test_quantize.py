@@ -4,6 +4,7 @@ within their bounds, fail verification when a weight is corrupted, and the PIT c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.convert.conversion import convert_model
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix
+from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix, split_nibbles
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME
@@ -79,15 +80,19 @@ def test_factorized_table_is_stored_once(quantized_export):
     for mode in ("materialized", "factorized"):
         assert size[f"onnx-{mode}-int4"] < size[f"onnx-{mode}-int8"] < size[f"onnx-{mode}"]
     # on disk the head's MatMulNBits and the embedding's GatherBlockQuantized read one byte range
+    # per plane (the 8-bit table as two nibble planes: two of each op)
     import onnx
 
     for dtype in QUANTIZED:
         graph = onnx.load(str(quantized_export / f"onnx-factorized-{dtype}" / "model.onnx"),
                           load_external_data=False).graph
         where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
-        head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == "pit_q.head.B")
-        embed = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
-        assert where[head.input[1]]["offset"] == where[embed.input[0]]["offset"]
+        heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("pit_q.head.")]
+        embeds = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+        assert len(heads) == len(embeds) == 2
+        for head, embed in zip(heads, embeds):
+            assert all(a.i == 4 for a in head.attribute if a.name == "bits")
+            assert where[head.input[1]]["offset"] == where[embed.input[0]]["offset"]
 
 
 def a_bytes(art: dict) -> int:
@@ -130,6 +135,42 @@ def test_correction_makes_the_quantized_interface_exact(bits):
     uncorrected = np.linalg.norm(t @ zq.T @ zq @ np.linalg.inv(t) - np.eye(d))
     corrected = np.linalg.norm(t @ zq.T @ zq @ m - np.eye(d))
     assert corrected < 1e-10 < 1e-3 < uncorrected
+
+
+def test_nibble_planes_reproduce_the_8bit_table_on_onnxruntime():
+    """An 8-bit table split into two 4-bit planes: ``16·hi + lo`` dequantizes to the 8-bit
+    table exactly, and onnxruntime's two 4-bit ``MatMulNBits`` (fp32 activations) summed equal
+    the product with the 8-bit table to fp32 rounding."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    v, d, block = 96, 64, 32
+    rows = rng.standard_normal((v, d)).astype(np.float32)
+    rows[:, 5] *= 40.0  # an outlier column: zero points spread over the whole 0..255 range
+    table = block_quantize(rows, 8, block)
+    hi, lo = split_nibbles(table)
+    assert hi.bits == lo.bits == 4 and hi.packed.nbytes + lo.packed.nbytes == table.packed.nbytes
+    ones = np.ones_like(table.scales)  # integer codes: (q - z) = 16·(hi - z_hi) + (lo - z_lo) exactly
+    codes = [dataclasses.replace(t, scales=ones).dequantize() for t in (table, hi, lo)]
+    np.testing.assert_array_equal(16 * codes[1] + codes[2], codes[0])
+    assert codes[0].min() < -100 and codes[0].max() > 100
+    inits, nodes = [], []
+    for k, plane in enumerate((hi, lo)):
+        inits += [numpy_helper.from_array(plane.packed, f"b{k}"), numpy_helper.from_array(plane.scales, f"s{k}"),
+                  numpy_helper.from_array(plane.zero_points, f"z{k}")]
+        nodes.append(helper.make_node("MatMulNBits", ["x", f"b{k}", f"s{k}", f"z{k}"], [f"y{k}"],
+                                      domain="com.microsoft", K=d, N=v, bits=4, block_size=block))
+    inits.append(numpy_helper.from_array(np.array(16.0, np.float32), "sixteen"))
+    nodes += [helper.make_node("Mul", ["y0", "sixteen"], ["y0x"]), helper.make_node("Add", ["y0x", "y1"], ["y"])]
+    graph = helper.make_graph(nodes, "planes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, d])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, v])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = x.astype(np.float64) @ table.dequantize().astype(np.float64).T
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_without_the_correction_the_identity_drifts(tmp_path):

@@ -207,15 +207,91 @@ def _ensure_ms_domain(model) -> None:
         entry.domain, entry.version = "com.microsoft", 1
 
 
+def split_nibbles(table: BlockTable) -> tuple[BlockTable, BlockTable]:
+    """An 8-bit table as two 4-bit tables with the same scales: ``q = 16·hi + lo`` and
+    ``z = 16·z_hi + z_lo``, so ``(q − z)·s = 16·(hi − z_hi)·s + (lo − z_lo)·s`` exactly.
+
+    Why: onnxruntime's ``MatMulNBits`` has no fused CPU kernel for 8-bit weights with fp32
+    activations (it dequantizes the whole table on every call: 83 ms for the default model's
+    49152 × 576 head, against 1.1 ms for a 4-bit table; ``docs/quantization.md``). Two 4-bit
+    products of the nibble planes give the 8-bit product with fp32 activations, in the same
+    bytes as the 8-bit table.
+    """
+    if table.bits != 8:
+        raise ValueError("split_nibbles takes an 8-bit table")
+    n, kb = table.scales.shape
+
+    def pack(values: np.ndarray) -> np.ndarray:  # (..., 2k) of 0..15 -> (..., k), low nibble first
+        return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+    z = table.zero_points.reshape(n, kb)
+    z = np.concatenate([z, np.zeros((n, kb % 2), np.uint8)], axis=1)  # pad to whole bytes
+    planes = []
+    for shift in (4, 0):
+        q = (table.packed >> shift) & 0x0F
+        planes.append(BlockTable(pack(q), table.scales, pack((z >> shift) & 0x0F), 4, table.block))
+    return planes[0], planes[1]
+
+
+#: (table, factor) terms whose factor-weighted sum is the dequantized table
+Planes = list[tuple[BlockTable, float]]
+
+
+def table_planes(table: BlockTable, fp32_activations: bool) -> Planes:
+    """How an op reads ``table``: whole, or (8-bit table read with fp32 activations) as the
+    two nibble planes of :func:`split_nibbles`."""
+    if table.bits == 8 and fp32_activations:
+        hi, lo = split_nibbles(table)
+        return [(hi, 16.0), (lo, 1.0)]
+    return [(table, 1.0)]
+
+
+def _sum_nodes(graph, name: str, terms: list[tuple[str, float]], output: str) -> list:
+    """Nodes computing ``Σ factor · term`` into ``output`` (``Mul`` by an exact power of two,
+    then ``Add``)."""
+    from onnx import helper
+
+    if len(terms) == 1:
+        return []
+    nodes, scaled = [], []
+    for k, (term, factor) in enumerate(terms):
+        if factor != 1.0:
+            const = _add(graph, f"{name}.factor{k}", np.array(factor, np.float32))
+            nodes.append(helper.make_node("Mul", [term, const], [f"{term}_x"], name=f"{name}_mul{k}"))
+            term = f"{term}_x"
+        scaled.append(term)
+    acc = scaled[0]
+    for k, term in enumerate(scaled[1:], 1):
+        out = output if k == len(scaled) - 1 else f"{name}.sum{k}"
+        nodes.append(helper.make_node("Add", [acc, term], [out], name=f"{name}_add{k}"))
+        acc = out
+    return nodes
+
+
+def _plane_names(graph, prefix: str, planes: Planes, gather: bool) -> list[list[str]]:
+    """Initializer names (packed data, scales, zero points) of each plane, the data shaped for
+    ``GatherBlockQuantized`` (``(V, d·bits/8)``) or ``MatMulNBits`` (``(V, blocks, blob)``).
+    Two ops reading the same table get equal bytes, which :func:`save_deduplicated` stores once."""
+    names = []
+    for k, (table, _) in enumerate(planes):
+        data = table.packed.reshape(table.packed.shape[0], -1) if gather else table.packed
+        names.append([_add(graph, f"{prefix}.p{k}.data", data), _add(graph, f"{prefix}.p{k}.scales", table.scales),
+                      _add(graph, f"{prefix}.p{k}.zero_points", table.zero_points)])
+    return names
+
+
 def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: bool,
                       head_accuracy: int | None) -> dict[str, Any]:
     """Replace the embedding Gather by ``GatherBlockQuantized`` and the head MatMul by
     ``MatMulNBits``; in factorized mode with ``correct``, replace ``T⁻¹`` by ``M``.
 
+    An 8-bit table read by a head with fp32 activations is stored as its two nibble planes
+    (:func:`split_nibbles`); where the embedding reads the same table it gathers both planes.
+
     Returns:
         details for the manifest: whether the tables are shared, the correction applied.
     """
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     graph = model.graph
     _ensure_ms_domain(model)
@@ -224,41 +300,52 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     emb_q = head_q if shared else block_quantize(iface.embed_rows, bits, block)
     v, d = iface.head_rows.shape
     prefix = "pit_q"
-    # head: MatMulNBits(A, B (N, kb, blob), scales, zero points)
-    names = [_add(graph, f"{prefix}.head.B", head_q.packed), _add(graph, f"{prefix}.head.scales", head_q.scales),
-             _add(graph, f"{prefix}.head.zero_points", head_q.zero_points)]
-    kwargs: dict[str, Any] = {"K": d, "N": v, "bits": bits, "block_size": block}
+    head_planes = table_planes(head_q, fp32_activations=head_accuracy is None)
+    emb_planes = head_planes if shared else [(emb_q, 1.0)]
+    head_names = _plane_names(graph, f"{prefix}.head", head_planes, gather=False)
+    # head: MatMulNBits(A, B (N, kb, blob), scales, zero points) per plane, summed
+    kwargs: dict[str, Any] = {"K": d, "N": v, "block_size": block}
     if head_accuracy:
         kwargs["accuracy_level"] = head_accuracy
-    mm = helper.make_node("MatMulNBits", [iface.head.input[0], *names], list(iface.head.output),
-                          name=(iface.head.name or "head") + "_Q", domain="com.microsoft", **kwargs)
-    _replace_node(graph, iface.head, [mm])
-    # embedding: GatherBlockQuantized(data (V, d·bits/8), ids, scales, zero points), rows gathered
-    data = emb_q.packed.reshape(v, -1)
-    gnames = [_add(graph, f"{prefix}.embed.data", data), iface.gather.input[1],
-              _add(graph, f"{prefix}.embed.scales", emb_q.scales),
-              _add(graph, f"{prefix}.embed.zero_points", emb_q.zero_points)]
-    gbq_kwargs = {"gather_axis": 0, "quantize_axis": 1, "block_size": block, "bits": bits}
+    head_name = iface.head.name or "head"
+    outs = [iface.head.output[0]] if len(head_planes) == 1 else \
+        [f"{head_name}_plane{k}" for k in range(len(head_planes))]
+    nodes = [helper.make_node("MatMulNBits", [iface.head.input[0], names[0], names[1], names[2]], [out],
+                              name=f"{head_name}_Q{k}", domain="com.microsoft", bits=table.bits,
+                              **{**kwargs, "block_size": table.block})
+             for k, ((table, _), names, out) in enumerate(zip(head_planes, head_names, outs))]
+    nodes += _sum_nodes(graph, f"{head_name}_planes", list(zip(outs, [f for _, f in head_planes])),
+                        iface.head.output[0])
+    _replace_node(graph, iface.head, nodes)
+    # embedding: GatherBlockQuantized(data (V, d·bits/8), ids, scales, zero points) per plane
+    emb_names = _plane_names(graph, f"{prefix}.embed", emb_planes, gather=True)
+    target, remove = iface.gather.output[0], None
     if _gather_axis(iface.gather) == 1:
         # Gather(Zᵀ, axis=1) gave (d, N), transposed next: gather rows (N, d) and keep the
         # Transpose's output name for its consumers.
         follow = _consumers(graph, iface.gather.output[0])
         if len(follow) != 1 or follow[0].op_type != "Transpose":
             raise PitError("unexpected factorized embedding graph (Gather along axis 1 not followed by Transpose)")
-        gbq = helper.make_node("GatherBlockQuantized", gnames, list(follow[0].output),
-                               name=(iface.gather.name or "embed") + "_Q", domain="com.microsoft", **gbq_kwargs)
-        _replace_node(graph, iface.gather, [gbq])
-        graph.node.remove(follow[0])
-    else:
-        gbq = helper.make_node("GatherBlockQuantized", gnames, list(iface.gather.output),
-                               name=(iface.gather.name or "embed") + "_Q", domain="com.microsoft", **gbq_kwargs)
-        _replace_node(graph, iface.gather, [gbq])
+        target, remove = follow[0].output[0], follow[0]
+    gather_name = iface.gather.name or "embed"
+    gouts = [target] if len(emb_planes) == 1 else [f"{gather_name}_plane{k}" for k in range(len(emb_planes))]
+    nodes = [helper.make_node("GatherBlockQuantized", [names[0], iface.gather.input[1], names[1], names[2]], [out],
+                              name=f"{gather_name}_Q{k}", domain="com.microsoft", gather_axis=0,
+                              quantize_axis=1, block_size=table.block, bits=table.bits)
+             for k, ((table, _), names, out) in enumerate(zip(emb_planes, emb_names, gouts))]
+    nodes += _sum_nodes(graph, f"{gather_name}_planes", list(zip(gouts, [f for _, f in emb_planes])), target)
+    _replace_node(graph, iface.gather, nodes)
+    if remove is not None:
+        graph.node.remove(remove)
     details: dict[str, Any] = {"token_table_shared": bool(shared), "table_bits": bits, "group_size": block,
-                               "head_accuracy_level": head_accuracy or 0}
+                               "head_accuracy_level": head_accuracy or 0,
+                               "table_planes": len(head_planes)}
     details["interface_exact"] = iface.t_inv_name is not None and correct
     if iface.t_inv_name is not None:
         details["pit_correction"] = bool(correct)
         if correct:
+            from onnx import numpy_helper
+
             inits = _initializers(graph)
             t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
             m = correction_matrix(head_q.dequantize(), emb_q.dequantize(), t)
