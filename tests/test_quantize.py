@@ -257,3 +257,21 @@ def test_recipe_refuses_a_bad_int4_8bit_layers():
     with pytest.raises(PitError, match="int4_8bit_layers must be a list"):
         Recipe(int4_8bit_layers="down_proj")
     assert Recipe(int4_8bit_layers=["o_proj"]).to_dict()["int4_8bit_layers"] == ["o_proj"]
+
+
+def test_a_tied_export_stores_its_quantized_table_once(tmp_path):
+    """The transpose-tied baseline: the head read ``Transpose(E)``; once the head is quantized
+    no node may keep the fp32 table alive in the file."""
+    import onnx
+
+    out = tmp_path / "exp"
+    src = tmp_path / "tied"
+    save_model(tiny_model("llama"), src)
+    assert main(["export", str(src), "--out", str(out), "--runtime", "onnx", "--keep-tying", "--dtype", "int8",
+                 "--max-seq-len", "64"]) == 0
+    folder = next(p for p in out.iterdir() if p.name.endswith("-int8"))
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    vocab_rows = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and
+                  len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 256]
+    assert not vocab_rows, vocab_rows
+    assert verify_directory(out, record=False).passed

@@ -196,7 +196,32 @@ def _add(graph, name: str, array: np.ndarray) -> str:
     return name
 
 
+def _remove_dead_nodes(graph) -> int:
+    """Remove nodes none of whose outputs is read (by a node or as a graph output), until none
+    is left: a tied head's ``Transpose(E)`` outlives the head it fed, and its fp32 table would
+    otherwise stay in the file. Returns the number removed."""
+    def reads(nodes) -> set[str]:  # inputs of nodes, and of the nodes of their subgraphs
+        names = set()
+        for n in nodes:
+            names.update(n.input)
+            for attr in n.attribute:
+                for sub in [attr.g] * attr.HasField("g") + list(attr.graphs):
+                    names |= reads(sub.node)
+        return names
+
+    removed = 0
+    while True:
+        read = reads(graph.node) | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not any(o in read for o in n.output if o)]
+        if not dead:
+            return removed
+        for node in dead:
+            graph.node.remove(node)
+        removed += len(dead)
+
+
 def _remove_unused_initializers(graph) -> None:
+    _remove_dead_nodes(graph)
     used = {i for n in graph.node for i in n.input}
     keep = [init for init in graph.initializer if init.name in used]
     del graph.initializer[:]
