@@ -60,10 +60,14 @@ def test_every_stage_runs_and_the_report_shows_what_the_stages_measured(finished
     verify = _record(out, "verify")["outputs"]["reports"]
     artifacts = [a for r in verify for a in r["artifacts"]]
     assert {a["runtime"] for a in artifacts} == {"onnx", "executorch"}
+    assert {a["dtype"] for a in artifacts} == {"float32", "int4"}
     for a in artifacts:  # every artifact verified, with the figures the verify stage measured
         assert a["passed"]
         assert f"{a['delta_ti']:.2e}" in report
-        assert f"{a['logits_rel_l2']:.2e}" in report
+        if a["dtype"] == "float32":
+            assert f"{a['logits_rel_l2']:.2e}" in report
+        else:  # quantized: KL figures against the fp32 reference
+            assert f"{a['kl_mean']:.4f}" in report and f"{a['same_top1']:.1%}" in report
     rows = _record(out, "bench")["outputs"]["rows"]
     assert rows and {r["runtime"] for r in rows} >= {"onnx", "executorch"}
     for r in rows:  # and benchmarked

@@ -118,9 +118,15 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
             for a in rep["artifacts"]:
                 rows.append([Path(rep["directory"]).name, a["runtime"], a["mode"], a.get("dtype", "float32"),
                              _fmt(a.get("logits_rel_l2"), ".2e"), _fmt(a.get("top1_agreement"), ".2%"),
-                             _fmt(a.get("greedy_match")), _fmt(a.get("delta_ti"), ".2e"),
+                             _fmt(a.get("greedy_match")), _fmt(a.get("kl_mean"), ".4f"),
+                             _fmt(a.get("kl_p99"), ".3f"), _fmt(a.get("same_top1"), ".1%"),
+                             _fmt(a.get("ppl_ratio"), ".3f"), _fmt(a.get("delta_ti"), ".2e"),
                              "pass" if a["passed"] else "FAIL: " + "; ".join(a["failures"])])
-        blocks.append(("table", ["export", "runtime", "mode", "dtype", "rel L2", "top-1", "greedy", "delta_ti", "result"], rows))
+        blocks.append(("p", "fp32 artifacts are held to logit bounds (rel L2, top-1, greedy); quantized ones to KL "
+                            "divergence from the fp32 reference on the held-out tokens (mean, p99, same top-1, "
+                            "perplexity ratio)."))
+        blocks.append(("table", ["export", "runtime", "mode", "dtype", "rel L2", "top-1", "greedy", "KL mean",
+                                 "KL p99", "same top-1", "ppl ratio", "delta_ti", "result"], rows))
         runner_rows = _stock_runner_rows(reports)
         if runner_rows:
             blocks.append(("p", "ExecuTorch's stock LLM runner (`TextLLMRunner`, the runner behind `llama_main`) on each "
