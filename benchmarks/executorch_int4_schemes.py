@@ -34,6 +34,8 @@ from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm 
 
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 
+from result_file import write_result  # noqa: E402
+
 HQQ = IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY
 VARIANTS = {
     "sym": ({"weight_mapping_type": MappingType.SYMMETRIC}, ()),
@@ -107,10 +109,7 @@ def main(argv=None) -> int:
     print("pte vs eager (relative L2):", json.dumps(lowering), flush=True)
     result = {"variants": rows, "pte_vs_eager_rel_l2": lowering, "heldout_tokens": int(ids.numel()),
               "export": str(export), "machine": platform.platform(), "torch": torch.__version__}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from result_file import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 MATMULS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm"}
 
@@ -98,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {entry['op']:30s} {entry['ms']:7.3f} ms  {entry['nodes']:5d} nodes")
     result = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "onnxruntime": ort.__version__},
               "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

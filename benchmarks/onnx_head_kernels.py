@@ -16,13 +16,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 from pathlib import Path
 
 import numpy as np
+
+from result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, BLOCK = 49152, 576, 32
@@ -111,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                           "onnxruntime": ort.__version__},
               "rows": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":
