@@ -213,18 +213,44 @@ def test_quantizing_an_export_again_is_exit_2(quantized_export, tmp_path, capsys
         assert "already an export" in err and "reference" in err
 
 
-def test_executorch_quantized_pte_verifies(tmp_path):
-    """8da4w linears on XNNPACK: the materialized head is quantized (its identity drifts), the
-    factorized head reads the fp32 ``Zᵀ`` (exact interface, bounded)."""
+@pytest.mark.parametrize("family, dtype", [("qwen3", "int4"), ("gpt2", "int8")])
+def test_executorch_quantized_pte_verifies(tmp_path, family, dtype):
+    """8da4w/8da8w linears on XNNPACK and an 8-bit embedding table (``embedding_byte``): the
+    materialized head is quantized (its identity drifts), the factorized head reads the fp32
+    ``Zᵀ`` and the corrected embedding keeps the interface exact (bounded)."""
     out = tmp_path / "exp"
-    assert main(["export", str(_pit_dir("qwen3", tmp_path)), "--out", str(out), "--runtime", "executorch",
-                 "--dtype", "int4", "--max-seq-len", "64"]) == 0
+    assert main(["export", str(_pit_dir(family, tmp_path)), "--out", str(out), "--runtime", "executorch",
+                 "--dtype", dtype, "--max-seq-len", "64"]) == 0
     report = verify_directory(out, record=False)
     assert report.passed, str(report)
-    fact = report.result("executorch", "factorized", "int4")
-    mat = report.result("executorch", "materialized", "int4")
+    fact = report.result("executorch", "factorized", dtype)
+    mat = report.result("executorch", "materialized", dtype)
     assert fact.interface_exact is True and fact.delta_ti <= 1e-4
     assert mat.interface_exact is False and mat.delta_ti > 1e-3
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    for art in manifest["artifacts"]:
+        assert "embedding_byte" in art["details"]["quantization"]["token_table"]
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_pte_token_table_correction_keeps_the_interface_exact(tmp_path, correct):
+    """The 8-bit embedding of a factorized ExecuTorch export, in eager PyTorch: with
+    ``M = (ZᵀẐ)⁻¹T⁻¹`` the head (fp32 ``Zᵀ``) undoes the embedding to fp32 rounding; with
+    ``T⁻¹`` it drifts by the table's quantization error."""
+    from pit_deploy.export.passes import InterfaceProbe, prepare
+    from pit_deploy.export.pte_token_table import quantize_token_table
+    from pit_deploy.io.checkpoint import load_pit_model
+
+    model = prepare(load_pit_model(_pit_dir("llama", tmp_path)), "factorized")
+    details = quantize_token_table(model, 32, correct=correct)
+    assert details["interface_exact"] is correct and "embedding_byte" in details["token_table"]
+    probe = InterfaceProbe(model)
+    v, d = model.config.vocab_size, model.config.hidden_size
+    with torch.no_grad():
+        e = probe.embed(torch.arange(v)).to(torch.float64)  # (V, d): rows of E
+        w = probe.head_logits(torch.eye(d)).to(torch.float64)  # (d, V): W_out acting on a basis
+    err = float((e.T @ w.T - torch.eye(d, dtype=torch.float64)).abs().max())  # (W_out E) - I
+    assert (err < 1e-4) if correct else (err > 1e-3), err
 
 
 def test_executorch_int4_scheme_keeps_named_layers_at_8_bits():

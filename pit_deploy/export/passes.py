@@ -135,8 +135,9 @@ class InterfaceProbe(nn.Module):
         adapter = adapter_for(model.config)
         self.embedding = model.get_input_embeddings()
         self.head = model.get_output_embeddings()
-        if isinstance(self.embedding, PITEmbedding) and isinstance(self.embedding.interface, PITFactors):
-            self.factors = self.embedding.interface  # register for export (shared object)
+        for module in (self.embedding, self.head):
+            if isinstance(module, (PITEmbedding, PITHead)) and isinstance(module.interface, PITFactors):
+                self.factors = module.interface  # register for export (shared object)
         self.emb_mult = float(adapter.embedding_multiplier(model.config))
         self.logit_mult = float(adapter.logits_multiplier(model.config))
 

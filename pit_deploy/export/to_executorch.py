@@ -39,8 +39,8 @@ from transformers import PreTrainedModel, StaticCache
 from ..errors import PitError
 from ..model.families import max_positions
 from ..runtime.executorch_driver import PTE_NAME
-from ..model.modules import PITHead
 from .passes import InterfaceProbe
+from .pte_token_table import quantize_token_table
 from .runner_tokenizer import write_runner_tokenizer
 from .xnnpack_rewrites import inferred_view_sizes, xnnpack_friendly
 
@@ -266,10 +266,9 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     get 8-bit weights: measured on the default model, mean KL 0.70 → 0.63 (HQQ) → 0.23 (both;
     ``docs/quantization.md``).
 
-    Token tables stay float32 on this runtime: ExecuTorch's quantized embedding kernels need a
-    lowering step this exporter does not have yet (``docs/quantization.md``). A factorized
-    model's head reads ``Zᵀ`` through a plain matmul, not an ``nn.Linear``, so its interface
-    stays exact; a materialized ``lm_head`` is an ``nn.Linear`` and is quantized.
+    A factorized model's head reads ``Zᵀ`` through a plain matmul, not an ``nn.Linear``, so it
+    stays fp32; a materialized ``lm_head`` is an ``nn.Linear`` and is quantized. The input
+    embedding is quantized separately (:func:`.pte_token_table.quantize_token_table`).
     """
     import copy
 
@@ -278,8 +277,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
 
     twin = copy.deepcopy(model)
-    common = {"token_table": "float32 (not quantized on this runtime)",
-              "library": "torchao Int8DynamicActivationIntxWeightConfig"}
+    common = {"library": "torchao Int8DynamicActivationIntxWeightConfig"}
     int8 = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
     if dtype == "int8":
         quantize_(twin, int8, filter_fn=lambda module, _fqn: isinstance(module, nn.Linear))
@@ -307,7 +305,8 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
         written = export_pte(model, out_dir, recipe.max_seq_len)
     else:
         quantized, details = quantize_linears(model, dtype, recipe.group_size, recipe.int4_8bit_layers)
-        # a factorized head is a matmul with the fp32 Zᵀ, not an nn.Linear: W_out E = I stays exact
-        details["interface_exact"] = isinstance(model.get_output_embeddings(), PITHead)
+        # the embedding reads an 8-bit table; a factorized head stays a matmul with the fp32 Zᵀ
+        # (not an nn.Linear), and the correction keeps W_out E = I exact (:mod:`.pte_token_table`)
+        details.update(quantize_token_table(quantized, recipe.group_size, recipe.pit_correction))
         written = {**export_pte(quantized, out_dir, recipe.max_seq_len), "quantization": details}
     return {**written, **write_runner_tokenizer(tokenizer, out_dir)}

@@ -122,16 +122,23 @@ def set_executorch_threads(threads: int | None) -> None:
 
 
 def load_llm_custom_ops() -> bool:
-    """Register ExecuTorch's LLM custom-op kernels (``llama::update_cache``,
-    ``llama::custom_sdpa``) with the runtime of this process, as the exported decoders of
-    Llama-style families use them. They live in the ``executorch`` wheel's
-    ``extension/llm/custom_ops`` library, which the runtime does not load by itself; importing
-    the module loads it. Returns whether it could be loaded."""
+    """Register the kernels of ExecuTorch's non-core ops that the exported programs call with
+    the runtime of this process: the LLM custom ops (``llama::update_cache``,
+    ``llama::custom_sdpa``) of the Llama-style decoders, and the quantized embedding
+    (``quantized_decomposed::embedding_byte``) of quantized programs. They live in the
+    ``executorch`` wheel's ``extension/llm/custom_ops`` and ``kernels/quantized`` libraries,
+    which the runtime does not load by itself; importing the modules loads them. Returns
+    whether both could be loaded."""
+    loaded = True
     try:
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
     except Exception:  # noqa: BLE001 — an install without them: programs that need them fail to load
-        return False
-    return True
+        loaded = False
+    try:
+        import executorch.kernels.quantized  # noqa: F401
+    except Exception:  # noqa: BLE001 — as above
+        loaded = False
+    return loaded
 
 
 class PteDecoder:
@@ -148,7 +155,8 @@ class PteDecoder:
             self.forward = self.program.load_method("forward")
         except RuntimeError as exc:
             hint = "" if have_ops else (" — this program may use ExecuTorch's LLM custom ops "
-                                        "(llama::update_cache, llama::custom_sdpa), which could not be loaded")
+                                        "(llama::update_cache, llama::custom_sdpa) or its quantized embedding "
+                                        "kernel, which could not be loaded")
             raise RuntimeError(f"{exc}{hint}") from None
 
     def _run(self, ids: list[int], pos: int):
