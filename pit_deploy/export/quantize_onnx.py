@@ -239,8 +239,9 @@ def split_nibbles(table: BlockTable) -> tuple[BlockTable, BlockTable]:
     ``z = 16·z_hi + z_lo``, so ``(q − z)·s = 16·(hi − z_hi)·s + (lo − z_lo)·s`` exactly.
 
     Why: onnxruntime's ``MatMulNBits`` has no fused CPU kernel for 8-bit weights with fp32
-    activations (it dequantizes the whole table on every call: 83 ms for the default model's
-    49152 × 576 head, against 1.1 ms for a 4-bit table; ``docs/quantization.md``). Two 4-bit
+    activations (it dequantizes the whole table on every call: 87.6 ms for the default model's
+    49152 × 576 head at 2 threads, against 1.1 ms for a 4-bit table;
+    ``benchmarks/onnx_head_kernels.py``, ``docs/quantization.md``). Two 4-bit
     products of the nibble planes give the 8-bit product with fp32 activations, in the same
     bytes as the 8-bit table.
     """
