@@ -122,6 +122,6 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     if isinstance(embedding, nn.Embedding):
         q, scales = quantize_rows(embedding.weight, group_size)
         model.set_input_embeddings(QuantizedRows(q, scales))
-        return {"token_table": f"embedding: {scheme}; head: the quantized lm_head linear",
+        return {"token_table": f"embedding: {scheme}; head: the float32 lm_head linear",
                 "interface_exact": False}
     raise PitError(f"cannot quantize the token table of a {type(embedding).__name__} embedding")
