@@ -98,7 +98,8 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
 
     Factorized (``PITEmbedding`` over :class:`PITFactors`): the embedding reads ``Ẑ`` and
     multiplies by ``M = (Zᵀ Ẑ)⁻¹ T⁻¹`` (``correct``) or by ``T⁻¹``; the head keeps the fp32
-    ``Zᵀ``. Materialized or tied (``nn.Embedding``): the table itself.
+    ``Zᵀ``. Materialized or tied (a plain ``nn.Embedding``): the table itself. Any other
+    embedding module (one that computes more than a lookup) stays float32.
 
     Returns:
         details for the manifest: the table's scheme and whether the interface stays exact.
@@ -119,9 +120,10 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         model.set_input_embeddings(module)
         return {"token_table": f"embedding: {scheme}; head: float32 Zᵀ",
                 "pit_correction": bool(correct), "interface_exact": bool(correct)}
-    if isinstance(embedding, nn.Embedding):
+    if type(embedding) is nn.Embedding:  # a subclass may scale its output (Gemma): left alone
         q, scales = quantize_rows(embedding.weight, group_size)
         model.set_input_embeddings(QuantizedRows(q, scales))
         return {"token_table": f"embedding: {scheme}; head: the float32 lm_head linear",
                 "interface_exact": False}
-    raise PitError(f"cannot quantize the token table of a {type(embedding).__name__} embedding")
+    return {"token_table": f"float32 (a {type(embedding).__name__} embedding is not quantized)",
+            "interface_exact": False}
