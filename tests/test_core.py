@@ -137,8 +137,11 @@ def test_polar_factor_reconstructs() -> None:
     assert torch.allclose(h, h.T) and torch.linalg.eigvalsh(h).min() > 0
 
 
-def test_polar_factor_rejects_rank_deficient() -> None:
-    a = torch.randn(100, 8, dtype=torch.float64)
+@pytest.mark.parametrize("seed", range(20))
+def test_polar_factor_rejects_rank_deficient(seed: int) -> None:
+    """A repeated column leaves a Gram eigenvalue of rounding size and random sign: refused
+    for every draw (the old test passed only when the eigenvalue came out non-positive)."""
+    a = torch.randn(100, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     a[:, 3] = a[:, 2]
     with pytest.raises(ValueError, match="rank deficient"):
         polar_factor(a)

@@ -46,6 +46,10 @@ def _sym_eig(gram: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, torc
     return torch.linalg.eigh(g)
 
 
+#: smallest eigenvalue ratio of ``AᵀA`` that :func:`polar_factor` accepts as full rank
+RANK_RTOL = 1e-12
+
+
 def polar_factor(a: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Thin polar decomposition ``A = U H`` of a tall ``V×d`` matrix, in float64.
 
@@ -68,7 +72,10 @@ def polar_factor(a: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, tor
         raise ValueError(f"polar_factor needs a tall V×d matrix, got shape {tuple(a.shape)}")
     a64 = a.to(torch.float64)
     evals, evecs = _sym_eig(a64.T @ a64, ridge)
-    if evals.min() <= evals.max() * 1e-24 or evals.min() <= 0:
+    # σ_min²/σ_max² below 1e-12 (cond(A) > 1e6) cannot be told apart from rank deficiency through
+    # the Gram matrix: an exactly repeated column leaves an eigenvalue of rounding size, about
+    # 1e-16 of the largest and of either sign (the default model's embedding: 1.2e-4).
+    if evals.min() <= evals.max() * RANK_RTOL:
         raise ValueError("matrix is rank deficient: its columns do not span d dimensions")
     h = (evecs * evals.sqrt()) @ evecs.T
     h_inv = (evecs * evals.rsqrt()) @ evecs.T
