@@ -334,13 +334,11 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     emb_planes = head_planes if shared else [(emb_q, 1.0)]
     head_names = _plane_names(graph, f"{prefix}.head", head_planes, gather=False)
     # head: MatMulNBits(A, B (N, kb, blob), scales, zero points) per plane, summed
-    kwargs: dict[str, Any] = {"K": d, "N": v, "block_size": block}
     head_name = iface.head.name or "head"
     outs = [iface.head.output[0]] if len(head_planes) == 1 else \
         [f"{head_name}_plane{k}" for k in range(len(head_planes))]
-    nodes = [helper.make_node("MatMulNBits", [iface.head.input[0], names[0], names[1], names[2]], [out],
-                              name=f"{head_name}_Q{k}", domain="com.microsoft", bits=table.bits,
-                              **{**kwargs, "block_size": table.block})
+    nodes = [helper.make_node("MatMulNBits", [iface.head.input[0], *names], [out], name=f"{head_name}_Q{k}",
+                              domain="com.microsoft", K=d, N=v, bits=table.bits, block_size=table.block)
              for k, ((table, _), names, out) in enumerate(zip(head_planes, head_names, outs))]
     nodes += _sum_nodes(graph, f"{head_name}_planes", list(zip(outs, [f for _, f in head_planes])),
                         iface.head.output[0])
