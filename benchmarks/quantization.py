@@ -8,6 +8,9 @@ own commands:
 3. ``pit-deploy export MODEL --keep-tying --dtype float32,int8,int4`` (the TT baseline) — ``tied/``;
 4. ``pit-deploy verify`` of each (KL figures for quantized artifacts, logit bounds for fp32);
 5. ``pit-deploy bench`` of every artifact, all in one run (side by side, same prompt);
+6. with ``--pte-head-bits 8,4``: factorized ExecuTorch exports whose head is quantized behind a
+   rotation (``--pte-head-bits``), one export directory each (``head8/``, ``head4/``), verified
+   and benched beside the others; their ratios are taken against ``pit/``'s fp32 program;
 
 and writes ``benchmarks/results/quantization.json``: the verify rows, the bench rows, and per
 runtime and mode the decode speed-up and size of each quantized artifact over its fp32 twin.
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--baselines", default="uncorrected,tied",
                         help="comma list of extra exports: uncorrected (factorized without the PIT correction), "
                              "tied (the transpose-tied source); 'none' for neither")
+    parser.add_argument("--pte-head-bits", default="",
+                        help="comma list of 4, 8: extra factorized .pte exports with a rotated quantized head")
     parser.add_argument("--max-seq-len", default="256")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--prompt-len", default="64")
@@ -77,13 +82,16 @@ def main(argv=None) -> int:
                         "--dtype", quantized, "--no-pit-correction", *common],
         "tied": ["export", args.model, "--out", str(work / "tied"), "--keep-tying", "--dtype", args.dtype, *common],
     }
+    for bits in (b for b in args.pte_head_bits.split(",") if b):
+        exports[f"head{bits}"] = ["export", args.model, "--out", str(work / f"head{bits}"), "--mode", "factorized",
+                                  "--dtype", quantized, "--pte-head-bits", bits, *common]
     wanted = {b for b in args.baselines.split(",") if b and b != "none"}
     unknown = wanted - {"uncorrected", "tied"}
     if unknown:
         parser.error(f"--baselines: unknown {sorted(unknown)}; choose from uncorrected, tied, none")
     if "factorized" not in args.mode.split(",") or not quantized:
         wanted.discard("uncorrected")
-    exports = {k: v for k, v in exports.items() if k == "pit" or k in wanted}
+    exports = {k: v for k, v in exports.items() if k == "pit" or k.startswith("head") or k in wanted}
     timings, verify = {}, {}
     for name, cmd in exports.items():
         if args.reuse and (work / name / "manifest.json").is_file():
@@ -142,11 +150,12 @@ def _table(report: dict) -> str:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (export, runtime, mode): each quantized row's decode speed-up and size vs its fp32 row."""
+    """Per (export, runtime, mode): each quantized row's decode speed-up and size vs its fp32 row
+    (the ``pit`` export's, for an export without fp32 programs of its own)."""
     out = []
     by = {(r["artifact"].split("/")[0], r["runtime"], r["mode"], r["dtype"], r["threads"]): r for r in rows}
     for (export, runtime, mode, dtype, threads), r in sorted(by.items()):
-        base = by.get((export, runtime, mode, "float32", threads))
+        base = by.get((export, runtime, mode, "float32", threads)) or by.get(("pit", runtime, mode, "float32", threads))
         if dtype == "float32" or base is None:
             continue
         out.append({"export": export, "runtime": runtime, "mode": mode, "dtype": dtype, "threads": threads,

@@ -212,6 +212,9 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-size", type=int, help="int4/int8 block size along the input dimension (default 32)")
     p.add_argument("--table-bits", type=int, choices=(4, 8),
                    help="bits of the quantized ONNX token table(s) (default 8: an int4 head costs ~3 nats of KL)")
+    p.add_argument("--pte-head-bits", type=int, choices=(0, 4, 8),
+                   help="quantized factorized .pte: 0 (default) keeps the fp32 head and an exact W_out E = I; "
+                        "4 or 8 quantizes it behind a rotation (smaller, faster; the head rounds its input)")
     p.add_argument("--no-pit-correction", dest="pit_correction", action="store_false", default=None,
                    help="factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then drifts from I)")
     p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
@@ -230,7 +233,8 @@ def run_export(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
                              max_seq_len=args.max_seq_len, group_size=args.group_size,
-                             pit_correction=args.pit_correction, table_bits=args.table_bits)
+                             pit_correction=args.pit_correction, table_bits=args.table_bits,
+                             pte_head_bits=args.pte_head_bits)
     check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
     terminate_like_interrupt()
     from .export.pipeline import export_model, load_pit_source

@@ -301,3 +301,70 @@ def test_a_tied_export_stores_its_quantized_table_once(tmp_path):
                   len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 256]
     assert not vocab_rows, vocab_rows
     assert verify_directory(out, record=False).passed
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
+    """``pte_head_bits``: the factorized head becomes ``(h · T R) Ẑ_Rᵀ`` with ``Ẑ_R`` the torchao-
+    quantized ``Z R``. The logits stay close to the fp32 model's (``Z R`` is orthonormal, so the
+    rotation changes nothing but the rounding), the weights keep ``W_out E = I`` exactly, and only
+    the head's per-token rounding of its input is left on basis vectors (not claimed exact)."""
+    from pit_deploy.export.passes import FACTORS_ATTR, InterfaceProbe, prepare
+    from pit_deploy.export.pte_head import random_rotation
+    from pit_deploy.export.pte_token_table import dequantize_rows, quantize_token_table
+    from pit_deploy.io.checkpoint import load_pit_model
+
+    fp32 = prepare(load_pit_model(_pit_dir("llama", tmp_path)), "factorized")
+    model = prepare(load_pit_model(_pit_dir("llama", tmp_path / "again")), "factorized")
+    details = quantize_token_table(model, 32, correct=True, head_bits=bits)
+    assert details["head_bits"] == bits and details["interface_exact"] is False
+    assert ("8da8w" if bits == 8 else "8da4w") in details["token_table"]
+    assert not hasattr(model, FACTORS_ATTR)  # the fp32 table is gone from the program
+    head = model.pit_quantized_head
+    r = random_rotation(head.hidden_size)
+    assert float((r.T @ r - torch.eye(r.shape[0], dtype=torch.float64)).abs().max()) < 1e-12
+    probe = InterfaceProbe(model)
+    v, d = model.config.vocab_size, model.config.hidden_size
+    m = probe.embedding.M.to(torch.float64)
+    weights = torch.from_numpy(head.transform() @ head.dequantized_rows().T)  # (T R) Ẑ_hᵀ: d×V
+    e = torch.from_numpy(dequantize_rows(probe.embedding.q, probe.embedding.scales)) @ m  # V×d, in float64
+    assert e.shape == (v, d)
+    identity = weights @ e
+    assert float((identity - torch.eye(d, dtype=torch.float64)).abs().max()) < 1e-5  # M's float32 rounding
+    with torch.no_grad():
+        on_basis = probe.head_logits(torch.eye(d)).to(torch.float64)  # rounds its input per row
+        measured = float((on_basis @ e - torch.eye(d, dtype=torch.float64)).norm())
+        ids = torch.randint(0, v, (1, 16), generator=torch.Generator().manual_seed(0))
+        ref, got = fp32(input_ids=ids).logits, model(input_ids=ids).logits
+    assert 0 < measured < 0.5, measured
+    assert float((got - ref).norm() / ref.norm()) < (0.05 if bits == 8 else 0.2)
+
+
+def test_executorch_rotated_quantized_head_exports_and_verifies(tmp_path):
+    """``--pte-head-bits 8`` on a factorized int8 ``.pte``: it verifies within the int8 bounds,
+    is smaller than the program with the fp32 head, and its ``delta_ti`` is reported, not
+    bounded (the manifest says the interface is not exact)."""
+    src = _pit_dir("qwen3", tmp_path)
+    sizes = {}
+    for bits in (0, 8):
+        out = tmp_path / f"exp{bits}"
+        assert main(["export", str(src), "--out", str(out), "--runtime", "executorch", "--mode", "factorized",
+                     "--dtype", "int8", "--max-seq-len", "64", "--pte-head-bits", str(bits)]) == 0
+        report = verify_directory(out, record=False)
+        assert report.passed, str(report)
+        result = report.result("executorch", "factorized", "int8")
+        assert result.interface_exact is (bits == 0)
+        assert (result.delta_ti <= 1e-4) if bits == 0 else (1e-4 < result.delta_ti < 1.0), result.delta_ti
+        sizes[bits] = (out / "executorch-factorized-int8" / "model.pte").stat().st_size
+        manifest = json.loads((out / MANIFEST_NAME).read_text())
+        assert manifest["artifacts"][0]["details"]["quantization"]["head_bits"] == bits
+    assert sizes[8] < sizes[0], sizes
+
+
+def test_recipe_refuses_a_bad_pte_head_bits():
+    from pit_deploy.export.recipes import Recipe
+
+    for bad in (2, 16, True, "8"):
+        with pytest.raises(PitError, match="pte_head_bits must be 0"):
+            Recipe(pte_head_bits=bad)
+    assert Recipe(pte_head_bits=4).to_dict()["pte_head_bits"] == 4

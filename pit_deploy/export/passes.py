@@ -138,6 +138,8 @@ class InterfaceProbe(nn.Module):
         for module in (self.embedding, self.head):
             if isinstance(module, (PITEmbedding, PITHead)) and isinstance(module.interface, PITFactors):
                 self.factors = module.interface  # register for export (shared object)
+            elif isinstance(module, PITHead) and isinstance(module.interface, nn.Module):
+                self.head_interface = module.interface  # a quantized program's own head constants
         self.emb_mult = float(adapter.embedding_multiplier(model.config))
         self.logit_mult = float(adapter.logits_multiplier(model.config))
 

@@ -8,13 +8,15 @@ op ``quantized_decomposed::embedding_byte`` (int8 rows, one float scale per grou
 loads that library for the runtime). The table is quantized symmetrically (``q ∈ [−127, 127]``,
 ``s = max|row group| / 127``).
 
-Why only the embedding: the XNNPACK partitioner lowers a quantized linear only with int8
-*activations* (``docs/quantization.md``), so a quantized head would round its input. A
-factorized head therefore keeps reading the fp32 ``Zᵀ``, and the embedding reads the 8-bit
-``Ẑ``: with ``M = (Zᵀ Ẑ)⁻¹ T⁻¹`` in place of ``T⁻¹`` (computed in float64 from the very numbers
-the kernel produces) ``W_out E = T Zᵀ Ẑ M = I`` still holds — the same correction as the ONNX
+The head: the XNNPACK partitioner lowers a quantized linear only with int8 *activations*
+(``docs/quantization.md``), so a quantized head rounds its input. By default a factorized head
+therefore keeps reading the fp32 ``Zᵀ``, and the embedding reads the 8-bit ``Ẑ``: with
+``M = (Zᵀ Ẑ)⁻¹ T⁻¹`` in place of ``T⁻¹`` (computed in float64 from the very numbers the kernel
+produces) ``W_out E = T Zᵀ Ẑ M = I`` still holds on the runtime — the same correction as the ONNX
 exports' (:func:`pit_deploy.export.quantize_onnx.correction_matrix`), with different tables on
-the two sides.
+the two sides. ``head_bits`` 4 or 8 trades that exactness for size and speed: the head becomes
+a quantized linear over a rotated table (:mod:`.pte_head`), the correction is computed against
+its dequantized weights, and only the head's rounding of its input is left in ``W_out E − I``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from ..model.modules import PITEmbedding
-from .passes import PITFactors
+from ..model.modules import PITEmbedding, PITHead
+from .passes import FACTORS_ATTR, PITFactors
+from .pte_head import RotatedQuantizedHead
 from .quantize_onnx import correction_matrix
 
 QMAX = 127
@@ -93,13 +96,17 @@ class QuantizedRows(nn.Module):
 
 
 @torch.no_grad()
-def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True) -> dict[str, Any]:
+def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True,
+                         head_bits: int = 0) -> dict[str, Any]:
     """Give ``model`` (a quantized twin, changed in place) an 8-bit input embedding.
 
     Factorized (``PITEmbedding`` over :class:`PITFactors`): the embedding reads ``Ẑ`` and
-    multiplies by ``M = (Zᵀ Ẑ)⁻¹ T⁻¹`` (``correct``) or by ``T⁻¹``; the head keeps the fp32
-    ``Zᵀ``. Materialized or tied (a plain ``nn.Embedding``): the table itself. Any other
-    embedding module (one that computes more than a lookup) stays float32.
+    multiplies by ``M = (Ẑ_hᵀ Ẑ)⁻¹ T⁻¹`` (``correct``) or by ``T⁻¹``. With ``head_bits`` 0 the
+    head keeps the fp32 ``Zᵀ`` (``Ẑ_h = Z``, the interface stays exact on the runtime); with 4 or
+    8 it becomes a :class:`~.pte_head.RotatedQuantizedHead` over ``Z R``, the table holds ``Z R``
+    too and ``T`` becomes ``T R`` in ``M``. Materialized or tied (a plain ``nn.Embedding``): the
+    table itself, the ``lm_head`` stays fp32 (``head_bits`` applies to factorized programs). Any
+    other embedding module (one that computes more than a lookup) stays float32.
 
     Returns:
         details for the manifest: the table's scheme and whether the interface stays exact.
@@ -109,21 +116,43 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
               "(quantized_decomposed::embedding_byte)")
     if isinstance(embedding, PITEmbedding) and isinstance(embedding.interface, PITFactors):
         factors = embedding.interface
-        head_rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
-        q, scales = quantize_rows(head_rows, group_size)
-        if correct:
-            matrix = correction_matrix(head_rows.numpy(), dequantize_rows(q, scales),
-                                       factors.T.to(torch.float64).numpy())
+        t = factors.T.to(torch.float64).numpy()
+        if head_bits:
+            head = install_quantized_head(model, factors, head_bits, group_size)
+            head_rows, rows, t = head.dequantized_rows(), head.rotated_rows, head.transform()
+            head_text = f"head: {head.describe()}"
         else:
-            matrix = factors.T_inv.to(torch.float64).numpy()
+            head_rows = rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
+            head_rows = head_rows.numpy()
+            head_text = "head: float32 Zᵀ"
+        q, scales = quantize_rows(rows, group_size)
+        if correct:
+            matrix = correction_matrix(head_rows, dequantize_rows(q, scales), t)
+        else:
+            matrix = np.linalg.inv(t) if head_bits else factors.T_inv.to(torch.float64).numpy()
         module = QuantizedRows(q, scales, torch.from_numpy(matrix).to(factors.T.dtype), embedding.multiplier)
         model.set_input_embeddings(module)
-        return {"token_table": f"embedding: {scheme}; head: float32 Zᵀ",
-                "pit_correction": bool(correct), "interface_exact": bool(correct)}
+        return {"token_table": f"embedding: {scheme}; {head_text}", "head_bits": int(head_bits),
+                "pit_correction": bool(correct), "interface_exact": bool(correct) and not head_bits}
     if type(embedding) is nn.Embedding:  # a subclass may scale its output (Gemma): left alone
         q, scales = quantize_rows(embedding.weight, group_size)
         model.set_input_embeddings(QuantizedRows(q, scales))
-        return {"token_table": f"embedding: {scheme}; head: the float32 lm_head linear",
+        return {"token_table": f"embedding: {scheme}; head: the float32 lm_head linear"
+                               + (" (head_bits applies to factorized programs)" if head_bits else ""),
                 "interface_exact": False}
     return {"token_table": f"float32 (a {type(embedding).__name__} embedding is not quantized)",
             "interface_exact": False}
+
+
+def install_quantized_head(model: PreTrainedModel, factors: PITFactors, bits: int,
+                           group_size: int) -> RotatedQuantizedHead:
+    """Replace a factorized model's head by a :class:`RotatedQuantizedHead` (registered on the
+    model as ``pit_quantized_head``, keeping the head's multiplier and bias) and drop the fp32
+    factors, which nothing reads any more."""
+    old = model.get_output_embeddings()
+    head = RotatedQuantizedHead(factors.Zt, factors.T, bits, group_size)
+    model.pit_quantized_head = head
+    model.set_output_embeddings(PITHead(head, old.multiplier, old.bias))
+    if getattr(model, FACTORS_ATTR, None) is factors:
+        delattr(model, FACTORS_ATTR)
+    return head

@@ -11,6 +11,7 @@ quantized dtypes the group size, the PIT correction and the parity bounds::
     pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
     table_bits = 8                          # bits of the token table(s) of quantized ONNX artifacts
     int4_8bit_layers = ["v_proj", "down_proj"]  # ExecuTorch int4: linears kept at 8 bits
+    pte_head_bits = 0                       # quantized factorized .pte: 0 keeps the fp32 head (exact W_out E = I), 4 or 8 a rotated quantized head
     [bounds.int4]                           # overrides the built-in bounds of a dtype
     kl_mean = 0.5
 
@@ -40,7 +41,7 @@ DTYPES: tuple[str, ...] = tuple(dict.fromkeys(d for spec in EXPORTERS.values() f
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 _FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description", "group_size", "pit_correction", "bounds",
-           "table_bits", "int4_8bit_layers")
+           "table_bits", "int4_8bit_layers", "pte_head_bits")
 GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -59,6 +60,8 @@ class Recipe:
     table_bits: int = 8
     #: ExecuTorch int4: linear layers (name suffixes) kept at 8 bits (docs/quantization.md)
     int4_8bit_layers: tuple[str, ...] = ("v_proj", "down_proj")
+    #: quantized factorized .pte: 0 keeps the fp32 head, 4/8 a rotated quantized head (export/pte_head.py)
+    pte_head_bits: int = 0
     bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -77,6 +80,8 @@ class Recipe:
             raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
         if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
             raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
+        if self.pte_head_bits not in (0, 4, 8) or isinstance(self.pte_head_bits, bool):
+            raise PitError(f"pte_head_bits must be 0 (a float32 head), 4 or 8, got {self.pte_head_bits!r}")
         layers = self.int4_8bit_layers
         if not isinstance(layers, (list, tuple)) or not all(isinstance(n, str) and n for n in layers):
             raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "

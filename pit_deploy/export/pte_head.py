@@ -1,0 +1,119 @@
+"""A quantized head for factorized ExecuTorch programs, behind a rotation of the token memory.
+
+XNNPACK lowers a quantized linear only with int8 *dynamic activations*: the input of each call is
+quantized per token (one scale over all ``d`` channels) before the integer product
+(``docs/quantization.md``; a weight-only quantized linear lowers without error and computes
+wrong numbers). Such a head reads ``u = h T`` — a final hidden state with outlier channels —
+so the rounding of ``u`` is what a quantized head costs, not the rounding of its weights.
+
+PIT gives that problem a free remedy. For any orthogonal ``R`` (d×d),
+
+    logits = h T Zᵀ = (h T R) (Z R)ᵀ,
+
+and ``Z R`` still has orthonormal columns: the factorized head becomes one fp32 ``d×d`` matmul by
+``T R`` followed by a quantized linear over the rotated table ``Z R``. A random rotation spreads
+every outlier of ``u`` over all channels (QuaRot, Ashkboos et al. 2024, "Outlier-Free 4-Bit
+Inference in Rotated LLMs"; SpinQuant, Liu et al. 2024), so one int8 scale per token loses
+little. Measured on the default model's int4 program in PyTorch eager (``docs/quantization.md``):
+an 8-bit head costs +0.008 mean KL without the rotation and +0.0001 with it; a 4-bit head +0.17
+without and +0.05 with it. Transpose tying has no such freedom: its head *is* the embedding table.
+
+The interface identity then holds for the *weights*: with ``Ẑ_h`` the head's dequantized rows,
+``Ẑ_e`` the embedding's 8-bit rows and ``M = (Ẑ_hᵀ Ẑ_e)⁻¹ (T R)⁻¹`` on the input side,
+``(T R) Ẑ_hᵀ Ẑ_e M = I`` (:func:`pit_deploy.export.quantize_onnx.correction_matrix`). The runtime's
+head is no longer a linear map — it rounds its input — so the ``delta_ti`` that ``verify``
+measures on basis vectors includes that rounding; the manifest says the interface is not exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+#: seed of the rotation: the same model exports to the same program
+ROTATION_SEED = 0
+HEAD_BITS = (0, 4, 8)
+
+
+def random_rotation(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
+    """A Haar-random orthogonal ``d×d`` matrix in float64 (QR of a seeded Gaussian, signs fixed
+    by the diagonal of ``R`` so the draw is uniform; Mezzadri 2007)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+class RotatedQuantizedHead(nn.Module):
+    """``h ↦ (h · T R) Ẑ_Rᵀ``: an fp32 ``d×d`` matmul, then a torchao-quantized ``nn.Linear``
+    whose weight is ``Z R`` (``V×d``), which XNNPACK runs with int8 dynamic activations.
+
+    Implements the token-interface protocol's ``logits`` (the head side only: the embedding of a
+    quantized program is :class:`pit_deploy.export.pte_token_table.QuantizedRows`).
+    """
+
+    def __init__(self, zt: torch.Tensor, t: torch.Tensor, bits: int, group_size: int,
+                 seed: int = ROTATION_SEED):
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"a quantized head has 4 or 8 bits, got {bits!r}")
+        d, v = zt.shape
+        rotation = random_rotation(d, seed)
+        self.bits, self.group_size, self.seed = int(bits), int(group_size), int(seed)
+        self.register_buffer("TR", (t.to(torch.float64) @ rotation).to(torch.float32))
+        self.rotated_rows = zt.to(torch.float64).T @ rotation  # (V, d) float64, Z R
+        self.linear = nn.Linear(d, v, bias=False)
+        with torch.no_grad():
+            self.linear.weight.copy_(self.rotated_rows.to(torch.float32))
+        self.linear = _quantized(self.linear, bits, group_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.TR.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rotated_rows.shape[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden @ self.TR)
+
+    def dequantized_rows(self) -> np.ndarray:
+        """``q · s`` of the quantized weight in float64 (``V×d``): what the kernel multiplies by.
+        XNNPACK stores the scales of grouped (4-bit) weights in bfloat16 (its serializer casts
+        them: ``backends/xnnpack/operators/node_visitor.py``), per-channel ones in float32."""
+        weight = self.linear.weight
+        v, d = weight.shape
+        scale = weight.scale.to(torch.bfloat16) if self.bits == 4 else weight.scale
+        q, scale = weight.qdata.to(torch.float64), scale.to(torch.float64)
+        if bool((weight.zero_point != 0).any()):
+            raise RuntimeError("the head's weights were quantized with a zero point; XNNPACK has none")
+        return (q.reshape(v, scale.shape[1], -1) * scale[..., None]).reshape(v, d).numpy()
+
+    def transform(self) -> np.ndarray:
+        """``T R`` as the program stores it (float32 values, in float64)."""
+        return self.TR.to(torch.float64).numpy()
+
+    def describe(self) -> str:
+        weights = ("per-channel int8 weights (8da8w)" if self.bits == 8 else
+                   f"symmetric int4 weights in groups of {self.group_size}, HQQ scale-only scales (8da4w)")
+        return (f"Z R through a quantized linear: {weights}, int8 dynamic activations per token; "
+                f"R a seeded random rotation (seed {self.seed}), T R float32")
+
+
+def _quantized(linear: nn.Linear, bits: int, group_size: int) -> nn.Module:
+    """torchao's ``Int8DynamicActivationIntxWeightConfig``, the scheme of the program's other
+    linears (:func:`pit_deploy.export.to_executorch.quantize_linears`)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
+
+    if bits == 8:
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    else:
+        config = Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
+            intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY)
+    holder = nn.Sequential(linear)
+    quantize_(holder, config)
+    return holder[0]
