@@ -101,19 +101,27 @@ class RotatedQuantizedHead(nn.Module):
                 f"R a seeded random rotation (seed {self.seed}), T R float32")
 
 
-def _quantized(linear: nn.Linear, bits: int, group_size: int) -> nn.Module:
-    """torchao's ``Int8DynamicActivationIntxWeightConfig``, the scheme of the program's other
-    linears (:func:`pit_deploy.export.to_executorch.quantize_linears`)."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+def xnnpack_linear_config(bits: int, group_size: int):
+    """torchao's ``Int8DynamicActivationIntxWeightConfig`` as the exporter uses it: int8 dynamic
+    activations with per-channel int8 weights (``8da8w``) or symmetric int4 weights in groups of
+    ``group_size`` with HQQ scale-only scales (``8da4w``; XNNPACK's 4-bit kernels have no zero
+    point — ``docs/quantization.md``)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
 
     if bits == 8:
-        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-    else:
-        config = Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
-            intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY)
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    return Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
+        intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY)
+
+
+def _quantized(linear: nn.Linear, bits: int, group_size: int) -> nn.Module:
+    """``linear`` with the scheme of the program's other linears
+    (:func:`pit_deploy.export.to_executorch.quantize_linears`)."""
+    from torchao.quantization import quantize_
+
     holder = nn.Sequential(linear)
-    quantize_(holder, config)
+    quantize_(holder, xnnpack_linear_config(bits, group_size))
     return holder[0]

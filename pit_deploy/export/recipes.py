@@ -11,7 +11,8 @@ quantized dtypes the group size, the PIT correction and the parity bounds::
     pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
     table_bits = 8                          # bits of the token table(s) of quantized ONNX artifacts
     int4_8bit_layers = ["v_proj", "down_proj"]  # ExecuTorch int4: linears kept at 8 bits
-    pte_head_bits = 0                       # quantized factorized .pte: 0 keeps the fp32 head (exact W_out E = I), 4 or 8 a rotated quantized head
+    pte_head_bits = 0                       # quantized factorized .pte: 0 = fp32 head (exact W_out E = I);
+                                            # 4 or 8 = a rotated quantized head (smaller, faster)
     [bounds.int4]                           # overrides the built-in bounds of a dtype
     kl_mean = 0.5
 

@@ -40,6 +40,7 @@ from ..errors import PitError
 from ..model.families import max_positions
 from ..runtime.executorch_driver import PTE_NAME
 from .passes import InterfaceProbe
+from .pte_head import xnnpack_linear_config
 from .pte_token_table import quantize_token_table
 from .runner_tokenizer import write_runner_tokenizer
 from .xnnpack_rewrites import inferred_view_sizes, xnnpack_friendly
@@ -275,9 +276,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     """
     import copy
 
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerAxis, PerGroup
-    from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm
+    from torchao.quantization import quantize_
 
     twin = copy.deepcopy(model)
     head = twin.get_output_embeddings()
@@ -286,7 +285,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
         return isinstance(module, nn.Linear) and module is not head
 
     common = {"library": "torchao Int8DynamicActivationIntxWeightConfig"}
-    int8 = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    int8 = xnnpack_linear_config(8, group_size)
     if dtype == "int8":
         quantize_(twin, int8, filter_fn=lambda module, _fqn: linear(module))
         return twin, {"linear": "8da8w (int8 dynamic activations, per-channel int8 weights)", **common}
@@ -296,10 +295,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
 
     n_kept = sum(kept(module, fqn) for fqn, module in twin.named_modules())
     quantize_(twin, int8, filter_fn=kept)
-    int4 = Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4, weight_granularity=PerGroup(group_size),
-        intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY)
-    quantize_(twin, int4, filter_fn=lambda module, fqn: linear(module) and not kept(module, fqn))
+    quantize_(twin, xnnpack_linear_config(4, group_size), filter_fn=lambda module, fqn: linear(module) and not kept(module, fqn))
     return twin, {"linear": f"8da4w (int8 dynamic activations, symmetric int4 weights, group {group_size}, "
                             "HQQ scale-only scales)",
                   "linear_8bit": f"8da8w for {', '.join(keep_8bit) or 'none'} ({n_kept} layers)", **common}

@@ -1,0 +1,129 @@
+"""The default model's head shape (576 → 49152) as ExecuTorch/XNNPACK programs, side by side:
+what storing the token table once, or quantizing the head, costs and saves.
+
+    python benchmarks/pte_head_kernels.py [--threads 1,2] [--calls 50] \\
+        [--out benchmarks/results/pte_head_kernels.json]
+
+Each program holds a factorized interface — ``Zᵀ`` (d×V), ``T`` (d×d) — and computes the
+embedding rows of 3 ids and the logits of one hidden row (a decode step's head). Variants:
+
+* ``fp32``: the exporter's fp32 program; the gather runs outside the XNNPACK delegate and the
+  head inside it, so the file holds the table twice;
+* ``fp32-table-once``: the same lowered with the partitioner's
+  ``force_non_static_weights_for_f32_linear``: ``Zᵀ`` is a program constant handed to the
+  delegate at run time, stored once, and XNNPACK packs it on every call;
+* ``int8-head`` / ``int4-head``: the head over ``Z R`` (a seeded random rotation) through
+  torchao's ``8da8w`` / ``8da4w`` (group 32) linear, the gather over an 8-bit table
+  (``pit_deploy.export.pte_head``, ``pit_deploy.export.pte_token_table``).
+
+Synthetic weights of the right shapes (the timing does not depend on their values). Writes the
+file size and the median milliseconds per call at each thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from result_file import write_result
+
+V, D, GROUP = 49152, 576, 32
+
+
+class Interface(nn.Module):
+    """``(ids, h) ↦ (E[ids], logits(h))`` with the factorized fp32 head."""
+
+    def __init__(self, zt: torch.Tensor, t: torch.Tensor):
+        super().__init__()
+        self.register_buffer("Zt", zt)
+        self.register_buffer("T", t)
+
+    def forward(self, ids: torch.Tensor, h: torch.Tensor):
+        rows = torch.index_select(self.Zt, 1, ids).transpose(0, 1) @ self.T
+        return rows, (h @ self.T) @ self.Zt
+
+
+class QuantizedInterface(nn.Module):
+    """The same with the 8-bit table and the rotated quantized head of a quantized program."""
+
+    def __init__(self, zt: torch.Tensor, t: torch.Tensor, bits: int):
+        super().__init__()
+        from pit_deploy.export.pte_head import RotatedQuantizedHead
+        from pit_deploy.export.pte_token_table import QuantizedRows, quantize_rows
+
+        self.head = RotatedQuantizedHead(zt, t, bits, GROUP)
+        q, scales = quantize_rows(self.head.rotated_rows, GROUP)
+        self.rows = QuantizedRows(q, scales, torch.linalg.inv(self.head.TR))
+
+    def forward(self, ids: torch.Tensor, h: torch.Tensor):
+        return self.rows(ids), self.head.logits(h)
+
+
+def lower(module: nn.Module, args: tuple, table_once: bool) -> bytes:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    exported = torch.export.export(module.eval(), args, strict=True)
+    partitioner = XnnpackPartitioner(force_non_static_weights_for_f32_linear=table_once)
+    edge = to_edge_transform_and_lower(exported, partitioner=[partitioner],
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    return edge.to_executorch().buffer
+
+
+def time_calls(buffer: bytes, args: tuple, threads: int, calls: int) -> float:
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    from pit_deploy.runtime.standalone import load_llm_custom_ops, set_executorch_threads
+
+    load_llm_custom_ops()
+    set_executorch_threads(threads)
+    program = _load_for_executorch_from_buffer(buffer)
+    for _ in range(3):
+        program.forward(args)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        program.forward(args)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--out", default="benchmarks/results/pte_head_kernels.json")
+    args = parser.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    z, _ = torch.linalg.qr(torch.randn(V, D, generator=gen, dtype=torch.float64))
+    t = torch.eye(D, dtype=torch.float64) + 0.01 * torch.randn(D, D, generator=gen, dtype=torch.float64)
+    t = t @ t.T
+    zt, t32 = z.T.contiguous().float(), t.float()
+    inputs = (torch.tensor([1, 2, 3]), torch.randn(1, D, generator=gen))
+    variants = {
+        "fp32": (Interface(zt, t32), False),
+        "fp32-table-once": (Interface(zt, t32), True),
+        "int8-head": (QuantizedInterface(zt, t32, 8), False),
+        "int4-head": (QuantizedInterface(zt, t32, 4), False),
+    }
+    rows = []
+    for name, (module, table_once) in variants.items():
+        buffer = lower(module, inputs, table_once)
+        row = {"variant": name, "size_mb": round(len(buffer) / 1e6, 2),
+               "ms_per_call": {str(n): round(time_calls(buffer, inputs, n, args.calls), 3) for n in threads}}
+        print(row, flush=True)
+        rows.append(row)
+    return write_result(args.out, {"shape": {"vocab": V, "hidden": D, "group": GROUP}, "rows": rows,
+                                   "calls": args.calls, "machine": platform.platform(), "cpu_count": os.cpu_count(),
+                                   "torch": torch.__version__})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
