@@ -142,6 +142,16 @@ def test_a_value_of_the_wrong_kind_is_named():
     load_run_recipe("smoke", ["train.lr=1", "train.tokens=0"])  # an integer is a number; tokens has no default
 
 
+def test_export_settings_are_checked_before_any_stage_runs():
+    """A value the export stage would refuse is refused when the recipe is read, not after
+    conversion and training."""
+    with pytest.raises(PitError, match=r"\[export\]: pte_head_bits must be 0"):
+        load_run_recipe("smoke", ["export.pte_head_bits=3"])
+    with pytest.raises(PitError, match=r"\[export\]: unknown dtype 'int3'"):
+        load_run_recipe("smoke", ["export.dtypes=['int3']"])
+    assert load_run_recipe("smoke", ["export.pte_head_bits=8"])["export"]["pte_head_bits"] == 8
+
+
 def test_unknown_key_from_the_command_line_is_exit_2(capsys):
     code, _, err = _run(["smoke", "--set", "bench.thread=2"], capsys)
     assert code == 2

@@ -281,7 +281,8 @@ def stage_export(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bo
     for dtype in _as_list(exp["dtypes"]):
         target = folder / f"export-{dtype}"
         export_recipe = Recipe(runtimes=tuple(_as_list(exp["runtimes"])), modes=tuple(_as_list(exp["modes"])),
-                               dtype=dtype, max_seq_len=int(exp["max_seq_len"]), name=f"run-{recipe.name}")
+                               dtype=dtype, max_seq_len=int(exp["max_seq_len"]), name=f"run-{recipe.name}",
+                               pte_head_bits=exp["pte_head_bits"])
         export_model(loaded, target, export_recipe, force=True, progress=lambda m: say("  " + m))
         dirs.append(str(target))
         digests[target.name] = digest_path(target / "manifest.json")

@@ -41,7 +41,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "lora": {"enabled": False, "data": "", "rank": 8, "alpha": 16.0, "train_t": False, "steps": 20, "lr": 1e-4},
     "export": {"runtimes": ["onnx", "executorch"], "modes": ["factorized"], "dtypes": ["float32"],
-               "max_seq_len": 256},
+               "max_seq_len": 256, "pte_head_bits": 0},
     "verify": {"enabled": True},
     "bench": {"enabled": True, "threads": [1, 2], "prompt_len": 64, "gen_len": 32, "reps": 3},
     "report": {"prompts": ["What is the capital of France?",
@@ -194,6 +194,15 @@ def _check_values(recipe: RunRecipe) -> None:
     bench = recipe["bench"]
     if any(not isinstance(t, int) or t < 1 for t in _as_list(bench["threads"])):
         raise PitError(f"bench.threads must be integers ≥ 1, got {bench['threads']!r}")
+    export = recipe["export"]
+    for dtype in _as_list(export["dtypes"]):  # the export stage's own checks, before any slow stage
+        try:
+            from ..export.recipes import Recipe
+
+            Recipe(runtimes=tuple(_as_list(export["runtimes"])), modes=tuple(_as_list(export["modes"])),
+                   dtype=dtype, max_seq_len=export["max_seq_len"], pte_head_bits=export["pte_head_bits"])
+        except PitError as exc:
+            raise PitError(f"[export]: {exc}") from None
     if recipe["lora"]["enabled"] and not recipe["lora"]["data"]:
         raise PitError("lora.enabled needs lora.data (prompt/completion JSONL or text); set it with "
                        "--set lora.data=PATH")
