@@ -14,9 +14,12 @@ and ``Z R`` still has orthonormal columns: the factorized head becomes one fp32 
 ``T R`` followed by a quantized linear over the rotated table ``Z R``. A random rotation spreads
 every outlier of ``u`` over all channels (QuaRot, Ashkboos et al. 2024, "Outlier-Free 4-Bit
 Inference in Rotated LLMs"; SpinQuant, Liu et al. 2024), so one int8 scale per token loses
-little. Measured on the default model's int4 program in PyTorch eager (``docs/quantization.md``):
-an 8-bit head costs +0.008 mean KL without the rotation and +0.0001 with it; a 4-bit head +0.17
-without and +0.05 with it. Transpose tying has no such freedom: its head *is* the embedding table.
+little: on the default model the input's max/rms per token drops from 13 to 3.2, and the head of
+its int4 program costs +0.0075 mean KL at 8 bits without the rotation, +0.0021 with it, and
++0.18 / +0.08 at 4 bits (PyTorch eager, ``benchmarks/pte_head_rotation.py``; the lowered programs
+measure the same, ``docs/quantization.md``). With transpose tying the head reads the table the
+embedding reads, so a rotation has to turn the whole residual stream (QuaRot folds the norms and
+rotates every layer); in the factorized PIT head it is local: only ``T`` and ``Z`` change.
 
 The interface identity then holds for the *weights*: with ``Ẑ_h`` the head's dequantized rows,
 ``Ẑ_e`` the embedding's 8-bit rows and ``M = (Ẑ_hᵀ Ẑ_e)⁻¹ (T R)⁻¹`` on the input side,
@@ -53,13 +56,14 @@ class RotatedQuantizedHead(nn.Module):
     """
 
     def __init__(self, zt: torch.Tensor, t: torch.Tensor, bits: int, group_size: int,
-                 seed: int = ROTATION_SEED):
+                 seed: int | None = ROTATION_SEED):
+        """``seed=None``: no rotation (``R = I``), to measure what the rotation buys."""
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"a quantized head has 4 or 8 bits, got {bits!r}")
         d, v = zt.shape
-        rotation = random_rotation(d, seed)
-        self.bits, self.group_size, self.seed = int(bits), int(group_size), int(seed)
+        rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
+        self.bits, self.group_size, self.seed = int(bits), int(group_size), seed
         self.register_buffer("TR", (t.to(torch.float64) @ rotation).to(torch.float32))
         self.rotated_rows = zt.to(torch.float64).T @ rotation  # (V, d) float64, Z R
         self.linear = nn.Linear(d, v, bias=False)
@@ -97,8 +101,8 @@ class RotatedQuantizedHead(nn.Module):
     def describe(self) -> str:
         weights = ("per-channel int8 weights (8da8w)" if self.bits == 8 else
                    f"symmetric int4 weights in groups of {self.group_size}, HQQ scale-only scales (8da4w)")
-        return (f"Z R through a quantized linear: {weights}, int8 dynamic activations per token; "
-                f"R a seeded random rotation (seed {self.seed}), T R float32")
+        rotation = "R = I (no rotation)" if self.seed is None else f"R a seeded random rotation (seed {self.seed})"
+        return f"Z R through a quantized linear: {weights}, int8 dynamic activations per token; {rotation}, T R float32"
 
 
 def xnnpack_linear_config(bits: int, group_size: int):

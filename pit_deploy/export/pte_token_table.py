@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from ..errors import PitError
 from ..model.modules import PITEmbedding, PITHead
 from .passes import FACTORS_ATTR, PITFactors
-from .pte_head import RotatedQuantizedHead
+from .pte_head import ROTATION_SEED, RotatedQuantizedHead
 from .quantize_onnx import correction_matrix
 
 QMAX = 127
@@ -97,7 +97,7 @@ class QuantizedRows(nn.Module):
 
 @torch.no_grad()
 def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True,
-                         head_bits: int = 0) -> dict[str, Any]:
+                         head_bits: int = 0, rotate: bool = True) -> dict[str, Any]:
     """Give ``model`` (a quantized twin, changed in place) an 8-bit input embedding.
 
     Factorized (``PITEmbedding`` over :class:`PITFactors`): the embedding reads ``Ẑ`` and
@@ -106,7 +106,8 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     8 it becomes a :class:`~.pte_head.RotatedQuantizedHead` over ``Z R``, the table holds ``Z R``
     too and ``T`` becomes ``T R`` in ``M``. Materialized or tied (a plain ``nn.Embedding``): the
     table itself, the ``lm_head`` stays fp32 (``head_bits`` applies to factorized programs). Any
-    other embedding module (one that computes more than a lookup) stays float32.
+    other embedding module (one that computes more than a lookup) stays float32. ``rotate=False``
+    (``R = I``) is for measuring what the rotation buys.
 
     Returns:
         details for the manifest: the table's scheme and whether the interface stays exact.
@@ -118,7 +119,7 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         factors = embedding.interface
         t = factors.T.to(torch.float64).numpy()
         if head_bits:
-            head = install_quantized_head(model, factors, head_bits, group_size)
+            head = install_quantized_head(model, factors, head_bits, group_size, rotate)
             head_rows, rows, t = head.dequantized_rows(), head.rotated_rows, head.transform()
             head_text = f"head: {head.describe()}"
         else:
@@ -145,12 +146,12 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
 
 
 def install_quantized_head(model: PreTrainedModel, factors: PITFactors, bits: int,
-                           group_size: int) -> RotatedQuantizedHead:
+                           group_size: int, rotate: bool = True) -> RotatedQuantizedHead:
     """Replace a factorized model's head by a :class:`RotatedQuantizedHead` (registered on the
     model as ``pit_quantized_head``, keeping the head's multiplier and bias) and drop the fp32
     factors, which nothing reads any more."""
     old = model.get_output_embeddings()
-    head = RotatedQuantizedHead(factors.Zt, factors.T, bits, group_size)
+    head = RotatedQuantizedHead(factors.Zt, factors.T, bits, group_size, ROTATION_SEED if rotate else None)
     model.pit_quantized_head = head
     model.set_output_embeddings(PITHead(head, old.multiplier, old.bias))
     if getattr(model, FACTORS_ATTR, None) is factors:
