@@ -14,10 +14,14 @@ embedding rows of 3 ids and the logits of one hidden row (a decode step's head).
   delegate at run time, stored once, and XNNPACK packs it on every call;
 * ``int8-head`` / ``int4-head``: the head over ``Z R`` (a seeded random rotation) through
   torchao's ``8da8w`` / ``8da4w`` (group 32) linear, the gather over an 8-bit table
-  (``pit_deploy.export.pte_head``, ``pit_deploy.export.pte_token_table``).
+  (``pit_deploy.export.pte_head``, ``pit_deploy.export.pte_token_table``);
+* ``int8-weight-only-head``: the fp32 program's head as an ``nn.Linear`` quantized by torchao's
+  ``IntxWeightOnlyConfig`` (int8 per channel, fp32 activations), which is what a weight-only
+  quantized head would need from XNNPACK.
 
 Synthetic weights of the right shapes (the timing does not depend on their values). Writes the
-file size and the median milliseconds per call at each thread count.
+file size, the relative L2 distance of the program's logits from the eager module's, and the
+median milliseconds per call at each thread count.
 """
 
 from __future__ import annotations
@@ -65,6 +69,31 @@ class QuantizedInterface(nn.Module):
         return self.rows(ids), self.head.logits(h)
 
 
+class LinearHead(nn.Module):
+    """The factorized interface with the head as an ``nn.Linear`` over ``Z`` (for torchao)."""
+
+    def __init__(self, zt: torch.Tensor, t: torch.Tensor):
+        super().__init__()
+        self.register_buffer("Zt", zt)
+        self.register_buffer("T", t)
+        self.head = nn.Linear(zt.shape[0], zt.shape[1], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(zt.T)
+
+    def forward(self, ids: torch.Tensor, h: torch.Tensor):
+        rows = torch.index_select(self.Zt, 1, ids).transpose(0, 1) @ self.T
+        return rows, self.head(h @ self.T)
+
+
+def weight_only_int8(module: nn.Module) -> nn.Module:
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis
+
+    quantize_(module, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
+              filter_fn=lambda m, _fqn: isinstance(m, nn.Linear))
+    return module
+
+
 def lower(module: nn.Module, args: tuple, table_once: bool) -> bytes:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -74,6 +103,16 @@ def lower(module: nn.Module, args: tuple, table_once: bool) -> bytes:
     edge = to_edge_transform_and_lower(exported, partitioner=[partitioner],
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
     return edge.to_executorch().buffer
+
+
+def logits_error(buffer: bytes, module: nn.Module, args: tuple) -> float:
+    """Relative L2 distance of the program's logits from the eager module's."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    got = _load_for_executorch_from_buffer(buffer).forward(args)[1]
+    with torch.no_grad():
+        want = module(*args)[1]
+    return float((got - want).norm() / want.norm())
 
 
 def time_calls(buffer: bytes, args: tuple, threads: int, calls: int) -> float:
@@ -112,11 +151,13 @@ def main(argv=None) -> int:
         "fp32-table-once": (Interface(zt, t32), True),
         "int8-head": (QuantizedInterface(zt, t32, 8), False),
         "int4-head": (QuantizedInterface(zt, t32, 4), False),
+        "int8-weight-only-head": (weight_only_int8(LinearHead(zt, t32)), False),
     }
     rows = []
     for name, (module, table_once) in variants.items():
         buffer = lower(module, inputs, table_once)
         row = {"variant": name, "size_mb": round(len(buffer) / 1e6, 2),
+               "logits_rel_l2_vs_eager": logits_error(buffer, module, inputs),
                "ms_per_call": {str(n): round(time_calls(buffer, inputs, n, args.calls), 3) for n in threads}}
         print(row, flush=True)
         rows.append(row)
