@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     for name, (bits, rotate) in VARIANTS.items():
         start = time.perf_counter()
         twin = copy.deepcopy(body)
-        quantize_token_table(twin, recipe.group_size, True, bits, rotate)
+        quantize_token_table(twin, recipe.group_size, True, head_bits=bits, rotate=rotate)
         row = kl_figures(twin, ids, ref)
         if bits:
             row["head_input_max_over_rms"] = spread(twin, ids[:2], twin.pit_quantized_head)

@@ -368,3 +368,35 @@ def test_recipe_refuses_a_bad_pte_head_bits():
         with pytest.raises(PitError, match="pte_head_bits must be 0"):
             Recipe(pte_head_bits=bad)
     assert Recipe(pte_head_bits=4).to_dict()["pte_head_bits"] == 4
+
+
+def test_pack_nibbles_is_what_embedding_4bit_reads():
+    """``embedding_4bit`` over :func:`pack_nibbles` returns the rows ``q · s`` (PyTorch's reference
+    implementation of the op; the runtime's kernel is checked by the export test below)."""
+    from pit_deploy.export.pte_token_table import QuantizedRows, dequantize_rows, quantize_rows
+
+    rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    q, scales = quantize_rows(rows, 32, bits=4)
+    assert int(q.min()) >= -7 and int(q.max()) <= 7
+    table = QuantizedRows(q, scales, bits=4)
+    assert table.packed.dtype == torch.uint8 and table.packed.shape == (40, 32) and table.embedding_dim == 64
+    ids = torch.tensor([[3, 0, 39, 3]])
+    got = table(ids)[0].to(torch.float64)
+    assert torch.allclose(got, torch.from_numpy(dequantize_rows(q, scales))[ids[0]], atol=1e-6)
+    assert float((got - rows[ids[0]]).abs().max()) < float(scales.max()) * 0.51  # within half a step
+
+
+def test_executorch_4bit_token_table_keeps_the_interface_exact(tmp_path):
+    """``--table-bits 4`` on a factorized int4 ``.pte``: the gather reads packed 4-bit rows through
+    ``embedding_4bit`` and the correction, computed from our reading of the packing, holds on
+    the runtime's own kernel (``delta_ti ≤ 1e-4``)."""
+    src = _pit_dir("llama", tmp_path)
+    out = tmp_path / "exp"
+    assert main(["export", str(src), "--out", str(out), "--runtime", "executorch", "--mode", "factorized",
+                 "--dtype", "int4", "--max-seq-len", "64", "--table-bits", "4"]) == 0
+    report = verify_directory(out, record=False)
+    assert report.passed, str(report)
+    result = report.result("executorch", "factorized", "int4")
+    assert result.interface_exact is True and result.delta_ti <= 1e-4, result.delta_ti
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert "embedding_4bit" in manifest["artifacts"][0]["details"]["quantization"]["token_table"]

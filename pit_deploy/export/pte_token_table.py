@@ -35,26 +35,39 @@ from .pte_head import ROTATION_SEED, RotatedQuantizedHead
 from .quantize_onnx import correction_matrix
 
 QMAX = 127
+#: the quantized embedding op of each table width (its kernel ships in ``kernels/quantized``)
+TABLE_OPS = {8: "embedding_byte", 4: "embedding_4bit"}
 
 
 def register_embedding_op() -> None:
-    """Make ``torch.ops.quantized_decomposed.embedding_byte`` (and its out variant, which
-    ``to_executorch`` needs) exist in this process."""
+    """Make ``torch.ops.quantized_decomposed.embedding_byte`` / ``embedding_4bit`` (and their
+    out variants, which ``to_executorch`` needs) exist in this process."""
     import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401  (defines the op)
     import executorch.kernels.quantized  # noqa: F401  (its out variant)
 
 
-def quantize_rows(rows: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric 8-bit quantization of ``rows`` ``(V, d)`` in groups of ``group_size`` along
-    ``d``. Returns ``(q int8 (V, d), scales float32 (V, d / group_size))``."""
+def quantize_rows(rows: torch.Tensor, group_size: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric ``bits``-bit quantization (8 or 4) of ``rows`` ``(V, d)`` in groups of
+    ``group_size`` along ``d``: ``q ∈ [−qmax, qmax]`` with ``qmax = 2^(bits−1) − 1``.
+    Returns ``(q int8 (V, d), scales float32 (V, d / group_size))``."""
     v, d = rows.shape
     if d % group_size:
         raise PitError(f"group size {group_size} does not divide the hidden size {d}")
+    qmax = 2 ** (bits - 1) - 1
     groups = rows.detach().to(torch.float64).reshape(v, d // group_size, group_size)
-    scales = (groups.abs().amax(-1) / QMAX).to(torch.float32)
+    scales = (groups.abs().amax(-1) / qmax).to(torch.float32)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(groups / scales.to(torch.float64)[..., None]).clamp(-QMAX, QMAX)
+    q = torch.round(groups / scales.to(torch.float64)[..., None]).clamp(-qmax, qmax)
     return q.to(torch.int8).reshape(v, d), scales
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``q ∈ [−8, 7]`` ``(V, d)`` as ``embedding_4bit`` reads them: ``uint8 (V, d/2)``,
+    ``q + 8`` of an even column in the high nibble, of the odd column after it in the low one
+    (the op's reference implementation in the ``executorch`` wheel,
+    ``exir/passes/_quant_patterns_and_replacements.py``)."""
+    biased = (q.to(torch.int16) + 8).to(torch.uint8)
+    return (biased[:, 0::2] * 16 + biased[:, 1::2]).contiguous()
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
@@ -65,14 +78,19 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
 
 
 class QuantizedRows(nn.Module):
-    """``ids ↦ (q · s)[ids]`` through ``quantized_decomposed::embedding_byte``, then ``@ M``
-    when a correction matrix is given, then ``/ multiplier`` (a factorized embedding's)."""
+    """``ids ↦ (q · s)[ids]`` through ``quantized_decomposed::embedding_byte`` (8 bits) or
+    ``embedding_4bit`` (4 bits, two codes a byte), then ``@ M`` when a correction matrix is
+    given, then ``/ multiplier`` (a factorized embedding's). ``q`` holds the codes unpacked."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, matrix: torch.Tensor | None = None,
-                 multiplier: float = 1.0):
+                 multiplier: float = 1.0, bits: int = 8):
         super().__init__()
         register_embedding_op()
-        self.register_buffer("q", q.contiguous())
+        if bits not in TABLE_OPS:
+            raise ValueError(f"a quantized token table has 4 or 8 bits, got {bits!r}")
+        self.bits = int(bits)
+        self.register_buffer("packed", q.contiguous() if bits == 8 else pack_nibbles(q))
+        self.q = q  # the unpacked codes, a plain attribute: read by tests, never exported
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("M", None if matrix is None else matrix.contiguous())
         self.multiplier = float(multiplier)
@@ -86,8 +104,11 @@ class QuantizedRows(nn.Module):
         return self.q.shape[0]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = torch.ops.quantized_decomposed.embedding_byte.default(
-            self.q, self.scales, None, -QMAX, QMAX, input_ids.reshape(-1))
+        ids = input_ids.reshape(-1)
+        if self.bits == 8:
+            rows = torch.ops.quantized_decomposed.embedding_byte.default(self.packed, self.scales, None, -QMAX, QMAX, ids)
+        else:
+            rows = torch.ops.quantized_decomposed.embedding_4bit.default(self.packed, self.scales, None, -8, 7, ids)
         if self.M is not None:
             rows = rows @ self.M
         if self.multiplier != 1.0:
@@ -96,9 +117,10 @@ class QuantizedRows(nn.Module):
 
 
 @torch.no_grad()
-def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True,
-                         head_bits: int = 0, rotate: bool = True) -> dict[str, Any]:
-    """Give ``model`` (a quantized twin, changed in place) an 8-bit input embedding.
+def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True, *,
+                         table_bits: int = 8, head_bits: int = 0, rotate: bool = True) -> dict[str, Any]:
+    """Give ``model`` (a quantized twin, changed in place) a ``table_bits``-bit (8 or 4) input
+    embedding.
 
     Factorized (``PITEmbedding`` over :class:`PITFactors`): the embedding reads ``Ẑ`` and
     multiplies by ``M = (Ẑ_hᵀ Ẑ)⁻¹ T⁻¹`` (``correct``) or by ``T⁻¹``. With ``head_bits`` 0 the
@@ -113,8 +135,8 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         details for the manifest: the table's scheme and whether the interface stays exact.
     """
     embedding = model.get_input_embeddings()
-    scheme = (f"8-bit symmetric, groups of {group_size}, one float32 scale a group "
-              "(quantized_decomposed::embedding_byte)")
+    scheme = (f"{table_bits}-bit symmetric, groups of {group_size}, one float32 scale a group "
+              f"(quantized_decomposed::{TABLE_OPS[table_bits]})")
     if isinstance(embedding, PITEmbedding) and isinstance(embedding.interface, PITFactors):
         factors = embedding.interface
         t = factors.T.to(torch.float64).numpy()
@@ -126,18 +148,19 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
             head_rows = rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
             head_rows = head_rows.numpy()
             head_text = "head: float32 Zᵀ"
-        q, scales = quantize_rows(rows, group_size)
+        q, scales = quantize_rows(rows, group_size, table_bits)
         if correct:
             matrix = correction_matrix(head_rows, dequantize_rows(q, scales), t)
         else:
             matrix = np.linalg.inv(t) if head_bits else factors.T_inv.to(torch.float64).numpy()
-        module = QuantizedRows(q, scales, torch.from_numpy(matrix).to(factors.T.dtype), embedding.multiplier)
+        module = QuantizedRows(q, scales, torch.from_numpy(matrix).to(factors.T.dtype), embedding.multiplier,
+                               table_bits)
         model.set_input_embeddings(module)
         return {"token_table": f"embedding: {scheme}; {head_text}", "head_bits": int(head_bits),
                 "pit_correction": bool(correct), "interface_exact": bool(correct) and not head_bits}
     if type(embedding) is nn.Embedding:  # a subclass may scale its output (Gemma): left alone
-        q, scales = quantize_rows(embedding.weight, group_size)
-        model.set_input_embeddings(QuantizedRows(q, scales))
+        q, scales = quantize_rows(embedding.weight, group_size, table_bits)
+        model.set_input_embeddings(QuantizedRows(q, scales, bits=table_bits))
         return {"token_table": f"embedding: {scheme}; head: the float32 lm_head linear"
                                + (" (head_bits applies to factorized programs)" if head_bits else ""),
                 "interface_exact": False}

@@ -9,7 +9,7 @@ quantized dtypes the group size, the PIT correction and the parity bounds::
     max_seq_len = 256
     group_size = 32                         # int4 blocks / int8 table blocks along the input dim
     pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
-    table_bits = 8                          # bits of the token table(s) of quantized ONNX artifacts
+    table_bits = 8                          # bits of the token tables: ONNX head + embedding, .pte gather
     int4_8bit_layers = ["v_proj", "down_proj"]  # ExecuTorch int4: linears kept at 8 bits
     pte_head_bits = 0                       # quantized factorized .pte: 0 = fp32 head (exact W_out E = I);
                                             # 4 or 8 = a rotated quantized head (smaller, faster)

@@ -313,6 +313,6 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
         # (not an nn.Linear) and the correction keeps W_out E = I exact, unless pte_head_bits
         # asks for a rotated quantized head (:mod:`.pte_token_table`, :mod:`.pte_head`)
         details.update(quantize_token_table(quantized, recipe.group_size, recipe.pit_correction,
-                                            recipe.pte_head_bits))
+                                            table_bits=recipe.table_bits, head_bits=recipe.pte_head_bits))
         written = {**export_pte(quantized, out_dir, recipe.max_seq_len), "quantization": details}
     return {**written, **write_runner_tokenizer(tokenizer, out_dir)}
