@@ -63,6 +63,7 @@ def main(argv=None) -> int:
                              "tied (the transpose-tied source); 'none' for neither")
     parser.add_argument("--pte-head-bits", default="",
                         help="comma list of 4, 8: extra factorized .pte exports with a rotated quantized head")
+    parser.add_argument("--table-bits", default="", help="passed to every export (4 or 8; default: the recipe's)")
     parser.add_argument("--max-seq-len", default="256")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--prompt-len", default="64")
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     common = ["--runtime", args.runtime, "--max-seq-len", args.max_seq_len, "--force"]
+    if args.table_bits:
+        common += ["--table-bits", args.table_bits]
     quantized = ",".join(d for d in args.dtype.split(",") if d != "float32")
     exports = {
         "pit": ["export", args.model, "--out", str(work / "pit"), "--mode", args.mode, "--dtype", args.dtype, *common],

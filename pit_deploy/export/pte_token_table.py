@@ -1,4 +1,4 @@
-"""8-bit token tables for quantized ExecuTorch programs, and the PIT correction on them.
+"""8-bit (or 4-bit) token tables for quantized ExecuTorch programs, and the PIT correction on them.
 
 The embedding of a quantized ``.pte`` reads its table through ExecuTorch's quantized embedding
 op ``quantized_decomposed::embedding_byte`` (int8 rows, one float scale per group of
@@ -6,7 +6,8 @@ op ``quantized_decomposed::embedding_byte`` (int8 rows, one float scale per grou
 ``executorch`` wheel: ``exir/passes/_quant_patterns_and_replacements.py`` defines it, the
 ``kernels/quantized`` library runs it — :func:`pit_deploy.runtime.standalone.load_llm_custom_ops`
 loads that library for the runtime). The table is quantized symmetrically (``q ∈ [−127, 127]``,
-``s = max|row group| / 127``).
+``s = max|row group| / 127``); with ``table_bits`` 4 through ``embedding_4bit`` instead
+(``q ∈ [−7, 7]``, two codes a byte, :func:`pack_nibbles`).
 
 The head: the XNNPACK partitioner lowers a quantized linear only with int8 *activations*
 (``docs/quantization.md``), so a quantized head rounds its input. By default a factorized head
