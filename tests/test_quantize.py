@@ -95,6 +95,26 @@ def test_factorized_table_is_stored_once(quantized_export):
             assert where[head.input[1]]["offset"] == where[embed.input[0]]["offset"]
 
 
+def test_int4_keeps_v_proj_and_down_proj_at_8_bits(quantized_export):
+    """``int4_8bit_layers`` (default ``v_proj``, ``down_proj``) on ONNX: those linears' MatMulNBits
+    have 8-bit weights, every other body linear 4-bit, and the manifest counts them; GPT-2 has no
+    such layers and keeps none."""
+    import onnx
+
+    manifest = json.loads((quantized_export / MANIFEST_NAME).read_text())
+    arts = {a["path"]: a for a in manifest["artifacts"]}
+    graph = onnx.load(str(quantized_export / "onnx-factorized-int4" / "model.onnx"), load_external_data=False).graph
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
+            for n in graph.node if n.op_type == "MatMulNBits" and not n.input[1].startswith("pit_q.head.")}
+    kept = {name for name in bits if {"v_proj", "down_proj"} & set(name.split("/"))}
+    assert all(bits[name] == 8 for name in kept) and all(b == 4 for name, b in bits.items() if name not in kept)
+    assert len(bits) > len(kept)
+    details = arts["onnx-factorized-int4"]["details"]["quantization"]
+    assert details["body_8bit"] == f"8-bit for v_proj, down_proj ({len(kept)} linears)"
+    config = json.loads((quantized_export / "reference" / "config.json").read_text())
+    assert (len(kept) == 0) if config["model_type"] == "gpt2" else (len(kept) == 2 * config["num_hidden_layers"])
+
+
 def a_bytes(art: dict) -> int:
     return sum(f["bytes"] for f in art["files"].values())
 

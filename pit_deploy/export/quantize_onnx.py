@@ -423,28 +423,52 @@ def gemm_to_matmul(graph) -> int:
     return count
 
 
-def quantize_body(model, dtype: str, block: int, exclude: list[str]):
+def layer_matmuls(graph, suffixes: tuple[str, ...]) -> list[str]:
+    """Names of the ``MatMul`` nodes of the linears named by ``suffixes``: optimum names a
+    linear's node ``/model/layers.N/mlp/down_proj/MatMul``, so a suffix is a path component."""
+    wanted = set(suffixes)
+    return [n.name for n in graph.node if n.op_type == "MatMul" and wanted & set(n.name.split("/"))]
+
+
+def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: tuple[str, ...] = ()):
     """Quantize every other constant-weight MatMul with onnxruntime's ``MatMulNBitsQuantizer``:
     asymmetric ``BITS[dtype]``-bit weights in blocks of ``block`` along the input dimension,
-    ``accuracy_level=4`` (activations quantized to int8 per block at run time).
+    ``accuracy_level=4`` (activations quantized to int8 per block at run time). For ``int4``,
+    the linears named in ``keep_8bit`` (``v_proj``, ``down_proj`` by default, as in the
+    ExecuTorch programs and llama.cpp's Q4_K_M) get 8-bit weights first.
 
     Not ``quantize_dynamic``: its per-tensor uint8 activations measured a mean KL of 0.50 on
     the default model (SmolLM2's activation outliers), against 0.0014 for 8-bit weights alone
-    (``docs/quantization.md``)."""
+    (``docs/quantization.md``).
+
+    Returns:
+        ``(model, number of linears kept at 8 bits)``.
+    """
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    def quantize(graph_model, bits: int, skip: list[str]):
+        # nodes_to_exclude, not nodes_to_include: the quantizer takes an included node *besides*
+        # every node of op_types_to_quantize, so it cannot narrow a pass
+        quant = MatMulNBitsQuantizer(graph_model, bits=bits, block_size=block, is_symmetric=False,
+                                     accuracy_level=BODY_ACCURACY_LEVEL, nodes_to_exclude=skip,
+                                     op_types_to_quantize=("MatMul",))
+        quant.process()
+        return quant.model.model
+
     gemm_to_matmul(model.graph)
-    quant = MatMulNBitsQuantizer(model, bits=BITS[dtype], block_size=block, is_symmetric=False,
-                                 accuracy_level=BODY_ACCURACY_LEVEL, nodes_to_exclude=exclude,
-                                 op_types_to_quantize=("MatMul",))
-    quant.process()
-    return quant.model.model
+    kept = [n for n in layer_matmuls(model.graph, keep_8bit) if n not in exclude] if dtype == "int4" else []
+    if kept:
+        others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in kept]
+        model = quantize(model, 8, others)  # what it quantizes is no MatMul any more for the next pass
+    return quantize(model, BITS[dtype], list(exclude)), len(kept)
 
 
 def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool,
-                   body: bool, table_bits: int | None = None) -> tuple[Any, dict[str, Any]]:
+                   body: bool, table_bits: int | None = None,
+                   keep_8bit: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:
     """Quantize one exported graph in memory: its token interface (``table_bits``, default
-    the dtype's bits) and, with ``body``, every other weight matrix.
+    the dtype's bits) and, with ``body``, every other weight matrix (``keep_8bit``: see
+    :func:`quantize_body`).
 
     Returns:
         ``(model, details)``.
@@ -454,10 +478,13 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
     keep_fp32 = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
                  {iface.t_name, iface.t_inv_name}]
     details = rewrite_interface(model, iface, bits, block, correct)
+    kept = 0
     if body:
-        model = quantize_body(model, dtype, block, keep_fp32)
+        model, kept = quantize_body(model, dtype, block, keep_fp32, keep_8bit)
     details["body"] = (f"MatMulNBits {BITS[dtype]}-bit asymmetric weights, block {block}, "
                        f"accuracy_level {BODY_ACCURACY_LEVEL} (int8 activations per block)")
+    if dtype == "int4":
+        details["body_8bit"] = f"8-bit for {', '.join(keep_8bit) or 'none'} ({kept} linears)"
     details["interface_kept_fp32"] = sorted(n for n in [iface.t_name, iface.t_inv_name] if n)
     return model, details
 

@@ -10,7 +10,7 @@ quantized dtypes the group size, the PIT correction and the parity bounds::
     group_size = 32                         # int4 blocks / int8 table blocks along the input dim
     pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
     table_bits = 8                          # bits of the token tables: ONNX head + embedding, .pte gather
-    int4_8bit_layers = ["v_proj", "down_proj"]  # ExecuTorch int4: linears kept at 8 bits
+    int4_8bit_layers = ["v_proj", "down_proj"]  # int4: linears kept at 8 bits (both runtimes)
     pte_head_bits = 0                       # quantized factorized .pte: 0 = fp32 head (exact W_out E = I);
                                             # 4 or 8 = a rotated quantized head (smaller, faster)
     [bounds.int4]                           # overrides the built-in bounds of a dtype
@@ -59,7 +59,7 @@ class Recipe:
     group_size: int = 32
     pit_correction: bool = True
     table_bits: int = 8
-    #: ExecuTorch int4: linear layers (name suffixes) kept at 8 bits (docs/quantization.md)
+    #: int4: linear layers (name suffixes) kept at 8 bits on both runtimes (docs/quantization.md)
     int4_8bit_layers: tuple[str, ...] = ("v_proj", "down_proj")
     #: quantized factorized .pte: 0 keeps the fp32 head, 4/8 a rotated quantized head (export/pte_head.py)
     pte_head_bits: int = 0

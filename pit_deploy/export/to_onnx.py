@@ -37,7 +37,7 @@ ONNX_TASK = "text-generation-with-past"
 @torch.no_grad()
 def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None,
                 dtype: str = "float32", group_size: int = 32, pit_correction: bool = True,
-                table_bits: int | None = None) -> dict:
+                table_bits: int | None = None, keep_8bit: tuple[str, ...] = ()) -> dict:
     """Write ``model.onnx`` (+ config, generation config, tokenizer) and ``interface.onnx``;
     for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`).
 
@@ -90,7 +90,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
                      "interface": INTERFACE_NAME}
     if dtype != "float32":
         decoder, details["quantization"] = quantize_graph(decoder, dtype, group_size, v, d, pit_correction,
-                                                          body=True, table_bits=table_bits)
+                                                          body=True, table_bits=table_bits, keep_8bit=keep_8bit)
         interface, _ = quantize_graph(interface, dtype, group_size, v, d, pit_correction, body=False,
                                       table_bits=table_bits)
     save_deduplicated(decoder, out_dir / DECODER_NAME, DECODER_DATA)
@@ -153,4 +153,5 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
                     opset: int | None = None, dtype: str = "float32") -> dict:
     """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
     return export_onnx(model, out_dir, tokenizer, opset, dtype=dtype, group_size=recipe.group_size,
-                       pit_correction=recipe.pit_correction, table_bits=recipe.table_bits)
+                       pit_correction=recipe.pit_correction, table_bits=recipe.table_bits,
+                       keep_8bit=recipe.int4_8bit_layers)
