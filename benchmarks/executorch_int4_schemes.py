@@ -58,6 +58,15 @@ def quantized_twin(model: nn.Module, int4_kwargs: dict, keep_8bit: tuple[str, ..
 
 
 @torch.no_grad()
+def reference_and_heldout(export: Path) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """An export directory's fp32 reference model, its held-out blocks ``(B, L)`` and the
+    reference's log-probabilities on them (float64)."""
+    model = load_pit_model(export / "reference").eval()
+    ids = torch.tensor(json.loads((export / "manifest.json").read_text())["heldout"]["blocks"])
+    return model, ids, torch.log_softmax(model(input_ids=ids).logits.double(), -1)
+
+
+@torch.no_grad()
 def kl_figures(model: nn.Module, ids: torch.Tensor, ref: torch.Tensor) -> dict:
     q = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
     kl = (ref.exp() * (ref - q)).sum(-1).flatten()
@@ -87,18 +96,20 @@ def xnnpack_error(int4_kwargs: dict) -> float:
     return float((got - eager).norm() / eager.norm())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def export_run(argv, doc: str, default_out: str):
+    """The command line of an eager benchmark over an export directory: ``--export DIR --out
+    JSON``. Returns ``(args, reference model, held-out ids, reference log-probabilities)``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--export", required=True, help="an export directory (reference/ + manifest.json)")
-    parser.add_argument("--out", default="benchmarks/results/executorch_int4_schemes.json")
+    parser.add_argument("--out", default=default_out)
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
+    return (args, *reference_and_heldout(Path(args.export)))
+
+
+def main(argv=None) -> int:
+    args, model, ids, ref = export_run(argv, __doc__, "benchmarks/results/executorch_int4_schemes.json")
     export = Path(args.export)
-    blocks = json.loads((export / "manifest.json").read_text())["heldout"]["blocks"]
-    model = load_pit_model(export / "reference").eval()
-    ids = torch.tensor(blocks)
-    with torch.no_grad():
-        ref = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
     rows = {}
     for name, (int4_kwargs, keep) in VARIANTS.items():
         start = time.perf_counter()

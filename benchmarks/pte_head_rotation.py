@@ -13,7 +13,6 @@ of ``h T R`` per token, median: a per-token int8 scale loses the more, the large
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -30,9 +29,8 @@ from pit_deploy.export.pte_head import RotatedQuantizedHead  # noqa: E402
 from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
 from pit_deploy.export.recipes import Recipe  # noqa: E402
 from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
-from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 
-from executorch_int4_schemes import kl_figures  # noqa: E402
+from executorch_int4_schemes import export_run, kl_figures  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 VARIANTS = {"fp32 head": (0, True), "8-bit head, R = I": (8, False), "8-bit head, rotated": (8, True),
@@ -48,16 +46,9 @@ def spread(model, ids: torch.Tensor, head: RotatedQuantizedHead) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--export", required=True, help="an export directory (reference/ + manifest.json)")
-    parser.add_argument("--out", default="benchmarks/results/pte_head_rotation.json")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    args, model, ids, ref = export_run(argv, __doc__, "benchmarks/results/pte_head_rotation.json")
     export = Path(args.export)
-    ids = torch.tensor(json.loads((export / "manifest.json").read_text())["heldout"]["blocks"])
-    fp32 = factorize(load_pit_model(export / "reference").eval())
-    with torch.no_grad():
-        ref = torch.log_softmax(fp32(input_ids=ids).logits.double(), -1)
+    fp32 = factorize(model)
     recipe = Recipe()
     body, _ = quantize_linears(fp32, "int4", recipe.group_size, recipe.int4_8bit_layers)
     rows = {}
