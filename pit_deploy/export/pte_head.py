@@ -36,7 +36,6 @@ from torch import nn
 
 #: seed of the rotation: the same model exports to the same program
 ROTATION_SEED = 0
-HEAD_BITS = (0, 4, 8)
 
 
 def random_rotation(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
