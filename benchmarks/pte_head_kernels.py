@@ -48,9 +48,11 @@ class Interface(nn.Module):
         self.register_buffer("Zt", zt)
         self.register_buffer("T", t)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.Zt, 1, ids).transpose(0, 1) @ self.T
+
     def forward(self, ids: torch.Tensor, h: torch.Tensor):
-        rows = torch.index_select(self.Zt, 1, ids).transpose(0, 1) @ self.T
-        return rows, (h @ self.T) @ self.Zt
+        return self.rows(ids), (h @ self.T) @ self.Zt
 
 
 class QuantizedInterface(nn.Module):
@@ -62,27 +64,24 @@ class QuantizedInterface(nn.Module):
         from pit_deploy.export.pte_token_table import QuantizedRows, quantize_rows
 
         self.head = RotatedQuantizedHead(zt, t, bits, GROUP)
-        q, scales = quantize_rows(self.head.rotated_rows, GROUP)
+        q, scales = quantize_rows(self.head.rotated_rows(zt), GROUP)
         self.rows = QuantizedRows(q, scales, torch.linalg.inv(self.head.TR))
 
     def forward(self, ids: torch.Tensor, h: torch.Tensor):
         return self.rows(ids), self.head.logits(h)
 
 
-class LinearHead(nn.Module):
+class LinearHead(Interface):
     """The factorized interface with the head as an ``nn.Linear`` over ``Z`` (for torchao)."""
 
     def __init__(self, zt: torch.Tensor, t: torch.Tensor):
-        super().__init__()
-        self.register_buffer("Zt", zt)
-        self.register_buffer("T", t)
+        super().__init__(zt, t)
         self.head = nn.Linear(zt.shape[0], zt.shape[1], bias=False)
         with torch.no_grad():
             self.head.weight.copy_(zt.T)
 
     def forward(self, ids: torch.Tensor, h: torch.Tensor):
-        rows = torch.index_select(self.Zt, 1, ids).transpose(0, 1) @ self.T
-        return rows, self.head(h @ self.T)
+        return self.rows(ids), self.head(h @ self.T)
 
 
 def weight_only_int8(module: nn.Module) -> nn.Module:

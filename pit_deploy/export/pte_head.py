@@ -63,11 +63,11 @@ class RotatedQuantizedHead(nn.Module):
         d, v = zt.shape
         rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
         self.bits, self.group_size, self.seed = int(bits), int(group_size), seed
+        self.rotation = rotation  # d×d float64, a plain attribute: not part of the program
         self.register_buffer("TR", (t.to(torch.float64) @ rotation).to(torch.float32))
-        self.rotated_rows = zt.to(torch.float64).T @ rotation  # (V, d) float64, Z R
         self.linear = nn.Linear(d, v, bias=False)
         with torch.no_grad():
-            self.linear.weight.copy_(self.rotated_rows.to(torch.float32))
+            self.linear.weight.copy_(self.rotated_rows(zt).to(torch.float32))
         self.linear = _quantized(self.linear, bits, group_size)
 
     @property
@@ -76,7 +76,13 @@ class RotatedQuantizedHead(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.rotated_rows.shape[0]
+        return self.linear.weight.shape[0]
+
+    def rotated_rows(self, zt: torch.Tensor) -> torch.Tensor:
+        """``Z R`` ``(V, d)`` in float64 from ``Zᵀ`` ``(d, V)``: the table the head quantizes (and
+        the embedding's, so both sides read the same rotated rows). Computed when asked, not
+        kept: at the default model's size it is 226 MB of float64."""
+        return zt.to(torch.float64).T @ self.rotation
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden @ self.TR)

@@ -143,11 +143,11 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         t = factors.T.to(torch.float64).numpy()
         if head_bits:
             head = install_quantized_head(model, factors, head_bits, group_size, rotate)
-            head_rows, rows, t = head.dequantized_rows(), head.rotated_rows, head.transform()
+            head_rows, rows, t = head.dequantized_rows(), head.rotated_rows(factors.Zt), head.transform()
             head_text = f"head: {head.describe()}"
         else:
-            head_rows = rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
-            head_rows = head_rows.numpy()
+            rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
+            head_rows = rows.numpy()
             head_text = "head: float32 Zᵀ"
         q, scales = quantize_rows(rows, group_size, table_bits)
         if correct:

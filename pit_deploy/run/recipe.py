@@ -194,11 +194,11 @@ def _check_values(recipe: RunRecipe) -> None:
     bench = recipe["bench"]
     if any(not isinstance(t, int) or t < 1 for t in _as_list(bench["threads"])):
         raise PitError(f"bench.threads must be integers ≥ 1, got {bench['threads']!r}")
+    from ..export.recipes import Recipe
+
     export = recipe["export"]
     for dtype in _as_list(export["dtypes"]):  # the export stage's own checks, before any slow stage
         try:
-            from ..export.recipes import Recipe
-
             Recipe(runtimes=tuple(_as_list(export["runtimes"])), modes=tuple(_as_list(export["modes"])),
                    dtype=dtype, max_seq_len=export["max_seq_len"], pte_head_bits=export["pte_head_bits"])
         except PitError as exc:
