@@ -7,7 +7,8 @@ own commands:
 2. the same for factorized without the PIT correction (``--no-pit-correction``) — ``uncorrected/``;
 3. ``pit-deploy export MODEL --keep-tying --dtype float32,int8,int4`` (the TT baseline) — ``tied/``;
    with ``--baselines all4`` also factorized int4 with every body linear at 4 bits (a recipe with
-   ``int4_8bit_layers = []``) — ``all4/``;
+   ``int4_8bit_layers = []``) — ``all4/``; with ``--baselines compact`` the shipped ``int4-compact``
+   recipe (ONNX: 4-bit token table stored once, only ``v_proj`` at 8 bits) — ``compact/``;
 4. ``pit-deploy verify`` of each (KL figures for quantized artifacts, logit bounds for fp32);
 5. ``pit-deploy bench`` of every artifact, all in one run (side by side, same prompt);
 6. with ``--pte-head-bits 8,4``: factorized ExecuTorch exports whose head is quantized behind a
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=DTYPES, help="comma list of dtypes (float32 is the twin of the ratios)")
     parser.add_argument("--baselines", default="uncorrected,tied",
                         help="comma list of extra exports: uncorrected (factorized without the PIT correction), "
-                             "tied (the transpose-tied source), all4 (factorized int4 without 8-bit layers); "
-                             "'none' for neither")
+                             "tied (the transpose-tied source), all4 (factorized int4 without 8-bit layers), "
+                             "compact (the int4-compact recipe); 'none' for neither")
     parser.add_argument("--pte-head-bits", default="",
                         help="comma list of 4, 8: extra factorized .pte exports with a rotated quantized head")
     parser.add_argument("--table-bits", default="", help="passed to every export (4 or 8; default: the recipe's)")
@@ -89,14 +90,15 @@ def main(argv=None) -> int:
         "tied": ["export", args.model, "--out", str(work / "tied"), "--keep-tying", "--dtype", args.dtype, *common],
         "all4": ["export", args.model, "--out", str(work / "all4"), "--mode", "factorized", "--dtype", "int4",
                  "--recipe", str(work / "all4.toml"), *common],
+        "compact": ["export", args.model, "--out", str(work / "compact"), "--recipe", "int4-compact", *common],
     }
     for bits in (b for b in args.pte_head_bits.split(",") if b):
         exports[f"head{bits}"] = ["export", args.model, "--out", str(work / f"head{bits}"), "--mode", "factorized",
                                   "--dtype", quantized, "--pte-head-bits", bits, *common]
     wanted = {b for b in args.baselines.split(",") if b and b != "none"}
-    unknown = wanted - {"uncorrected", "tied", "all4"}
+    unknown = wanted - {"uncorrected", "tied", "all4", "compact"}
     if unknown:
-        parser.error(f"--baselines: unknown {sorted(unknown)}; choose from uncorrected, tied, all4, none")
+        parser.error(f"--baselines: unknown {sorted(unknown)}; choose from uncorrected, tied, all4, compact, none")
     if "all4" in wanted:
         (work / "all4.toml").write_text("int4_8bit_layers = []\n")
     if "factorized" not in args.mode.split(",") or not quantized:

@@ -420,3 +420,34 @@ def test_executorch_4bit_token_table_keeps_the_interface_exact(tmp_path):
     assert result.interface_exact is True and result.delta_ti <= 1e-4, result.delta_ti
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert "embedding_4bit" in manifest["artifacts"][0]["details"]["quantization"]["token_table"]
+
+
+def test_int4_compact_recipe_exports_the_smallest_int4_artifacts(tmp_path):
+    """The shipped ``int4-compact`` recipe (the default model's int4 ONNX artifact under 100 MB,
+    ``docs/quantization.md``): factorized int4 with a 4-bit token table and only ``v_proj`` at 8
+    bits. It verifies within the int4 bounds, the table is one plane that the head and the
+    embedding read from one byte range, and the interface stays exact."""
+    import onnx
+
+    out = tmp_path / "exp"
+    assert main(["export", str(_pit_dir("qwen3", tmp_path)), "--out", str(out), "--recipe", "int4-compact",
+                 "--max-seq-len", "64"]) == 0
+    report = verify_directory(out, record=False)
+    assert report.passed, str(report)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["recipe"]["name"] == "int4-compact"
+    arts = {a["path"]: a for a in manifest["artifacts"]}
+    assert sorted(arts) == ["onnx-factorized-int4"]
+    onnx_details = arts["onnx-factorized-int4"]["details"]["quantization"]
+    assert onnx_details["table_bits"] == 4 and onnx_details["table_planes"] == 1
+    assert onnx_details["interface_exact"] is True
+    assert report.result("onnx", "factorized", "int4").delta_ti <= 1e-4
+    graph = onnx.load(str(out / "onnx-factorized-int4" / "model.onnx"), load_external_data=False).graph
+    where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
+    (head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("pit_q.head.")]
+    (embed,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert where[head.input[1]]["offset"] == where[embed.input[0]]["offset"]
+    body = {n.name: next(a.i for a in n.attribute if a.name == "bits")
+            for n in graph.node if n.op_type == "MatMulNBits" and n is not head}
+    assert {name for name, b in body.items() if b == 8} == {name for name in body if "v_proj" in name.split("/")}
+    assert any("down_proj" in name.split("/") and b == 4 for name, b in body.items())
