@@ -13,11 +13,15 @@ from pit_deploy.export.recipes import Recipe, available_recipes, load_recipe, pa
 
 def test_shipped_recipes_load():
     names = available_recipes()
-    assert {"default", "onnx-fp32", "executorch-xnnpack-fp32", "tiny-ci"} <= set(names)
+    assert {"default", "onnx-fp32", "executorch-xnnpack-fp32", "tiny-ci", "int4-compact"} <= set(names)
     for name in names:
         r = load_recipe(name)
-        assert r.runtimes and r.modes and "float32" in r.dtypes and r.max_seq_len >= 2
+        assert r.runtimes and r.modes and r.dtypes and r.max_seq_len >= 2
     assert load_recipe("tiny-ci").max_seq_len == 64
+    for name in ("default", "onnx-fp32", "executorch-xnnpack-fp32", "tiny-ci"):
+        assert "float32" in load_recipe(name).dtypes
+    compact = load_recipe("int4-compact")  # int4 only: no 545 MB fp32 twin beside a 95 MB artifact
+    assert compact.dtypes == ("int4",) and compact.table_bits == 4 and compact.int4_8bit_layers == ("v_proj",)
 
 
 def test_flags_override_recipe():
