@@ -11,8 +11,9 @@ model say nothing about other models. This script measures, per set of weight ma
   ``(max − min) / 15``; what the GGUF itself used);
 * ``rel_err_ort``: relative error of the exporter's own ONNX int4 rounding
   (``quantize_onnx.block_quantize``: onnxruntime's asymmetric blocks, an *integer* zero point);
-* ``rel_err_sym``: symmetric blocks with ``q`` in −8..7 and scale ``max|x| / 8`` (the rounding
-  grid of the ExecuTorch programs before HQQ refines their scales).
+* ``rel_err_sym``: symmetric blocks with ``q`` in −8..7 and scale ``max|x| / 8`` (no zero point,
+  like XNNPACK's 4-bit weights; the ExecuTorch programs' own scales come from torchao's HQQ
+  search, so this is the kind of grid, not their exact rounding).
 
 Sets: the source model's body linears (unconverted), the body of a ``preserve`` conversion of it
 (which rotates the residual stream), the PIT table ``Z`` and the materialized head
@@ -39,6 +40,7 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from pit_deploy.errors import PitError  # noqa: E402
 from pit_deploy.export.quantize_onnx import block_quantize  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
@@ -55,18 +57,23 @@ def blocks_of(rows: np.ndarray) -> np.ndarray:
     return rows.astype(np.float64).reshape(-1, BLOCK)
 
 
-def on_grid(blocks: np.ndarray, tol: float = 1e-3) -> np.ndarray:
-    """Per block: whether every value is ``min + q · (max − min) / 15`` for an integer ``q``."""
+def q4_1_levels(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block: ``(min, step, level)`` with ``step = (max − min) / 15`` and each value's
+    unrounded level ``(x − min) / step`` (Q4_1's grid; a constant block gets step 1)."""
     lo, hi = blocks.min(1, keepdims=True), blocks.max(1, keepdims=True)
     step = np.where(hi > lo, (hi - lo) / 15, 1.0)
-    level = (blocks - lo) / step
+    return lo, step, (blocks - lo) / step
+
+
+def on_grid(blocks: np.ndarray, tol: float = 1e-3) -> np.ndarray:
+    """Per block: whether every value is ``min + q · (max − min) / 15`` for an integer ``q``."""
+    level = q4_1_levels(blocks)[2]
     return np.abs(level - np.round(level)).max(1) <= tol
 
 
 def q4_1(blocks: np.ndarray) -> np.ndarray:
-    lo, hi = blocks.min(1, keepdims=True), blocks.max(1, keepdims=True)
-    step = np.where(hi > lo, (hi - lo) / 15, 1.0)
-    return np.clip(np.round((blocks - lo) / step), 0, 15) * step + lo
+    lo, step, level = q4_1_levels(blocks)
+    return np.clip(np.round(level), 0, 15) * step + lo
 
 
 def symmetric(blocks: np.ndarray) -> np.ndarray:
@@ -84,7 +91,7 @@ def measure(matrices: list[np.ndarray]) -> dict[str, float]:
         total["q4_1"] += float(((q4_1(b) - b) ** 2).sum())
         total["sym"] += float(((symmetric(b) - b) ** 2).sum())
         ort = block_quantize(rows.astype(np.float32), 4, BLOCK).dequantize().astype(np.float64)
-        total["ort"] += float(((ort - rows.astype(np.float64)) ** 2).sum())
+        total["ort"] += float(((ort.reshape(-1, BLOCK) - b) ** 2).sum())
         total["grid"] += int(on_grid(b).sum())
         total["blocks"] += b.shape[0]
     return {"matrices": len(matrices), "weights": total["blocks"] * BLOCK,
@@ -118,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sets: dict[str, dict] = {}
-    source = load_source(args.source, with_tokenizer=False).model
+    try:  # a wrong path or model is the user's mistake: say so, exit 2
+        source = load_source(args.source, with_tokenizer=False).model
+        pit = load_pit_model(args.pit)
+    except PitError as exc:
+        parser.error(str(exc))
     sets["source body (unconverted)"] = measure(body_linears(source))
     del source
-    pit = load_pit_model(args.pit)
     sets["preserve-converted body"] = measure(body_linears(pit))
     interface = find_interface(pit)
     z = interface.Z.detach().to(torch.float32).numpy()

@@ -9,8 +9,8 @@ Everything quantizes through onnxruntime's own tools (``onnxruntime.quantization
 * **token tables** (the embedding's ``Gather`` and the head's ``MatMul``): block-quantized
   (``table_bits``: 8 by default for both dtypes, as llama.cpp's Q4_K_M keeps its output
   matrix at 6 bits; a 4-bit table costs +0.08 mean KL on the default model's factorized int4
-  artifact and makes it the smallest, ``docs/quantization.md``) with the same onnxruntime routine (``DefaultWeightOnlyQuantizer.qbits_block_quant``, blocks
-  along ``d``), the embedding read by ``com.microsoft.GatherBlockQuantized`` and the head by
+  artifact and makes it the smallest, ``docs/quantization.md``) with the same onnxruntime
+  routine (``DefaultWeightOnlyQuantizer.qbits_block_quant``, blocks along ``d``), the embedding read by ``com.microsoft.GatherBlockQuantized`` and the head by
   ``MatMulNBits``. Both ops take the table in the same packed layout (rows = tokens, two 4-bit
   values per byte low nibble first), so where the head and the embedding read the same table
   (factorized ``Zᵀ``, a transpose-tied model) the bytes are identical and
