@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from pit_deploy.convert import convert_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import interface_delta_ti  # noqa: E402
-from pit_deploy.train.data import DataConfig, TextSource, validation_blocks  # noqa: E402
+from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa: E402
 
 CHAT_PROMPTS = (
     "What is the capital of Japan?", "Name three primary colors.", "How many legs does a spider have?",

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
 from pit_deploy.convert.preserve import calibration_set, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
 from preserve_probe import SourceHead  # noqa
-from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
+from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
 
 FIRST8, MORE = CALIB_PROMPTS[:8], CALIB_PROMPTS[8:32]  # the first default, and the 24 prompts added
 torch.set_num_threads(2)

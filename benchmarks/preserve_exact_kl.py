@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
 from pit_deploy.convert.preserve import CALIB_PROMPTS, calibration_set, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
 from preserve_probe import SourceHead  # noqa
-from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
+from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
 
 torch.set_num_threads(int(os.environ.get("NT", "1")))
 head = SourceHead()

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
 from preserve_probe import SourceHead  # noqa
 import pit_deploy.convert.preserve as pp  # noqa
-from pit_deploy.train.data import DataConfig, TextSource, validation_blocks  # noqa
+from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa
 
 torch.set_num_threads(2)
 t0 = time.time()

@@ -26,7 +26,7 @@ import torch
 @torch.no_grad()
 def source_val_loss(args) -> float:
     """Validation loss of the unconverted source (TT) model on the runs' held-out blocks."""
-    from pit_deploy.train.data import DataConfig, TextSource, validation_blocks
+    from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
     from pit_deploy.io.sources import load_source
     from pit_deploy.train.loss import token_loss
 

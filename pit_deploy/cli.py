@@ -202,23 +202,17 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 def add_export(sub: argparse._SubParsersAction) -> None:
+    """The recipe flags are generated from :class:`~pit_deploy.export.recipes.Recipe`'s fields;
+    a flag that is not given leaves the recipe's value (or the scheme's) as it is."""
+    from .export.recipes import Recipe
+    from .options import dataclass_flags
+
     p = sub.add_parser("export", help="export a PIT model to ONNX and/or ExecuTorch (.pte)")
     p.add_argument("model", help="PIT directory | default | GGUF file | HF directory | hub id (plain models are converted first)")
     p.add_argument("--out", required=True, help="export directory (written atomically)")
     p.add_argument("--recipe", help="recipe name in export/ or a .toml/.json path (flags override it)")
-    p.add_argument("--runtime", help="comma list of onnx, executorch (default: all)")
-    p.add_argument("--mode", help="comma list of materialized, factorized (default: all)")
-    p.add_argument("--dtype", help="comma list of float32 (default), int8, int4 (one artifact per dtype)")
-    p.add_argument("--group-size", type=int, help="int4/int8 block size along the input dimension (default 32)")
-    p.add_argument("--table-bits", type=int, choices=(4, 8),
-                   help="bits of the quantized token tables (default 8): ONNX head and embedding (4 bits: "
-                        "+0.08 mean KL on the default model's factorized int4), the .pte embedding's gather table")
-    p.add_argument("--pte-head-bits", type=int, choices=(0, 4, 8),
-                   help="quantized factorized .pte: 0 (default) keeps the fp32 head and an exact W_out E = I; "
-                        "4 or 8 quantizes it behind a rotation (smaller, faster; the head rounds its input)")
-    p.add_argument("--no-pit-correction", dest="pit_correction", action="store_false", default=None,
-                   help="factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then drifts from I)")
-    p.add_argument("--max-seq-len", type=int, help="static KV cache length of the .pte (default 256)")
+    for flag in dataclass_flags(Recipe, defaults=False):
+        p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
     p.add_argument("--t-init", default=None,
                    help="conversion of a plain model: preserve (default where allowed, else output) | identity | input | output")
     p.add_argument("--keep-tying", action="store_true",
@@ -229,13 +223,10 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from .io.fs import check_output_dir
-    from .export.recipes import Recipe, load_recipe
+    from .export.recipes import Recipe, load_recipe, recipe_fields
 
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
-    recipe = recipe.override(runtimes=args.runtime, modes=args.mode, dtype=args.dtype,
-                             max_seq_len=args.max_seq_len, group_size=args.group_size,
-                             pit_correction=args.pit_correction, table_bits=args.table_bits,
-                             pte_head_bits=args.pte_head_bits)
+    recipe = recipe.override(**{name: getattr(args, name) for name in recipe_fields() if hasattr(args, name)})
     check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
     terminate_like_interrupt()
     from .export.pipeline import export_model, load_pit_source
@@ -301,6 +292,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for flag in config_flags():
         groups[flag.group].add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="read every option from a JSON file of them (what `pit-deploy run` hands a torchrun child)")
     p.set_defaults(handler=run_train)
 
 
@@ -310,9 +303,12 @@ def run_train(args: argparse.Namespace) -> int:
 
     from .train.loop import TrainConfig, train
 
+    from .train.config import read_config
+
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     terminate_like_interrupt()
-    result = train(TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    cfg = read_config(args.config) if args.config else TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    result = train(cfg)
     if result is not None:
         stage(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
               + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
@@ -465,30 +461,6 @@ def run_run(args: argparse.Namespace) -> int:
     if result.exit_code:
         print(f"error: stage {result.failed_stage} failed: {result.message}", file=sys.stderr)
     return result.exit_code
-
-
-def train_argv(cfg) -> list[str]:
-    """The ``pit-deploy train`` flags that reproduce ``cfg`` (a ``TrainConfig``): what a
-    ``torchrun`` child of ``pit-deploy run`` is started with. Built from the train parser's own
-    actions, so a flag and its config field cannot drift apart silently (a test round-trips it)."""
-    import dataclasses
-
-    parser = build_parser()
-    sub = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
-    train = sub.choices["train"]
-    values = dataclasses.asdict(cfg)
-    argv: list[str] = []
-    for action in train._actions:
-        if not action.option_strings or action.dest not in values:
-            continue
-        value, opt = values[action.dest], action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv += [opt] if value else []
-        elif isinstance(action, argparse._StoreFalseAction):
-            argv += [] if value else [opt]
-        elif value is not None:
-            argv += [opt, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
-    return argv
 
 
 def _toml_string(value: str) -> str:

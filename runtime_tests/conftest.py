@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pit_deploy.export.recipes import MODES, RUNTIMES, Recipe
+from pit_deploy.export.recipes import MODES, Recipe
+from pit_deploy.targets import target_names
 from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
 
 TINY_MAX_SEQ_LEN = 64
@@ -96,7 +97,7 @@ class _Exports:
             out = self.root / f"tiny-{family}"
             # with a tokenizer, so the .pte folders carry one and the stock LLM runner runs them
             loaded = LoadedModel(tiny_pit_model(family), tiny_tokenizer(), {"kind": "tiny", "family": family})
-            recipe = Recipe(runtimes=RUNTIMES, modes=MODES, max_seq_len=TINY_MAX_SEQ_LEN, name="tiny-ci")
+            recipe = Recipe(runtimes=target_names(), modes=MODES, max_seq_len=TINY_MAX_SEQ_LEN, name="tiny-ci")
             export_model(loaded, out, recipe)
             self.dirs[family] = out
             self.reports[family] = verify_directory(out)
@@ -109,7 +110,7 @@ class _Exports:
 
             out = self.root / "real-default"
             loaded = load_pit_source("default", REAL_T_INIT)
-            recipe = Recipe(runtimes=RUNTIMES, modes=MODES, max_seq_len=REAL_MAX_SEQ_LEN, name="real-ci")
+            recipe = Recipe(runtimes=target_names(), modes=MODES, max_seq_len=REAL_MAX_SEQ_LEN, name="real-ci")
             export_model(loaded, out, recipe)
             self.dirs["real"] = out
             self.reports["real"] = verify_directory(out)

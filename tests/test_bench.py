@@ -103,9 +103,11 @@ def test_unverified_and_failing_exports_are_flagged(exports, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--threads", "0"], "threads must be integers ≥ 1"),
+    (["--threads", "0"], "threads must be integers from 1 to 256"),
+    (["--threads", "100000"], "threads must be integers from 1 to 256"),
     (["--prompt-len", "60", "--gen-len", "8"], "exceed the artifact's context of 64"),
-    (["--reps", "0"], "--reps must be at least 1"),
+    (["--gen-len", "100000"], "--gen-len must be from 2"),
+    (["--reps", "0"], "--reps must be from 1 to 1000"),
 ])
 def test_bad_options_are_exit_2(exports, capsys, args, message):
     pit, _ = exports
@@ -131,9 +133,9 @@ def _with_context(pit: Path, args: list[str]) -> int:
 def test_missing_directory_and_uninstalled_runtime_are_exit_2(exports, tmp_path, capsys, monkeypatch):
     assert main(["bench", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
-    from pit_deploy.runtime import base
+    from pit_deploy.targets import get_target
 
-    monkeypatch.setitem(base.DRIVERS, "onnx", "a_runtime_that_is_not_installed:Driver")
+    monkeypatch.setattr(get_target("onnx"), "driver", "a_runtime_that_is_not_installed:Driver")
     pit, _ = exports
     assert main(["bench", str(pit), "--prompt-len", "4", "--gen-len", "3"]) == 2
     assert "runtime is not installed" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 import torch
 from train_fixtures import make_corpus, make_pairs
 
-from pit_deploy.train.data import DataConfig, TextSource, TrainStream, local_refs, validation_blocks
+from pit_deploy.data.corpus import DataConfig, TextSource, TrainStream, local_refs, validation_blocks
 from pit_deploy.errors import PitError
 from pit_deploy.tiny import tiny_tokenizer
 

@@ -21,7 +21,9 @@ def test_shipped_recipes_load():
     for name in ("default", "onnx-fp32", "executorch-xnnpack-fp32", "tiny-ci"):
         assert "float32" in load_recipe(name).dtypes
     compact = load_recipe("int4-compact")  # int4 only: no 545 MB fp32 twin beside a 95 MB artifact
-    assert compact.dtypes == ("int4",) and compact.table_bits == 4 and compact.int4_8bit_layers == ("v_proj",)
+    assert compact.dtypes == ("int4-compact",) and compact.runtimes == ("onnx",)
+    (scheme,) = compact.schemes()
+    assert scheme.dtype == "int4" and scheme.table_bits == 4 and scheme.int4_8bit_layers == ("v_proj",)
 
 
 def test_flags_override_recipe():

@@ -43,8 +43,10 @@ def _package_files(sub: str) -> list[Path]:
 
 
 @pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.export.recipes",
-                                   "pit_deploy.export.registry", "pit_deploy.runtime.base", "pit_deploy.evaluate.bounds",
-                                   "pit_deploy.io.hub", "pit_deploy.train.config", "pit_deploy.train.metrics"])
+                                   "pit_deploy.targets", "pit_deploy.targets.onnx_optimum",
+                                   "pit_deploy.targets.executorch_xnnpack", "pit_deploy.runtime.base", "pit_deploy.runtime.drivers",
+                                   "pit_deploy.schemes", "pit_deploy.options", "pit_deploy.io.hub",
+                                   "pit_deploy.train.config", "pit_deploy.io.metrics", "pit_deploy.run.recipe"])
 def test_light_modules_import_without_torch(light):
     """A manifest is read on a device: the standard library must be enough."""
     code = (
@@ -66,6 +68,104 @@ def test_runtime_side_never_imports_export_side():
         if mod.startswith("pit_deploy.export") and not (sub == "evaluate" and mod == "pit_deploy.export.recipes")
     ]
     assert not offenders, offenders
+
+
+#: The package's layers, lowest first: a unit (a top-level module or sub-package) may import only
+#: units of lower layers (docs/design.md). Targets are declarations at the bottom: what they run
+#: is named as "module:attribute" and imported on first use, so every layer can ask a target.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("options", "schemes", "targets"),
+    ("model",),
+    ("io",),
+    ("data",),
+    ("convert", "analysis"),
+    ("train",),
+    ("runtime",),
+    ("export",),
+    ("evaluate",),
+    ("run",),
+    ("cli", "tiny"),
+    ("__main__",),
+)
+RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every project module → the project modules it imports (lazy imports inside functions too)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path):
+            # "from .x import y" names a module x.y or an attribute y of x: keep the module
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in _graph()} - {None}
+    assert units <= set(RANK), f"add {sorted(units - set(RANK))} to LAYERS"
+
+
+def test_dependencies_point_down():
+    """No unit imports one of its own layer or a higher one (lazy imports count too)."""
+    upward = []
+    for module, deps in _graph().items():
+        src = _unit(module)
+        for dep in deps:
+            dst = _unit(dep)
+            if src and dst and src != dst and RANK[dst] >= RANK[src]:
+                upward.append(f"{module} -> {dep}")
+    assert not upward, upward
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports (lazy ones included): a cycle is a layering
+    mistake even when Python happens to resolve it."""
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_no_runtime_name_outside_its_target():
+    """Generic code asks a target; only a target's own modules (its declaration, exporter,
+    driver, quantizer) may spell its runtime name in a comparison."""
+    import re
+
+    hits = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for match in re.finditer(r"""(==|!=|\bin\b)\s*\(?\s*["'](onnx|executorch)["']|["'](onnx|executorch)["']\s*(==|!=)""", text):
+            hits.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
+    assert not hits, hits
 
 
 def test_core_math_imports_nothing_of_the_project():

@@ -437,12 +437,12 @@ def test_int4_compact_recipe_exports_the_smallest_int4_artifacts(tmp_path):
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["recipe"]["name"] == "int4-compact"
     arts = {a["path"]: a for a in manifest["artifacts"]}
-    assert sorted(arts) == ["onnx-factorized-int4"]
-    onnx_details = arts["onnx-factorized-int4"]["details"]["quantization"]
+    assert sorted(arts) == ["onnx-factorized-int4-compact"]  # the scheme names the artifact
+    onnx_details = arts["onnx-factorized-int4-compact"]["details"]["quantization"]
     assert onnx_details["table_bits"] == 4 and onnx_details["table_planes"] == 1
     assert onnx_details["interface_exact"] is True
-    assert report.result("onnx", "factorized", "int4").delta_ti <= 1e-4
-    graph = onnx.load(str(out / "onnx-factorized-int4" / "model.onnx"), load_external_data=False).graph
+    assert report.result("onnx", "factorized", "int4-compact").delta_ti <= 1e-4
+    graph = onnx.load(str(out / "onnx-factorized-int4-compact" / "model.onnx"), load_external_data=False).graph
     where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
     (head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("pit_q.head.")]
     (embed,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]

@@ -219,21 +219,23 @@ def test_run_killed_during_training_continues_from_its_checkpoint(assets, tmp_pa
     assert _record(out, "train")["status"] == "done"
 
 
-def test_train_argv_round_trips_every_train_option():
-    """The flags given to torchrun children reproduce the config, field by field: a renamed
-    flag or field cannot silently drop an option."""
+def test_a_torchrun_child_reads_the_whole_config_from_a_file(tmp_path, monkeypatch):
+    """``run`` hands a torchrun child its training config as a file (``train --config``): every
+    field comes back as it was, so a renamed flag cannot silently drop an option."""
     import dataclasses
 
-    from pit_deploy.cli import build_parser, train_argv
+    import pit_deploy.train.loop as loop
+    from pit_deploy.train.config import write_config
     from pit_deploy.train.loop import TrainConfig
 
-    cfg = TrainConfig(out="o", model="m", tying="tt", steps=7, lr=2e-5, lr_t=0.0, streaming=False, plot=False,
-                      lora=True, lora_targets=["q_proj", "v_proj"], grad_clip=0.5, resume=True, seed=3,
+    cfg = TrainConfig(out=str(tmp_path / "o"), model="m", tying="tt", steps=7, lr=2e-5, lr_t=0.0, streaming=False,
+                      plot=False, lora=True, lora_targets=["q_proj", "v_proj"], grad_clip=0.5, resume=True, seed=3,
                       betas=(0.8, 0.99))
-    parsed = vars(build_parser().parse_args(["train", *train_argv(cfg)]))
-    for field in dataclasses.fields(TrainConfig):
-        assert field.name in parsed, f"no flag for {field.name}"
-        assert parsed[field.name] == getattr(cfg, field.name), field.name
+    seen = []
+    monkeypatch.setattr(loop, "train", lambda c: seen.append(c))
+    assert main(["train", "--config", str(write_config(cfg, tmp_path / "cfg.json"))]) == 0
+    assert seen == [cfg]
+    assert {f.name for f in dataclasses.fields(TrainConfig)} == set(dataclasses.asdict(seen[0]))
 
 
 def test_gpu_cpt_recipe_code_path_on_cpu_with_two_processes(assets, tmp_path, capsys):

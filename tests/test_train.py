@@ -19,7 +19,7 @@ from pit_deploy.io.checkpoint import load_pit_model
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.io.sources import load_source
-from pit_deploy.train.data import TextSource, validation_blocks
+from pit_deploy.data.corpus import TextSource, validation_blocks
 from pit_deploy.train.loop import TrainingRecipe, param_groups, train
 
 

@@ -11,7 +11,7 @@ from train_fixtures import config, make_corpus, make_model_dir, read_metrics
 
 from pit_deploy.cli import build_parser, main
 from pit_deploy.train.config import TrainConfig, default_of
-from pit_deploy.train.data import DataConfig, TextSource, TrainStream
+from pit_deploy.data.corpus import DataConfig, TextSource, TrainStream
 from pit_deploy.train.loop import param_groups, train
 
 

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from pit_deploy.train.loop import TrainConfig  # noqa: E402
-from pit_deploy.train.metrics import read_metrics  # noqa: E402,F401  (re-exported for the tests)
+from pit_deploy.io.metrics import read_metrics  # noqa: E402,F401  (re-exported for the tests)
 
 
 def make_model_dir(root: Path, family: str = "llama", **kwargs) -> Path:

@@ -27,7 +27,7 @@ class RunLog:
     @classmethod
     def load(cls, path: str | Path, label: str | None = None) -> "RunLog":
         path = Path(path)
-        from ..train.metrics import METRICS_NAME, read_metrics
+        from ..io.metrics import METRICS_NAME, read_metrics
 
         if not (path / METRICS_NAME).is_file():
             raise PitError(f"{path} has no {METRICS_NAME}; pass a directory written by `pit-deploy train`")

@@ -147,7 +147,7 @@ def calibration_set(model: PreTrainedModel, tokenizer: Any, data: str = "default
         n = max(1, tokens // seq_len)
         rows = [torch.randint(0, model.config.vocab_size, (seq_len,), generator=gen) for _ in range(n)]
         return CalibrationSet(rows, [None] * n)
-    from ..train.data import DataConfig, TextSource, encode
+    from ..data.corpus import DataConfig, TextSource, encode
 
     found = CalibrationSet([], [])
     if chat and getattr(tokenizer, "chat_template", None):

@@ -26,14 +26,14 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
-from ..runtime.llm_runner import RUNNER_NAME, RUNNER_TOKENIZER
 from ..runtime.standalone import first_divergence
+from ..targets import get_target
+from .bench_rows import ROW_FIELDS, check_context, verification_state
 
 Progress = Callable[[str], None]
-ROW_FIELDS = ("artifact", "runtime", "mode", "dtype", "tying", "threads", "prompt_len", "gen_len",
-              "prefill_tok_s", "decode_tok_s", "ttft_ms", "decode_ms_p50", "decode_ms_p90", "load_s",
-              "peak_rss_mb", "size_mb")
 PROMPT_SEED = 1234
+#: upper limits of what a benchmark may ask for (a typo of 100000 would otherwise run for hours)
+MAX_THREADS, MAX_TOKENS, MAX_REPS = 256, 32768, 1000
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,21 @@ class BenchOptions:
     cell_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        for name, values in (("threads", self.threads), ("prompt length", self.prompt_lens)):
-            if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
-                raise PitError(f"{name} must be integers ≥ 1, got {list(values)}")
-        if self.gen_len < 2:
-            raise PitError(f"--gen-len must be at least 2 (one prefill token and one decode step), got {self.gen_len}")
-        if self.reps < 1:
-            raise PitError(f"--reps must be at least 1, got {self.reps}")
+        for name, values, top in (("threads", self.threads, MAX_THREADS), ("prompt length", self.prompt_lens, MAX_TOKENS)):
+            if not values or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top for v in values):
+                raise PitError(f"{name} must be integers from 1 to {top}, got {list(values)}")
+        if not isinstance(self.gen_len, int) or not 2 <= self.gen_len <= MAX_TOKENS:
+            raise PitError(f"--gen-len must be from 2 (one prefill token and one decode step) to {MAX_TOKENS}, "
+                           f"got {self.gen_len}")
+        if not isinstance(self.reps, int) or not 1 <= self.reps <= MAX_REPS:
+            raise PitError(f"--reps must be from 1 to {MAX_REPS}, got {self.reps}")
+
+
+def bench_options(table: dict[str, Any]) -> BenchOptions:
+    """The options of a run recipe's ``[bench]`` table (``threads``, ``prompt_len``, ``gen_len``, ``reps``)."""
+    threads = table["threads"] if isinstance(table["threads"], (list, tuple)) else [table["threads"]]
+    return BenchOptions(threads=tuple(threads), prompt_lens=(table["prompt_len"],), gen_len=table["gen_len"],
+                        reps=table["reps"])
 
 
 @dataclass
@@ -69,16 +77,19 @@ class BenchResult:
     def ratios(self) -> list[dict[str, Any]]:
         """PIT/TT ratios for rows that differ only in tying (same runtime, dtype, threads, P)."""
         out = []
-        tied = {(r["runtime"], r["dtype"], r["threads"], r["prompt_len"]): r for r in self.rows if r["tying"] == "tied"}
+        def pair(r: dict[str, Any]) -> tuple:
+            return r["runtime"], r.get("scheme") or r["dtype"], r["threads"], r["prompt_len"]
+
+        tied = {pair(r): r for r in self.rows if r["tying"] == "tied"}
         for r in self.rows:
             if r["tying"] != "pit":
                 continue
-            t = tied.get((r["runtime"], r["dtype"], r["threads"], r["prompt_len"]))
+            t = tied.get(pair(r))
             if t is None:
                 continue
             out.append({
                 "artifact": r["artifact"], "baseline": t["artifact"], "runtime": r["runtime"], "threads": r["threads"],
-                "prompt_len": r["prompt_len"],
+                "prompt_len": r["prompt_len"], "variant": r.get("variant"),
                 "decode_time_ratio": t["decode_tok_s"] / r["decode_tok_s"],
                 "prefill_time_ratio": t["prefill_tok_s"] / r["prefill_tok_s"],
                 "rss_ratio": r["peak_rss_mb"] / t["peak_rss_mb"],
@@ -98,8 +109,8 @@ class BenchResult:
                 f"{'p50 ms':>7} | {'p90 ms':>7} | {'load s':>6} | {'RSS MB':>7} | {'size MB':>7} | verified |")
         lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
         for r in self.rows:
-            runner = " stock runner" if r["runtime"] == RUNNER_NAME else ""
-            name = f"{r['artifact']} ({r['dtype']}{runner})"[:44]
+            variant = f" {r['variant']}" if r.get("variant") else ""
+            name = f"{r['artifact']} ({r.get('scheme') or r['dtype']}{variant})"[:44]
             ok = {True: "yes", False: "FAILED", None: "no"}[r.get("verified")]
             for test, mean, std in ((f"pp{r['prompt_len']}", r["prefill_tok_s"], r["prefill_tok_s_std"]),
                                     (f"tg{r['gen_len']}", r["decode_tok_s"], r["decode_tok_s_std"])):
@@ -108,7 +119,7 @@ class BenchResult:
                     f"{r['decode_ms_p50']:>7.2f} | {r['decode_ms_p90']:>7.2f} | {r['load_s']:>6.2f} | "
                     f"{r['peak_rss_mb']:>7.0f} | {r['size_mb']:>7.1f} | {ok:>8} |")
         for q in self.ratios():
-            runner = ", stock runner" if q.get("runtime") == RUNNER_NAME else ""
+            runner = f", {q['variant']}" if q.get("variant") else ""
             lines.append(f"PIT/TT {q['artifact']} vs {q['baseline']} ({q['threads']} threads, pp{q['prompt_len']}{runner}): "
                          f"decode time ×{q['decode_time_ratio']:.3f}, prefill time ×{q['prefill_time_ratio']:.3f}, "
                          f"RSS ×{q['rss_ratio']:.3f}, size ×{q['size_ratio']:.4f}")
@@ -151,7 +162,7 @@ def prompt_ids(tokenizer: Any, vocab: int, length: int) -> list[int]:
     """``length`` fixed token ids: the default corpus's first held-out document tokenized with
     ``tokenizer`` (repeated if short), or seeded random ids below ``vocab`` without one."""
     if tokenizer is not None:
-        from ..train.data import DataConfig, TextSource
+        from ..data.corpus import DataConfig, TextSource
 
         cfg = DataConfig(spec="default")
         for doc in TextSource(cfg).val_documents():
@@ -219,40 +230,9 @@ def _cell_env() -> dict[str, str]:
     return env
 
 
-def verification_state(manifest: Manifest, art: Any, label: str, directory: Path,
-                       warnings: list[str]) -> bool | None:
-    """The artifact's recorded verification (``None``: never verified); a warning is added for
-    an unverified or failed one — it is still measured, but flagged."""
-    verified = _verification(manifest, art)
-    if verified is None:
-        warnings.append(f"{label} was never verified: run `pit-deploy verify {directory}` — its figures may be of a wrong model")
-    elif not verified:
-        warnings.append(f"{label} FAILED verification: it does not compute what PyTorch computes")
-    return verified
-
-
-def check_context(label: str, art: Any, opts: BenchOptions) -> None:
-    """Every prompt length plus the generation must fit the artifact's static cache (exit 2)."""
-    context = art.shapes.get("max_seq_len")
-    for p in opts.prompt_lens:
-        if context is not None and p + opts.gen_len > context:
-            raise PitError(f"{label}: prompt {p} + {opts.gen_len} generated tokens exceed the artifact's "
-                           f"context of {context}; use a shorter --prompt-len/--gen-len or export with a "
-                           "longer --max-seq-len")
-
-
-def _verification(manifest: Manifest, art: Any) -> bool | None:
-    ver = manifest.verification or {}
-    for a in ver.get("artifacts", []):
-        if (a.get("runtime"), a.get("mode"), a.get("dtype", "float32")) == (art.runtime, art.mode, art.dtype):
-            return bool(a.get("passed"))
-    return None
-
-
 def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[list[dict[str, Any]], dict[str, list[int]], list[str]]:
     """Every cell to run (validated before anything is measured), the prompts, the warnings."""
     from ..io.sources import _maybe_tokenizer
-    from ..runtime.base import driver_class
 
     cells, prompts, warnings = [], {}, []
     for directory in directories:
@@ -260,7 +240,8 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
         manifest = Manifest.read(directory)
         tokenizer = _maybe_tokenizer(directory / REFERENCE_DIR, True, False)
         for art in manifest.artifacts:
-            driver_class(art.runtime)  # an uninstalled runtime is unusable input, before any work
+            target = get_target(art.runtime)
+            target.driver_class()  # an uninstalled runtime is unusable input, before any work
             label = f"{directory.name}/{art.path}"
             verified = verification_state(manifest, art, label, directory, warnings)
             check_context(label, art, opts)
@@ -270,15 +251,17 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
                 for t in opts.threads:
                     cells.append({
                         "label": label, "folder": str(directory / art.path), "runtime": art.runtime,
-                        "threads": t, "prompt_ids": ids, "gen_len": opts.gen_len, "reps": opts.reps,
+                        "target": art.runtime, "driver": target.driver, "threads": t, "prompt_ids": ids,
+                        "gen_len": opts.gen_len,
+                        "reps": opts.reps,
                         "meta": {"artifact": label, "runtime": art.runtime, "mode": art.mode, "dtype": art.dtype,
+                                 "scheme": art.scheme_name,
                                  "tying": getattr(art, "tying", "pit"), "threads": t, "prompt_len": p,
                                  "gen_len": opts.gen_len, "size_mb": art.bytes / 1e6, "verified": verified},
                         "reference": str(directory / REFERENCE_DIR),
                     })
-                if art.runtime == "executorch" and tokenizer is not None \
-                        and (directory / art.path / RUNNER_TOKENIZER).is_file():
-                    cells += _runner_cells(cells[-1], tokenizer, art.shapes["vocab_size"], p, opts.threads)
+                cells += target.bench_cells(cells[-1], tokenizer, art.shapes["vocab_size"], p, opts.threads,
+                                            directory / art.path)
     if opts.torch_model:
         from ..io.sources import load_source
 
@@ -299,32 +282,6 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
                 })
         del loaded
     return cells, prompts, warnings
-
-
-def _runner_cells(cell: dict[str, Any], tokenizer: Any, vocab: int, prompt_len: int,
-                  threads: Sequence[int]) -> list[dict[str, Any]]:
-    """Cells that time the same ``.pte`` through ExecuTorch's stock LLM runner
-    (:mod:`pit_deploy.runtime.llm_runner`): its own tokenizer, prefill and decode loop, and its
-    ``Stats`` — the figures ``llama_main`` prints on a phone."""
-    text, _ = prompt_text(tokenizer, vocab, prompt_len)
-    return [{**cell, "runtime": RUNNER_NAME, "threads": t, "prompt_text": text,
-             "meta": {**cell["meta"], "runtime": RUNNER_NAME, "threads": t}} for t in threads]
-
-
-def measure_runner_cell(cell: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One stock-runner cell: a warm-up then ``reps`` generations in one child process."""
-    from ..runtime.llm_runner import LLMRunnerError, generate, pass_figures
-    from .bench_adb import cell_row
-
-    try:
-        out = generate(cell["folder"], [cell["prompt_text"]], cell["gen_len"], threads=cell["threads"],
-                       reps=cell["reps"] + 1, timeout=timeout)
-    except LLMRunnerError as exc:
-        raise PitError(f"{cell['label']}: {exc}") from None
-    runs = out["results"][0]["runs"][1:]
-    row = cell_row(cell["meta"], [pass_figures(r) for r in runs], [out["peak_rss_mb"] * 1024.0])
-    # no first_divergence: the runner reports text, not token ids (verify compares its text)
-    return {**row, "runner_text": out["results"][0]["text"]}
 
 
 def _torch_size_mb(spec: str) -> float:
@@ -355,13 +312,11 @@ def bench_directories(directories: Sequence[str | Path], opts: BenchOptions,
         meta = cell["meta"]
         say(f"[{i}/{len(cells)}] {meta['artifact']} {meta['dtype']} threads={meta['threads']} "
             f"pp{meta['prompt_len']} tg{meta['gen_len']}")
-        if cell["runtime"] == RUNNER_NAME:
-            row = measure_runner_cell(cell, opts.cell_timeout_s)
-            if row["generated_tokens"] < meta["gen_len"] - 1:
-                warnings.append(f"{meta['artifact']} (stock runner): stopped after {row['generated_tokens']} "
-                                f"generated tokens (an end-of-sequence token), not {meta['gen_len']}")
+        if cell.get("variant"):
+            row, more = get_target(cell["target"]).measure_variant(cell, opts.cell_timeout_s)
+            warnings += more
             say(f"    pp{meta['prompt_len']} {row['prefill_tok_s']:.1f} tok/s, tg{meta['gen_len']} "
-                f"{row['decode_tok_s']:.1f} tok/s, RSS {row['peak_rss_mb']:.0f} MB (stock runner)")
+                f"{row['decode_tok_s']:.1f} tok/s, RSS {row['peak_rss_mb']:.0f} MB ({cell['variant']})")
             rows.append(row)
             continue
         measured = run_cell_process(cell, opts.cell_timeout_s)
@@ -423,11 +378,19 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
     if not directories:
         raise PitError("--bundle needs export directories to pack")
     cells, prompts, warnings = plan_cells(directories, opts)
-    artifacts, references, seen = [], {}, set()
-    for cell in [c for c in cells if c["runtime"] != RUNNER_NAME]:  # the stock runner needs executorch's LLM bindings
+    artifacts, references, seen, decoder_files = [], {}, set(), {}
+    cells = [c for c in cells if not c.get("variant")]  # a target's variants (the stock runner) need more
+    for cell in cells:
         meta = cell["meta"]
-        if cell["runtime"] not in standalone.DECODERS:
-            raise PitError(f"{cell['label']}: the {cell['runtime']} runtime cannot run in a bundle")
+        target = get_target(cell["target"])
+        if target.standalone is None:
+            raise PitError(f"{cell['label']}: the {target.name} runtime has no standalone decoder, so it cannot "
+                           "run in a bundle")
+        module, cls = target.standalone
+        if module != standalone.__name__:  # a decoder file of its own, packed beside this one
+            decoder_files[module.rsplit(".", 1)[-1]] = resolve_module_file(module)
+        decoder = {"module": BUNDLE_MODULE[:-3] if module == standalone.__name__ else module.rsplit(".", 1)[-1],
+                   "class": cls}
         directory = Path(cell["reference"]).parent
         prompt = f"{directory.name}:{meta['prompt_len']}"
         if (cell["label"], prompt) in seen:
@@ -437,7 +400,8 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
             say(f"reference tokens of {prompt}")
             references[prompt] = reference_tokens(Path(cell["reference"]), cell["prompt_ids"], opts.gen_len)
         artifacts.append({"artifact": meta["artifact"], "runtime": cell["runtime"], "prompt": prompt,
-                          "folder": f"artifacts/{cell['label']}",
+                          "folder": f"artifacts/{cell['label']}", "decoder": decoder, "file": target.primary_file,
+                          "requires": {"module": target.module, "pip": target.bundle_install or target.package},
                           "meta": {k: v for k, v in meta.items() if k != "threads"}})
     spec = {"name": Path(out).name, "threads": list(opts.threads), "reps": opts.reps, "gen_len": opts.gen_len,
             "prompts": prompts, "reference_tokens": references, "artifacts": artifacts, "warnings": warnings}
@@ -447,7 +411,8 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         files = {BUNDLE_RUNNER: _RUNNER_TEXT, BUNDLE_MODULE: Path(standalone.__file__).read_text(encoding="utf-8"),
-                 standalone.BUNDLE_SPEC: json.dumps(spec, indent=2) + "\n"}
+                 standalone.BUNDLE_SPEC: json.dumps(spec, indent=2) + "\n",
+                 **{f"{stem}.py": path.read_text(encoding="utf-8") for stem, path in decoder_files.items()}}
         with tarfile.open(tmp, "w:gz") as tar:
             for name, text in files.items():
                 data = text.encode("utf-8")
@@ -462,6 +427,16 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def resolve_module_file(module: str) -> Path:
+    """The source file of ``module`` (a target's standalone decoder, packed into bundles)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise PitError(f"the standalone decoder module {module} cannot be found")
+    return Path(spec.origin)
 
 
 def ingest_rows(paths: Sequence[str | Path]) -> BenchResult:

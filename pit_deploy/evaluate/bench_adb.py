@@ -38,8 +38,11 @@ from typing import Any, Callable, Sequence
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
 from ..runtime.llm_runner import pass_figures
-from ..runtime.standalone import PTE_NAME, _mean_std, _percentile
-from .bench import BenchOptions, BenchResult, check_context, prompt_text, verification_state
+from ..runtime.standalone import _mean_std, _percentile
+from ..targets import get_target
+from ..targets.executorch_xnnpack import PTE_NAME
+from .bench import BenchOptions, BenchResult, prompt_text
+from .bench_rows import check_context, runner_row, verification_state
 
 Progress = Callable[[str], None]
 
@@ -216,7 +219,7 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
         manifest = Manifest.read(directory)
         for art in manifest.artifacts:
             label = f"{directory.name}/{art.path}"
-            if art.runtime != "executorch":
+            if not get_target(art.runtime).phone:
                 skipped.append(label)
                 continue
             folder = directory / art.path
@@ -298,25 +301,6 @@ def parse_peak_rss_kib(output: str) -> int | None:
     """``time -v``'s maximum resident set size in KiB (toybox or GNU wording)."""
     hits = _RSS.findall(output)
     return int(hits[-1]) if hits else None
-
-
-def cell_row(meta: dict[str, Any], passes: list[dict[str, float]], rss_kib: list[int | None]) -> dict[str, Any]:
-    """A bench row (every key of ``ROW_FIELDS``) from the measured invocations of one cell.
-    ``decode_ms_p50``/``p90`` are over the invocations' mean ms per token: the stock runner
-    reports no per-token times."""
-    pp, pp_std = _mean_std([p["prefill_tok_s"] for p in passes])
-    tg, tg_std = _mean_std([p["decode_tok_s"] for p in passes])
-    per_token = [p["decode_ms_per_token"] for p in passes]
-    known = [r for r in rss_kib if r is not None]
-    return {
-        **meta,
-        "prefill_tok_s": pp, "prefill_tok_s_std": pp_std, "decode_tok_s": tg, "decode_tok_s_std": tg_std,
-        "ttft_ms": sum(p["ttft_ms"] for p in passes) / len(passes),
-        "decode_ms_p50": _percentile(per_token, 0.5), "decode_ms_p90": _percentile(per_token, 0.9),
-        "load_s": sum(p["load_s"] for p in passes) / len(passes),
-        "peak_rss_mb": max(known) / 1024.0 if known else math.nan,
-        "prompt_tokens": passes[-1]["prompt_tokens"], "generated_tokens": passes[-1]["generated_tokens"],
-    }
 
 
 def _tail(text: str, lines: int = 15) -> str:
@@ -407,7 +391,7 @@ def bench_adb(directories: Sequence[str | Path], opts: BenchOptions, adb_opts: A
                         else:  # --seq_len counts prompt + generated tokens as the device's tokenizer counts
                             seq_len = parse_stats(output)["prompt_tokens"] + opts.gen_len
                             seq_len = min(seq_len, art.context) if art.context else seq_len
-                    row = cell_row(meta, passes, rss)
+                    row = runner_row(meta, passes, rss)
                     _check_counts(row, p, opts.gen_len, warnings)
                     say(f"    pp{p} {row['prefill_tok_s']:.1f} tok/s, tg{opts.gen_len} {row['decode_tok_s']:.1f} tok/s, "
                         f"RSS {row['peak_rss_mb']:.0f} MB")

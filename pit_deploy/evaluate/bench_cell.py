@@ -17,10 +17,13 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     """Load, warm up, measure through this package's driver; returns the row."""
     import torch
 
-    from ..runtime.base import driver_class
+    from ..runtime.drivers import driver_class
     from ..runtime.standalone import measure_cell
+    from ..targets import resolve
 
-    return measure_cell(driver_class(spec["runtime"]),
+    # the cell names its target's driver: a target registered at run time is not known here
+    cls = resolve(spec["driver"]) if spec.get("driver") else driver_class(spec["runtime"])
+    return measure_cell(cls,
                         {**spec, "prompt_ids": torch.tensor(spec["prompt_ids"], dtype=torch.long)})
 
 

@@ -116,3 +116,20 @@ def check_stock_runner(folder: Path, reference: Any, tokenizer: Any, text_prompt
                                      "runner": got["text"], "reference": want})
     check.identical = not check.mismatches
     return check
+
+
+def measure_runner_cell(cell: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One stock-runner cell: a warm-up then ``reps`` generations in one child process."""
+    from ..errors import PitError
+    from ..runtime.llm_runner import pass_figures
+    from .bench_rows import runner_row
+
+    try:
+        out = generate(cell["folder"], [cell["prompt_text"]], cell["gen_len"], threads=cell["threads"],
+                       reps=cell["reps"] + 1, timeout=timeout)
+    except LLMRunnerError as exc:
+        raise PitError(f"{cell['label']}: {exc}") from None
+    runs = out["results"][0]["runs"][1:]
+    row = runner_row(cell["meta"], [pass_figures(r) for r in runs], [out["peak_rss_mb"] * 1024.0])
+    # no first_divergence: the runner reports text, not token ids (verify compares its text)
+    return {**row, "runner_text": out["results"][0]["text"]}

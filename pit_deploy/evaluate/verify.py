@@ -18,10 +18,12 @@ Per prompt (tokenized text when the reference has a tokenizer, seeded random ids
    ``R`` — fed its own choices, it would therefore produce the identical continuation.
 
 ``delta_ti = ‖W_out E − I‖_F`` in float64 from what the runtime outputs: its embedding of all
-``V`` ids and its head applied to the ``d`` basis vectors. For ONNX the interface graph's
-large weights must also be byte-identical to the decoder's.
+``V`` ids and its head applied to the ``d`` basis vectors. A target adds its own checks
+(:meth:`~pit_deploy.targets.base.Target.interface_checks`, ``verify_extras``): for ONNX the
+interface graph's large weights must be byte-identical to the decoder's; every ``.pte`` also
+runs through ExecuTorch's stock LLM runner.
 
-FP32 bounds (``docs/definitions.md``, :mod:`.bounds`): ``logits_rel_l2 ≤ 1e-4``, ``top1_agreement = 1``, greedy identical,
+FP32 bounds (``docs/definitions.md``, :mod:`pit_deploy.schemes`): ``logits_rel_l2 ≤ 1e-4``, ``top1_agreement = 1``, greedy identical,
 ``delta_ti ≤ 1e-5`` — a miss fails the artifact (optimum's own validation would only warn).
 """
 
@@ -37,13 +39,14 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import PitError
-from ..export.recipes import DTYPES, MODES, RUNTIMES, parse_list
+from ..export.recipes import MODES, parse_list
 from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, sha256_file, write_json_atomic
 from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests
 from ..model.core import identity_defect
-from ..runtime.base import driver_class
-from .bounds import BOUNDS, ParityBounds, QuantizedBounds, bounds_for
+from ..runtime.drivers import driver_class
+from ..schemes import DTYPES, SCHEMES, ParityBounds, QuantizedBounds, bounds_for, scheme_names
+from ..targets import VerifyContext, get_target, target_names
 
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
@@ -67,6 +70,8 @@ class ArtifactResult:
     runtime: str
     mode: str
     dtype: str = "float32"
+    #: the quantization scheme (``None`` in results recorded before schemes: the dtype's)
+    scheme: str | None = None
     logits_rel_l2: float | None = None
     logits_max_abs: float | None = None
     prefill_rel_l2: float | None = None
@@ -96,12 +101,12 @@ class ArtifactResult:
 
     @property
     def key(self) -> str:
-        return artifact_key(self.runtime, self.mode, self.dtype)
+        return artifact_key(self.runtime, self.mode, self.scheme or self.dtype)
 
     def judge(self, bounds: ParityBounds | QuantizedBounds | None = None) -> "ArtifactResult":
         """Apply the bounds. Every comparison is written so that NaN fails it: ``not x <= b``
         is true for NaN, and a non-finite figure is named as such (``docs/definitions.md``)."""
-        bounds = bounds or bounds_for(self.dtype)
+        bounds = bounds or bounds_for(self.scheme or self.dtype)
         self.bounds = bounds.to_dict()
         fails = []
         if self.nonfinite_outputs:
@@ -172,18 +177,18 @@ class VerifyReport:
     def passed(self) -> bool:
         return bool(self.artifacts) and all(a.passed for a in self.artifacts)
 
-    def result(self, runtime: str, mode: str, dtype: str = "float32") -> ArtifactResult:
-        """The result of the ``runtime``-``mode``(-``dtype``) artifact (``KeyError`` if not verified)."""
+    def result(self, runtime: str, mode: str, scheme: str = "float32") -> ArtifactResult:
+        """The result of the ``runtime``-``mode``(-``scheme``) artifact (``KeyError`` if not verified)."""
         for r in self.artifacts:
-            if r.runtime == runtime and r.mode == mode and r.dtype == dtype:
+            if r.key == artifact_key(runtime, mode, scheme):
                 return r
-        raise KeyError(f"no verification result for {runtime}-{mode} ({dtype})")
+        raise KeyError(f"no verification result for {runtime}-{mode} ({scheme})")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "directory": self.directory,
             "passed": self.passed,
-            "bounds": {dt: b.to_dict() for dt, b in BOUNDS.items()},
+            "bounds": {name: s.bounds.to_dict() for name, s in SCHEMES.items()},
             "artifacts": [asdict(a) for a in self.artifacts],
         }
 
@@ -273,21 +278,15 @@ def delta_ti_of(emb: torch.Tensor, head_logits: torch.Tensor) -> float:
 
 
 def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, float, bool | None, list[str]]:
-    """``delta_ti`` measured on the runtime, the reference's, and (ONNX) whether the interface
-    graph reads the decoder's very weight bytes."""
+    """``delta_ti`` measured on the runtime, the reference's, and the target's own interface
+    checks (ONNX: whether the interface graph reads the decoder's very weight bytes)."""
     from ..model.inspect import effective_interface
 
     vocab, dim = art.shapes["vocab_size"], art.shapes["hidden_size"]
     emb, head = driver.interface(vocab, dim)
     e_ref, w_ref, _ = effective_interface(reference)
-    notes: list[str] = []
-    weights_shared = None
-    if art.runtime == "onnx":
-        from ..runtime.onnx_weights import shared_weights
-
-        weights_shared, msg = shared_weights(directory / art.path, min_elements=dim * dim)
-        notes.append(msg)
-    return delta_ti_of(emb, head), delta_ti_of(e_ref, w_ref), weights_shared, notes
+    weights_shared, notes = get_target(art.runtime).interface_checks(directory / art.path, dim)
+    return delta_ti_of(emb, head), delta_ti_of(e_ref, w_ref), weights_shared, list(notes)
 
 
 @torch.no_grad()
@@ -314,7 +313,7 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
     correction, exact = quant.get("pit_correction"), quant.get("interface_exact")
     notes.append(f"held-out set: {len(blocks)} × {len(blocks[0])} tokens, {heldout.get('source', '?')}")
     return ArtifactResult(
-        runtime=art.runtime, mode=art.mode, dtype=art.dtype,
+        runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
         kl_mean=figures.kl_mean, kl_p99=figures.kl_p99, same_top1=figures.same_top1,
         ppl_ratio=figures.ppl_ratio, heldout_tokens=figures.tokens, pit_correction=correction,
         interface_exact=exact,
@@ -382,7 +381,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
         top1_agreement=agree / max(total, 1), greedy_match=greedy_ok,
         delta_ti=delta, reference_delta_ti=ref_delta,
         prompts=len(prompts), greedy_tokens=n_new, weights_shared=weights_shared, notes=notes,
-        tying=getattr(art, "tying", "pit"), dtype=art.dtype, nonfinite_outputs=nonfinite,
+        tying=getattr(art, "tying", "pit"), dtype=art.dtype, scheme=art.scheme_name, nonfinite_outputs=nonfinite,
     ).judge(bounds)
 
 
@@ -419,46 +418,38 @@ def verify_directory(
         )
     selected = manifest.artifacts
     if runtimes is not None:
-        wanted = parse_list(runtimes, RUNTIMES, "runtime")
+        wanted = parse_list(runtimes, target_names(), "runtime")
         selected = [a for a in selected if a.runtime in wanted]
     if modes is not None:
         wanted_modes = parse_list(modes, MODES, "mode")
         selected = [a for a in selected if a.mode in wanted_modes]
     if dtypes is not None:
-        wanted_dtypes = parse_list(dtypes, DTYPES, "dtype")
-        selected = [a for a in selected if a.dtype in wanted_dtypes]
+        wanted_dtypes = parse_list(dtypes, tuple(dict.fromkeys(DTYPES + scheme_names())), "dtype")
+        selected = [a for a in selected if a.dtype in wanted_dtypes or a.scheme_name in wanted_dtypes]
     if not selected:
         have = ", ".join(a.key for a in manifest.artifacts) or "none"
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
-    runner_refs: dict = {}  # the reference's stock-runner texts, shared by the .pte artifacts
+    ctx = VerifyContext(directory=directory, reference=reference, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
+                        greedy_tokens=GREEDY_TOKENS, cache={})
     overrides = (manifest.recipe or {}).get("bounds") or {}
     results = []
     for art in selected:
-        bounds = bounds_for(art.dtype, overrides.get(art.dtype))
-        if isinstance(bounds, QuantizedBounds):
+        bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name))
+        quantized = isinstance(bounds, QuantizedBounds)
+        if quantized:
             result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds)
         else:
             result = verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds)
-        if art.runtime == "executorch":
-            from .stock_runner import check_stock_runner
-
-            check = check_stock_runner(directory / art.path, reference, tokenizer, TEXT_PROMPTS,
-                                       GREEDY_TOKENS, art.shapes.get("max_seq_len"), runner_refs)
-            result.stock_runner = check.to_dict()
-            if check.skipped:
-                result.notes.append(f"stock LLM runner not run: {check.skipped}")
-            elif check.identical is False and isinstance(bounds, QuantizedBounds):
-                result.notes.append("the stock LLM runner's greedy text differs from the fp32 reference's "
-                                    "(expected of a quantized artifact; judged by its KL bounds)")
-            result.judge(bounds)
+        get_target(art.runtime).verify_extras(ctx, art, result, quantized)
+        result.judge(bounds)
         results.append(result)
     report = VerifyReport(str(directory), results)
     if record:
         data = json.loads((directory / MANIFEST_NAME).read_text())
         previous = data.get("verification") or {}
-        by_key = {artifact_key(r["runtime"], r["mode"], r.get("dtype", "float32")): r
+        by_key = {artifact_key(r["runtime"], r["mode"], r.get("scheme") or r.get("dtype", "float32")): r
                   for r in previous.get("artifacts", [])}
         by_key.update({r.key: asdict(r) for r in results})
         data["verification"] = {

@@ -23,11 +23,11 @@ from ..io.fs import atomic_directory, check_output_dir
 from ..convert.conversion import convert_model
 from ..model.inspect import find_interface
 from ..errors import PitError
-from .registry import exporter_for
 from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
 from ..io.sources import LoadedModel, load_source
+from ..targets import get_target
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -87,11 +87,12 @@ def export_model(
     out = check_output_dir(out, force, protect=(loaded.source.get("path") or "",))  # never the source
     wanted = [(r, m) for m in modes for r in recipe.runtimes]
     for runtime in dict.fromkeys(r for r, _ in wanted):
-        exporter_for(runtime).precheck(model.config, recipe)
+        get_target(runtime).precheck(model.config, recipe)
     recipe.check_model(model.config)
     dtype = torch.float32  # the reference and the prepared models; quantization is the exporters'
     model = model.to(dtype).eval()
-    quantized = [d for d in recipe.dtypes if d != "float32"]
+    schemes = recipe.schemes()
+    quantized = [s for s in schemes if s.quantized]
 
     with atomic_directory(out, force) as tmp:
         say(f"saving the {'tied' if keep_tying else 'PIT'} reference checkpoint to {REFERENCE_DIR}/")
@@ -104,7 +105,7 @@ def export_model(
         artifacts: list[Artifact] = []
         heldout = None
         if quantized:
-            from ..evaluate.heldout import heldout_blocks
+            from ..data.heldout import heldout_blocks
 
             heldout = heldout_blocks(loaded.tokenizer, model.config, recipe)
             say(f"held-out set for quantized parity: {len(heldout['blocks'])} × {len(heldout['blocks'][0])} "
@@ -115,19 +116,21 @@ def export_model(
                 continue
             prepared = prepare(model, mode, dtype)
             for runtime in runtimes:
-                for art_dtype in recipe.dtypes:
-                    name = artifact_key(runtime, mode, art_dtype)
+                target = get_target(runtime)
+                for scheme in schemes:
+                    name = artifact_key(runtime, mode, scheme.name)
                     say(f"exporting {name}")
                     start = time.perf_counter()
-                    exporter = exporter_for(runtime)
-                    details = exporter.export(prepared, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
-                                              opset=opset, dtype=art_dtype)
+                    details = target.export(prepared, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
+                                            scheme=scheme, opset=opset)
+                    if scheme.quantized:
+                        details["scheme"] = scheme.settings()
                     seconds = time.perf_counter() - start
                     art = Artifact(
-                        runtime=runtime, mode=mode, dtype=art_dtype, path=name,
-                        files=file_table(tmp, tmp / name), shapes=exporter.shapes(prepared.config, mode, recipe),
+                        runtime=runtime, mode=mode, dtype=scheme.dtype, path=name,
+                        files=file_table(tmp, tmp / name), shapes=target.shapes(prepared.config, mode, recipe),
                         details=details, export_seconds=round(seconds, 3),
-                        tying="tied" if keep_tying else "pit",
+                        tying="tied" if keep_tying else "pit", scheme=scheme.name,
                     )
                     say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
                     artifacts.append(art)

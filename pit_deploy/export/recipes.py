@@ -1,119 +1,155 @@
 """Declarative export recipes: ``export/<name>.toml`` files (or ``.json``).
 
-A recipe names the runtimes, modes, dtypes and the static cache length of an export, and for
-quantized dtypes the group size, the PIT correction and the parity bounds::
+A recipe names the targets, modes, quantization schemes and the static cache length of an
+export, and may override a quantized scheme's settings and bounds::
 
-    runtimes = ["onnx", "executorch"]
+    runtimes = ["onnx", "executorch"]       # targets (pit_deploy/targets/)
     modes = ["materialized", "factorized"]
-    dtype = ["float32", "int8", "int4"]     # one string or a list
+    dtype = ["float32", "int8", "int4"]     # schemes (pit_deploy/schemes.py), one artifact each
     max_seq_len = 256
-    group_size = 32                         # int4 blocks / int8 table blocks along the input dim
-    pit_correction = true                   # factorized quantized: T⁻¹ → (ẐᵀẐ)⁻¹ T⁻¹
-    table_bits = 8                          # bits of the token tables: ONNX head + embedding, .pte gather
-    int4_8bit_layers = ["v_proj", "down_proj"]  # int4: linears kept at 8 bits (both runtimes)
-    pte_head_bits = 0                       # quantized factorized .pte: 0 = fp32 head (exact W_out E = I);
-                                            # 4 or 8 = a rotated quantized head (smaller, faster)
-    [bounds.int4]                           # overrides the built-in bounds of a dtype
+    group_size = 32                         # overrides of every quantized scheme's settings;
+    pit_correction = true                   # left out, each scheme keeps its own
+    table_bits = 8
+    int4_8bit_layers = ["v_proj", "down_proj"]
+    pte_head_bits = 0
+    [bounds.int4]                           # overrides the scheme's bounds
     kl_mean = 0.5
+
+The fields are :class:`Recipe`'s: ``pit-deploy export``'s flags are generated from them, and a
+run recipe's ``[export]`` table is this recipe (``docs/design.md``, "Configuration").
 
 ``pit-deploy export --recipe NAME`` reads ``NAME`` as a path to such a file, or looks for
 ``NAME.toml`` / ``NAME.json`` in ``./export/`` (the user's own recipes) and then among the
 recipes shipped inside the package (``pit_deploy/recipes/``, package data, so a normal
 non-editable install finds them). Command-line flags override recipe fields.
-
-Runtimes and dtypes are those the exporter registry (:mod:`.registry`) knows.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import PitError
-from .registry import EXPORTERS
+from ..options import opt
+from ..schemes import GROUP_SIZES, Scheme, get_scheme, scheme_names
+from ..targets import get_target, target_names
 
-RUNTIMES: tuple[str, ...] = tuple(EXPORTERS)
 MODES: tuple[str, ...] = ("materialized", "factorized")
-DTYPES: tuple[str, ...] = tuple(dict.fromkeys(d for spec in EXPORTERS.values() for d in spec.dtypes))
 #: the recipes shipped with the package (package data)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
-_FIELDS = ("runtimes", "modes", "dtype", "max_seq_len", "description", "group_size", "pit_correction", "bounds",
-           "table_bits", "int4_8bit_layers", "pte_head_bits")
-GROUP_SIZES = (16, 32, 64, 128, 256)
+#: scheme settings a recipe may override (``None``: each scheme's own)
+SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits")
 
 
 @dataclass(frozen=True)
 class Recipe:
     """What to export. Validated on construction (raises :class:`PitError`)."""
 
-    runtimes: tuple[str, ...] = RUNTIMES
-    modes: tuple[str, ...] = MODES
-    dtype: tuple[str, ...] = ("float32",)
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
-    description: str = ""
-    name: str = "builtin-default"
-    group_size: int = 32
-    pit_correction: bool = True
-    table_bits: int = 8
-    #: int4: linear layers (name suffixes) kept at 8 bits on both runtimes (docs/quantization.md)
-    int4_8bit_layers: tuple[str, ...] = ("v_proj", "down_proj")
-    #: quantized factorized .pte: 0 keeps the fp32 head, 4/8 a rotated quantized head (export/pte_head.py)
-    pte_head_bits: int = 0
-    bounds: dict[str, dict[str, Any]] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    runtimes: tuple[str, ...] | None = opt(None, "comma list of targets (default: every target)", flag="--runtime",
+                                    group="what", parse="tuple[str, ...]")
+    modes: tuple[str, ...] = opt(MODES, "comma list of materialized, factorized (default: both)", flag="--mode",
+                                 group="what", parse="tuple[str, ...]")
+    dtype: tuple[str, ...] = opt(("float32",), "comma list of schemes: float32 (default), int8, int4, int4-compact "
+                                 "(one artifact each)", group="what", parse="tuple[str, ...]")
+    max_seq_len: int = opt(DEFAULT_MAX_SEQ_LEN, "static KV cache length of the .pte (default 256)", group="what")
+    description: str = opt("", cli=False)
+    name: str = opt("builtin-default", cli=False)
+    group_size: int | None = opt(None, "int4/int8 block size along the input dimension (default: the scheme's, 32)",
+                                 group="quantization")
+    pit_correction: bool | None = opt(None, "factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then "
+                                      "drifts from I)", flag="--no-pit-correction", group="quantization")
+    table_bits: int | None = opt(None, "bits of the quantized token tables (default: the scheme's): ONNX head and "
+                                 "embedding, the .pte embedding's gather table", group="quantization",
+                                 choices=(4, 8))
+    int4_8bit_layers: tuple[str, ...] | None = opt(
+        None, "int4: comma list of linears kept at 8 bits (default: the scheme's)", group="quantization")
+    pte_head_bits: int | None = opt(None, "quantized factorized .pte: 0 keeps the fp32 head and an exact W_out E = I "
+                                    "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; the head "
+                                    "rounds its input)", group="quantization", choices=(0, 4, 8))
+    bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "runtimes", tuple(parse_list(self.runtimes, RUNTIMES, "runtime")))
+        runtimes = target_names() if self.runtimes is None else self.runtimes
+        object.__setattr__(self, "runtimes", tuple(parse_list(runtimes, target_names(), "runtime")))
         object.__setattr__(self, "modes", tuple(parse_list(self.modes, MODES, "mode")))
-        object.__setattr__(self, "dtype", tuple(parse_list(self.dtype, DTYPES, "dtype")))
-        for runtime in self.runtimes:
-            refused = [d for d in self.dtype if d not in EXPORTERS[runtime].dtypes]
-            if refused:
-                raise PitError(f"the {runtime} runtime does not export {', '.join(refused)}; it supports "
-                               f"{', '.join(EXPORTERS[runtime].dtypes)}")
+        object.__setattr__(self, "dtype", tuple(parse_list(self.dtype, scheme_names(), "dtype")))
         if not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len < 2:
             raise PitError(f"max_seq_len must be an integer ≥ 2, got {self.max_seq_len!r}")
-        if self.group_size not in GROUP_SIZES or isinstance(self.group_size, bool):
-            raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
-        if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
-            raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
-        if self.pte_head_bits not in (0, 4, 8) or isinstance(self.pte_head_bits, bool):
-            raise PitError(f"pte_head_bits must be 0 (a float32 head), 4 or 8, got {self.pte_head_bits!r}")
-        layers = self.int4_8bit_layers
-        if not isinstance(layers, (list, tuple)) or not all(isinstance(n, str) and n for n in layers):
-            raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "
-                           f"got {layers!r}")
-        object.__setattr__(self, "int4_8bit_layers", tuple(layers))
-        if not isinstance(self.pit_correction, bool):
-            raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
-        if not isinstance(self.bounds, dict) or any(k not in DTYPES or not isinstance(v, dict)
+        if self.int4_8bit_layers is not None:
+            layers = self.int4_8bit_layers
+            if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
+                raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "
+                               f"got {layers!r}")
+            object.__setattr__(self, "int4_8bit_layers", tuple(layers))
+        if not isinstance(self.bounds, dict) or any(k not in self.dtype or not isinstance(v, dict)
                                                    for k, v in self.bounds.items()):
-            raise PitError(f"bounds must be a table per dtype ({', '.join(DTYPES)}), got {self.bounds!r}")
+            raise PitError(f"bounds must be a table per exported scheme ({', '.join(self.dtype)}), got {self.bounds!r}")
+        get_scheme("int4").with_settings(**self.overrides())  # the overrides' values, whatever the schemes
+        schemes = self.schemes()  # validates the settings and the bounds
+        read = {k for r in self.runtimes for k in get_target(r).scheme_settings}
+        ignored = [k for k in self.overrides() if k not in read]
+        if ignored:
+            readers = [t for t in target_names() if ignored[0] in get_target(t).scheme_settings]
+            raise PitError(f"{ignored[0]} applies to the {', '.join(readers) or 'no'} runtime(s) only, and this export "
+                           f"has {', '.join(self.runtimes)}; drop it or add the runtime")
+        for runtime in self.runtimes:
+            target = get_target(runtime)
+            refused = [s.name for s in schemes if s.dtype not in target.dtypes]
+            if refused:
+                raise PitError(f"the {runtime} runtime does not export {', '.join(refused)}; it supports "
+                               f"{', '.join(target.dtypes)}")
+            elsewhere = [s.name for s in schemes if s.runtimes is not None and runtime not in s.runtimes]
+            if elsewhere:
+                raise PitError(f"the {', '.join(elsewhere)} scheme is meant for {', '.join(get_scheme(elsewhere[0]).runtimes)} "
+                               f"only, not {runtime}; choose another dtype or --runtime")
 
     @property
     def dtypes(self) -> tuple[str, ...]:
         return self.dtype
 
+    def overrides(self) -> dict[str, Any]:
+        """The scheme settings this recipe sets (the others stay each scheme's)."""
+        return {k: getattr(self, k) for k in SCHEME_SETTINGS if getattr(self, k) is not None}
+
+    def schemes(self) -> list[Scheme]:
+        """The recipe's schemes with its overrides of their settings and bounds applied."""
+        out = []
+        for name in self.dtype:
+            scheme = get_scheme(name)
+            if scheme.quantized:
+                scheme = scheme.with_settings(**self.overrides())
+            out.append(scheme.with_bounds(self.bounds.get(name)))
+        return out
+
     def check_model(self, config: Any) -> None:
-        """Raise :class:`PitError` if a quantized dtype's group size does not divide the hidden size."""
+        """Raise :class:`PitError` if a quantized scheme's group size does not divide the hidden size."""
         d = int(config.hidden_size)
-        if any(dt != "float32" for dt in self.dtype) and d % self.group_size:
-            raise PitError(f"group size {self.group_size} does not divide the hidden size {d}; "
-                           f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
+        for scheme in self.schemes():
+            if scheme.quantized and d % scheme.group_size:
+                raise PitError(f"group size {scheme.group_size} does not divide the hidden size {d}; "
+                               f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
 
     def override(self, **kwargs: Any) -> "Recipe":
         """A copy with every non-``None`` keyword replaced."""
         return replace(self, **{k: v for k, v in kwargs.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["runtimes"], data["modes"], data["dtype"] = list(self.runtimes), list(self.modes), list(self.dtype)
-        data["int4_8bit_layers"] = list(self.int4_8bit_layers)
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in ("runtimes", "modes", "dtype"):
+            data[key] = list(data[key])
+        if data["int4_8bit_layers"] is not None:
+            data["int4_8bit_layers"] = list(data["int4_8bit_layers"])
+        data["bounds"] = {k: dict(v) for k, v in self.bounds.items()}
         return data
+
+
+def recipe_fields() -> tuple[str, ...]:
+    """The keys a recipe file (or a run recipe's ``[export]`` table) may set."""
+    return tuple(f.name for f in fields(Recipe) if f.name != "name")
 
 
 def parse_list(value: Any, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -170,7 +206,9 @@ def load_recipe(name: str) -> Recipe:
             data = json.loads(path.read_text())
     except Exception as exc:
         raise PitError(f"cannot parse recipe {path}: {exc}") from None
-    unknown = sorted(set(data) - set(_FIELDS))
+    if not isinstance(data, dict):
+        raise PitError(f"recipe {path} must be a table of fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(recipe_fields()))
     if unknown:
-        raise PitError(f"recipe {path} has unknown field(s) {unknown}; allowed: {', '.join(_FIELDS)}")
+        raise PitError(f"recipe {path} has unknown field(s) {unknown}; allowed: {', '.join(recipe_fields())}")
     return Recipe(name=path.stem, **data)

@@ -38,7 +38,8 @@ from transformers import PreTrainedModel, StaticCache
 
 from ..errors import PitError
 from ..model.families import max_positions
-from ..runtime.executorch_driver import PTE_NAME
+from ..schemes import Scheme
+from ..targets.executorch_xnnpack import PTE_NAME
 from .passes import InterfaceProbe
 from .pte_head import xnnpack_linear_config
 from .pte_token_table import quantize_token_table
@@ -249,7 +250,7 @@ def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, us
 
 
 def precheck(config, recipe) -> None:
-    """Before any slow work: the static cache must fit the model (registry hook)."""
+    """Before any slow work: the static cache must fit the model (the target's precheck)."""
     check_max_seq_len(config, recipe.max_seq_len)
 
 
@@ -302,17 +303,17 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
-                    opset: int | None = None, dtype: str = "float32") -> dict:
-    """The registry's entry point (:mod:`pit_deploy.export.registry`). The folder also gets the
-    tokenizer file ExecuTorch's stock LLM runner loads (:mod:`.runner_tokenizer`)."""
-    if dtype == "float32":
+                    scheme: Scheme, opset: int | None = None) -> dict:
+    """The ``executorch`` target's exporter (:mod:`pit_deploy.targets.executorch_xnnpack`). The
+    folder also gets the tokenizer file ExecuTorch's stock LLM runner loads (:mod:`.runner_tokenizer`)."""
+    if not scheme.quantized:
         written = export_pte(model, out_dir, recipe.max_seq_len)
     else:
-        quantized, details = quantize_linears(model, dtype, recipe.group_size, recipe.int4_8bit_layers)
+        quantized, details = quantize_linears(model, scheme.dtype, scheme.group_size, scheme.int4_8bit_layers)
         # the embedding reads an 8-bit table; a factorized head stays a matmul with the fp32 Zᵀ
         # (not an nn.Linear) and the correction keeps W_out E = I exact, unless pte_head_bits
         # asks for a rotated quantized head (:mod:`.pte_token_table`, :mod:`.pte_head`)
-        details.update(quantize_token_table(quantized, recipe.group_size, recipe.pit_correction,
-                                            table_bits=recipe.table_bits, head_bits=recipe.pte_head_bits))
+        details.update(quantize_token_table(quantized, scheme.group_size, scheme.pit_correction,
+                                            table_bits=scheme.table_bits, head_bits=scheme.pte_head_bits))
         written = {**export_pte(quantized, out_dir, recipe.max_seq_len), "quantization": details}
     return {**written, **write_runner_tokenizer(tokenizer, out_dir)}

@@ -28,7 +28,8 @@ from transformers import PreTrainedModel
 
 from ..io.checkpoint import save_tokenizer
 from ..model.inspect import tying_of
-from ..runtime.ort_driver import DECODER_DATA, DECODER_NAME, INTERFACE_NAME
+from ..schemes import Scheme
+from ..targets.onnx_optimum import DECODER_DATA, DECODER_NAME, INTERFACE_NAME
 from .passes import InterfaceProbe
 
 ONNX_TASK = "text-generation-with-past"
@@ -150,8 +151,8 @@ def share_interface_weights(out_dir: Path, interface, min_elements: int) -> list
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
-                    opset: int | None = None, dtype: str = "float32") -> dict:
-    """The registry's entry point (:mod:`pit_deploy.export.registry`)."""
-    return export_onnx(model, out_dir, tokenizer, opset, dtype=dtype, group_size=recipe.group_size,
-                       pit_correction=recipe.pit_correction, table_bits=recipe.table_bits,
-                       keep_8bit=recipe.int4_8bit_layers)
+                    scheme: Scheme, opset: int | None = None) -> dict:
+    """The ``onnx`` target's exporter (:mod:`pit_deploy.targets.onnx_optimum`)."""
+    return export_onnx(model, out_dir, tokenizer, opset, dtype=scheme.dtype, group_size=scheme.group_size,
+                       pit_correction=scheme.pit_correction, table_bits=scheme.table_bits,
+                       keep_8bit=scheme.int4_8bit_layers)

@@ -4,9 +4,10 @@ Layout of an export directory::
 
     manifest.json                     this file (written last: its presence means "complete")
     reference/                        the PIT checkpoint the artifacts were made from
-    <runtime>-<mode>/...              one folder per artifact (e.g. onnx-factorized/model.onnx)
+    <runtime>-<mode>[-<scheme>]/...   one folder per artifact (e.g. onnx-factorized/model.onnx,
+                                      onnx-factorized-int4-compact/model.onnx)
 
-The manifest records, per artifact: runtime, mode, dtype, shapes, files with their sha256 and
+The manifest records, per artifact: runtime (the target), mode, dtype, quantization scheme, shapes, files with their sha256 and
 size, export time; globally: the source model's description and digest, the sha256 of the
 reference weights, library versions, and — after ``pit-deploy verify`` — the verification
 results. Updates (verification results) are written to a temporary file and renamed over the
@@ -43,10 +44,10 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def artifact_key(runtime: str, mode: str, dtype: str = "float32") -> str:
+def artifact_key(runtime: str, mode: str, scheme: str = "float32") -> str:
     """An artifact's name (and folder): ``onnx-factorized`` for fp32, ``onnx-factorized-int4``
-    for a quantized dtype."""
-    return f"{runtime}-{mode}" if dtype == "float32" else f"{runtime}-{mode}-{dtype}"
+    for the int4 scheme, ``onnx-factorized-int4-compact`` for another int4 scheme."""
+    return f"{runtime}-{mode}" if scheme == "float32" else f"{runtime}-{mode}-{scheme}"
 
 
 def file_table(root: Path, folder: Path) -> dict[str, dict[str, Any]]:
@@ -59,7 +60,7 @@ def file_table(root: Path, folder: Path) -> dict[str, dict[str, Any]]:
 
 @dataclass
 class Artifact:
-    """One exported artifact (a runtime × mode pair)."""
+    """One exported artifact (a target × mode × scheme)."""
 
     runtime: str
     mode: str
@@ -70,10 +71,17 @@ class Artifact:
     details: dict[str, Any] = field(default_factory=dict)
     export_seconds: float = 0.0
     tying: str = "pit"  #: ``pit``, or ``tied`` for a transpose-tied baseline (``export --keep-tying``)
+    #: the quantization scheme (``pit_deploy/schemes.py``); empty in manifests written before
+    #: schemes, whose scheme is their dtype
+    scheme: str = ""
+
+    @property
+    def scheme_name(self) -> str:
+        return self.scheme or self.dtype
 
     @property
     def key(self) -> str:
-        return artifact_key(self.runtime, self.mode, self.dtype)
+        return artifact_key(self.runtime, self.mode, self.scheme_name)
 
     @property
     def quantized(self) -> bool:
@@ -153,9 +161,10 @@ class Manifest:
             files += list(art.files)
         return files
 
-    def artifact(self, runtime: str, mode: str, dtype: str = "float32") -> Artifact | None:
+    def artifact(self, runtime: str, mode: str, scheme: str = "float32") -> Artifact | None:
+        """The artifact of ``runtime``, ``mode`` and ``scheme`` (a dtype names its own scheme)."""
         for art in self.artifacts:
-            if art.runtime == runtime and art.mode == mode and art.dtype == dtype:
+            if art.key == artifact_key(runtime, mode, scheme):
                 return art
         return None
 
@@ -165,7 +174,7 @@ _ARTIFACT_TYPES = {"runtime": str, "mode": str, "dtype": str, "path": str, "file
 
 def _validate(path: Path, data: dict[str, Any]) -> None:
     """Name the key of a manifest that is missing or of the wrong type (exit 2, not a traceback)."""
-    from ..runtime.base import DRIVERS
+    from ..targets import target_names
 
     for key, kind in (("artifacts", list), ("reference", dict), ("source", dict)):
         if key not in data:
@@ -180,9 +189,9 @@ def _validate(path: Path, data: dict[str, Any]) -> None:
                 raise PitError(f"{path}: artifacts[{i}] has no {key!r}; the manifest is incomplete or tampered")
             if not isinstance(art[key], kind):
                 raise PitError(f"{path}: artifacts[{i}].{key} must be a {kind.__name__}, got {type(art[key]).__name__}")
-        if art["runtime"] not in DRIVERS:
+        if art["runtime"] not in target_names():
             raise PitError(f"{path}: artifacts[{i}].runtime {art['runtime']!r} is not a runtime this pit-deploy "
-                           f"knows ({', '.join(sorted(DRIVERS))})")
+                           f"knows ({', '.join(target_names())})")
         for rel, info in art["files"].items():
             if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
                 raise PitError(f"{path}: artifacts[{i}].files[{rel!r}] needs a sha256 string")

@@ -73,11 +73,18 @@ COHERE = FamilyAdapter(
     "cohere", ("cohere",), logits_multiplier=lambda c: float(getattr(c, "logit_scale", 1.0))
 )
 
-_REGISTRY: dict[str, FamilyAdapter] = {
-    model_type: adapter
-    for adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GPT2, COHERE)
-    for model_type in adapter.model_types
-}
+_REGISTRY: dict[str, FamilyAdapter] = {}
+
+
+def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
+    """Register ``adapter`` for each of its ``model_types`` (a new family is one call)."""
+    for model_type in adapter.model_types:
+        _REGISTRY[model_type] = adapter
+    return adapter
+
+
+for _adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GPT2, COHERE):
+    register_family(_adapter)
 
 
 def supported_model_types() -> list[str]:

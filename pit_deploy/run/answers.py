@@ -23,13 +23,15 @@ def encode_prompt(tokenizer: Any, text: str) -> torch.Tensor:
 
 
 def pick_artifact(export_dirs: list[str]) -> tuple[Path, Any] | None:
-    """The artifact a user would ship: ExecuTorch before ONNX, factorized before materialized,
-    the first export directory (the first dtype of the recipe)."""
+    """The artifact a user would ship: the target that ships first (``Target.ship_priority``:
+    ExecuTorch before ONNX), factorized before materialized, the first export directory (the
+    first dtype of the recipe)."""
     from ..io.manifest import Manifest
+    from ..targets import get_target
 
     for directory in export_dirs:
         manifest = Manifest.read(directory)
-        order = sorted(manifest.artifacts, key=lambda a: (a.runtime != "executorch", a.mode != "factorized"))
+        order = sorted(manifest.artifacts, key=lambda a: (get_target(a.runtime).ship_priority, a.mode != "factorized"))
         if order:
             return Path(directory), order[0]
     return None
@@ -41,7 +43,8 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
 
     from ..evaluate.stock_runner import eos_ids
     from ..io.sources import load_source
-    from ..runtime.base import driver_class, greedy
+    from ..runtime.base import greedy
+    from ..runtime.drivers import driver_class
     from ..runtime.torch_driver import TorchDriver
 
     chosen = pick_artifact(ctx.get("export", {}).get("exports", []))

@@ -140,10 +140,10 @@ def plan(stage: str, recipe: RunRecipe, ctx: dict[str, dict[str, Any]]) -> tuple
     if stage == "convert":
         return {**recipe["convert"], "model": run["model"], "data": run["data"]}, {"model": source_fingerprint(run["model"])}
     if stage == "train":
-        return ({**recipe["train"], "lora": recipe["lora"], "model": run["model"], "data": run["data"]},
+        return ({**recipe.effective("train"), "lora": recipe["lora"], "model": run["model"], "data": run["data"]},
                 {"converted": ctx.get("convert", {}).get("digest")})
     if stage == "export":
-        return recipe["export"], {"model": ctx.get("train", {}).get("digest")}
+        return recipe.export_recipe().to_dict(), {"model": ctx.get("train", {}).get("digest")}
     if stage == "verify":
         return recipe["verify"], {"exports": ctx.get("export", {}).get("digests")}
     if stage == "bench":
@@ -205,7 +205,7 @@ def stage_convert(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: b
 
 def stage_train(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
     """Continued pretraining (PIT, and TT when asked) and then LoRA when the recipe asks."""
-    train = recipe["train"]
+    train = recipe.effective("train")
     converted = ctx["convert"]["model"]
     runs: dict[str, Any] = {}
     final = converted
@@ -260,11 +260,13 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
 
 
 def run_distributed(cfg: Any, nproc: int) -> None:
-    """``torchrun --nproc-per-node N -m pit_deploy train …`` with the config as flags."""
-    from ..cli import train_argv
+    """``torchrun --nproc-per-node N -m pit_deploy train --config FILE``: the training config
+    travels as a JSON file of its fields (:func:`pit_deploy.train.config.write_config`)."""
+    from ..train.config import write_config
 
+    path = write_config(cfg, Path(cfg.out).with_name(Path(cfg.out).name + ".config.json"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "pit_deploy", "train", *train_argv(cfg)]
+           "-m", "pit_deploy", "train", "--config", str(path)]
     proc = subprocess.run(cmd, env=os.environ.copy())
     if proc.returncode != 0:
         raise StageFailed(f"torchrun training exited with {proc.returncode}", 2 if proc.returncode == 2 else 3)
@@ -273,17 +275,13 @@ def run_distributed(cfg: Any, nproc: int) -> None:
 def stage_export(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
     """Export the final model: runtimes × modes, one export directory per dtype."""
     from ..export.pipeline import export_model, load_pit_source
-    from ..export.recipes import Recipe
 
-    exp = recipe["export"]
+    exp = recipe.export_recipe()
     loaded = load_pit_source(ctx["train"]["model"])
     dirs, digests = [], {}
-    for dtype in _as_list(exp["dtypes"]):
-        target = folder / f"export-{dtype}"
-        export_recipe = Recipe(runtimes=tuple(_as_list(exp["runtimes"])), modes=tuple(_as_list(exp["modes"])),
-                               dtype=dtype, max_seq_len=int(exp["max_seq_len"]), name=f"run-{recipe.name}",
-                               pte_head_bits=exp["pte_head_bits"])
-        export_model(loaded, target, export_recipe, force=True, progress=lambda m: say("  " + m))
+    for scheme in exp.dtype:  # one export directory per scheme
+        target = folder / f"export-{scheme}"
+        export_model(loaded, target, exp.override(dtype=(scheme,)), force=True, progress=lambda m: say("  " + m))
         dirs.append(str(target))
         digests[target.name] = digest_path(target / "manifest.json")
     return {"exports": dirs, "digests": digests}
@@ -314,10 +312,9 @@ def stage_bench(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: boo
     b = recipe["bench"]
     if not b["enabled"]:
         return {"disabled": True, "rows": []}
-    from ..evaluate.bench import BenchOptions, bench_directories
+    from ..evaluate.bench import bench_directories, bench_options
 
-    opts = BenchOptions(threads=tuple(_as_list(b["threads"])), prompt_lens=(int(b["prompt_len"]),),
-                        gen_len=int(b["gen_len"]), reps=int(b["reps"]))
+    opts = bench_options(b)
     result = bench_directories(ctx["export"]["exports"], opts, progress=lambda m: say("  " + m))
     data = result.to_dict()
     write_json_atomic(folder / "bench.json", data)

@@ -1,7 +1,12 @@
 """Run recipes: what ``pit-deploy run`` does, stage by stage, in one TOML file.
 
-A run recipe has one table per stage; every key has a default here, so a recipe only says what
-differs. Recipes ship as package data in ``pit_deploy/recipes/run/`` (the same TOML language as
+A run recipe has one table per stage; every key has a default, so a recipe only says what
+differs. The ``[train]`` table is the training config (:class:`~pit_deploy.train.config.TrainConfig`:
+every option of ``pit-deploy train``) and the ``[export]`` table *is* the export recipe
+(:class:`~pit_deploy.export.recipes.Recipe`: every field of an export recipe file, plus ``recipe``
+to start from a shipped or user export recipe such as ``int4-compact``). Their defaults are
+those dataclasses' own; :data:`DEFAULTS` lists only the keys a run sets differently, and
+``docs/run.md`` says why for each. Recipes ship as package data in ``pit_deploy/recipes/run/`` (the same TOML language as
 the export recipes one folder up); ``./runs/NAME.toml`` or a path to a ``.toml`` file also work.
 ``--set stage.key=value`` overrides any key; the value is read as TOML (``3``, ``1e-5``,
 ``true``, ``["onnx", "executorch"]``), or taken as a string when it is not valid TOML. A key
@@ -27,21 +32,25 @@ else:  # pragma: no cover - Python 3.10
 PACKAGE_RUN_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "run"
 STAGES: tuple[str, ...] = ("convert", "train", "export", "verify", "bench", "report")
 
-#: Every key of a run recipe with its default. ``train`` also accepts any option of
-#: ``pit-deploy train`` (checked against the training config when the stage runs).
+#: The run's own keys, and the keys whose run default differs from the command's (``docs/run.md``,
+#: "Defaults"). ``train`` also accepts every field of the training config and ``export`` every
+#: field of the export recipe, with those dataclasses' defaults.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {"description": "", "model": "default", "data": "default"},
     "convert": {"t_init": "preserve", "diagonal": "softplus", "train_z": False, "calib": "default",
                 "calib_tokens": 4096},
     "train": {
-        "enabled": True, "tying": ["pit"], "steps": 20, "seq_len": 256, "batch_size": 4, "grad_accum": 1,
-        "lr": 1e-5, "lr_t": None, "warmup_steps": 4, "weight_decay": 0.0, "eval_every": 10, "eval_blocks": 8,
-        "save_every": 5, "precision": "fp32", "device": "auto", "distill": False, "nproc": 1, "seed": 0,
-        "data_config": None, "streaming": True, "tokens": None,
+        # run-only: whether the stage trains, which tyings (a list: PIT and/or the TT baseline), processes
+        "enabled": True, "tying": ["pit"], "nproc": 1,
+        # a budget the main job finishes in minutes on a CPU (the command has no default budget)
+        "steps": 20, "eval_every": 10, "save_every": 5,
+        # short continued pretraining keeps the pretrained weights as trained (0.1 is the from-scratch setting)
+        "weight_decay": 0.0,
     },
     "lora": {"enabled": False, "data": "", "rank": 8, "alpha": 16.0, "train_t": False, "steps": 20, "lr": 1e-4},
-    "export": {"runtimes": ["onnx", "executorch"], "modes": ["factorized"], "dtypes": ["float32"],
-               "max_seq_len": 256, "pte_head_bits": 0},
+    # the run ships the factorized artifacts (the command exports both modes); `recipe` starts
+    # from an export recipe, whose own values then stand unless this table sets them
+    "export": {"recipe": None, "modes": ["factorized"]},
     "verify": {"enabled": True},
     "bench": {"enabled": True, "threads": [1, 2], "prompt_len": 64, "gen_len": 32, "reps": 3},
     "report": {"prompts": ["What is the capital of France?",
@@ -51,6 +60,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 #: Keys of ``[train]`` that the run sets itself (never from the recipe).
 RUN_OWNED_TRAIN_KEYS = ("out", "model", "data", "resume", "force", "plot", "progress")
+#: old spellings still read in run recipes: table → {old key: key}
+ALIASES: dict[str, dict[str, str]] = {"export": {"dtypes": "dtype"}}
 
 
 def _closest(key: str, choices: list[str]) -> str:
@@ -64,6 +75,8 @@ class RunRecipe:
 
     name: str
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: table → the keys the recipe file or ``--set`` gave (the others are defaults)
+    explicit: dict[str, set[str]] = field(default_factory=dict)
 
     def __getitem__(self, table: str) -> dict[str, Any]:
         return self.tables[table]
@@ -89,23 +102,67 @@ class RunRecipe:
         if table not in DEFAULTS:
             raise PitError(f"{where}: unknown table [{table}]{_closest(table, list(DEFAULTS))} "
                            f"(tables: {', '.join(DEFAULTS)})")
-        allowed = list(DEFAULTS[table])
-        if table == "train":
-            allowed += train_config_keys()
+        key = ALIASES.get(table, {}).get(key, key)
+        allowed = table_keys(table)
         if key not in allowed:
-            raise PitError(f"{where}: unknown key {table}.{key}{_closest(key, allowed)}")
+            raise PitError(f"{where}: unknown key {table}.{key}{_closest(key, allowed)} "
+                           f"(keys of [{table}]: {', '.join(allowed)})")
         if table == "train" and key in RUN_OWNED_TRAIN_KEYS:
             raise PitError(f"{where}: train.{key} is set by the run itself; use [run] model/data instead")
-        default = DEFAULTS[table][key] if key in DEFAULTS[table] else _train_default(key)
-        _check_type(f"{where}: {table}.{key}", value, default)
+        _check_type(f"{where}: {table}.{key}", value, default_of(table, key))
         self.tables[table][key] = value
+        self.explicit.setdefault(table, set()).add(key)
+
+    def value(self, table: str, key: str) -> Any:
+        """``table.key`` as the run uses it: the recipe's value, else its default."""
+        values = self.tables[table]
+        return values[key] if key in values else default_of(table, key)
+
+    def effective(self, table: str) -> dict[str, Any]:
+        """Every key of ``table`` with the value the run uses (what a stage record compares)."""
+        return {key: self.value(table, key) for key in table_keys(table)}
+
+    def export_recipe(self) -> Any:
+        """The export recipe of ``[export]``: the named ``recipe`` (or the built-in defaults with
+        the run's :data:`DEFAULTS`), then every key the run recipe gave."""
+        from ..export.recipes import Recipe, load_recipe
+
+        table, given = self.tables["export"], self.explicit.get("export", set())
+        if table.get("recipe"):
+            base = load_recipe(str(table["recipe"]))
+        else:
+            base = Recipe(**{k: v for k, v in DEFAULTS["export"].items() if k != "recipe"})
+        changes = {k: table[k] for k in given if k != "recipe"}
+        return base.override(name=f"run-{self.name}", **changes) if changes else base.override(name=f"run-{self.name}")
 
 
-def _train_default(key: str) -> Any:
-    """The training config's default of ``key`` (``None`` when it has none)."""
-    from ..train.config import default_of
+def table_keys(table: str) -> list[str]:
+    """Every key table ``table`` accepts: its run keys and, for ``train``/``export``, every
+    field of the training config / export recipe."""
+    keys = list(DEFAULTS[table])
+    if table == "train":
+        keys += [k for k in train_config_keys() if k not in keys and k not in RUN_OWNED_TRAIN_KEYS]
+    elif table == "export":
+        from ..export.recipes import recipe_fields
 
-    return default_of(key)
+        keys += [k for k in recipe_fields() if k not in keys]
+    return keys
+
+
+def default_of(table: str, key: str) -> Any:
+    """The default of ``table.key``: the run's own (:data:`DEFAULTS`), else the dataclass's."""
+    if key in DEFAULTS[table]:
+        return DEFAULTS[table][key]
+    if table == "train":
+        from ..train.config import default_of as train_default
+
+        return train_default(key)
+    if table == "export":
+        from ..export.recipes import Recipe
+        from ..options import field_default
+
+        return field_default(Recipe, key)
+    return None
 
 
 def _check_type(what: str, value: Any, default: Any) -> None:
@@ -194,18 +251,45 @@ def _check_values(recipe: RunRecipe) -> None:
     bench = recipe["bench"]
     if any(not isinstance(t, int) or t < 1 for t in _as_list(bench["threads"])):
         raise PitError(f"bench.threads must be integers ≥ 1, got {bench['threads']!r}")
-    from ..export.recipes import Recipe
-
-    export = recipe["export"]
-    for dtype in _as_list(export["dtypes"]):  # the export stage's own checks, before any slow stage
-        try:
-            Recipe(runtimes=tuple(_as_list(export["runtimes"])), modes=tuple(_as_list(export["modes"])),
-                   dtype=dtype, max_seq_len=export["max_seq_len"], pte_head_bits=export["pte_head_bits"])
-        except PitError as exc:
-            raise PitError(f"[export]: {exc}") from None
+    try:  # every later stage's own checks, before any slow stage runs
+        recipe.export_recipe()
+    except PitError as exc:
+        raise PitError(f"[export]: {exc}") from None
+    _check_train(recipe)
+    _check_bench(recipe)
     if recipe["lora"]["enabled"] and not recipe["lora"]["data"]:
         raise PitError("lora.enabled needs lora.data (prompt/completion JSONL or text); set it with "
                        "--set lora.data=PATH")
+
+
+def _check_train(recipe: RunRecipe) -> None:
+    """The training config's own validation of ``[train]`` (as each training job will see it)."""
+    from ..train.config import TrainConfig, validate, with_start_defaults
+
+    if not recipe["train"]["enabled"]:
+        return
+    options = {k: v for k, v in recipe.effective("train").items() if k in train_config_keys()}
+    options.update(out="run", model=recipe["run"]["model"], data=recipe["run"]["data"], tying="pit")
+    if options.get("tokens"):
+        options["steps"] = None
+    else:
+        options["tokens"] = None
+    try:
+        validate(with_start_defaults(TrainConfig(**options)))
+    except PitError as exc:
+        raise PitError(f"[train]: {exc}") from None
+
+
+def _check_bench(recipe: RunRecipe) -> None:
+    from ..evaluate.bench import bench_options
+
+    bench = recipe["bench"]
+    if not bench["enabled"]:
+        return
+    try:
+        bench_options(bench)
+    except PitError as exc:
+        raise PitError(f"[bench]: {exc}") from None
 
 
 def _as_list(value: Any) -> list:

@@ -9,28 +9,18 @@ A driver loads one artifact folder and exposes what verification and benchmarkin
   ``delta_ti = ‖W_out E − I‖_F`` is computed (``docs/definitions.md``);
 * ``threads`` — the intra-op thread count the runtime uses; ``close()`` releases it.
 
-The registry maps a runtime name to ``"module:Class"`` so that listing runtimes imports none of
-them; :func:`register_driver` adds one (a new runtime is one registered class).
+Which driver runs a runtime's artifacts is the target's to say (:mod:`pit_deploy.targets`,
+looked up by :func:`pit_deploy.runtime.drivers.driver_class`).
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import PitError
 
-#: runtime name → ``"module:Class"`` of its driver (imported on first use).
-DRIVERS: dict[str, str] = {
-    "onnx": "pit_deploy.runtime.ort_driver:OnnxDriver",
-    "executorch": "pit_deploy.runtime.executorch_driver:ExecuTorchDriver",
-    "torch": "pit_deploy.runtime.torch_driver:TorchDriver",
-}
-
-#: runtime name → the Python distribution that must be installed to run it.
-RUNTIME_PACKAGES: dict[str, str] = {"onnx": "onnxruntime", "executorch": "executorch", "torch": "torch"}
 
 
 class Driver(ABC):
@@ -89,29 +79,3 @@ def greedy(driver: Driver, prompt: Any, max_new: int, eos: frozenset[int] = froz
         if out[-1] in eos or len(out) == max_new:
             return out
         logits, pos = driver.step(out[-1], pos), pos + 1
-
-
-def register_driver(name: str, target: str, package: str | None = None) -> None:
-    """Register the driver ``target`` (``"module:Class"``) for runtime ``name``."""
-    DRIVERS[name] = target
-    if package:
-        RUNTIME_PACKAGES[name] = package
-
-
-def driver_class(name: str) -> Callable[..., Driver]:
-    """The driver class of runtime ``name``.
-
-    Raises:
-        PitError: an unknown runtime, or one whose library is not installed.
-    """
-    if name not in DRIVERS:
-        raise PitError(f"unknown runtime {name!r}; known runtimes: {', '.join(sorted(DRIVERS))}")
-    module_name, cls_name = DRIVERS[name].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        package = RUNTIME_PACKAGES.get(name, name)
-        raise PitError(
-            f"the {name} runtime is not installed ({exc}); install it with `pip install {package}`"
-        ) from None
-    return getattr(module, cls_name)

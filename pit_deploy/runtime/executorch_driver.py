@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from ..targets.executorch_xnnpack import PTE_NAME
 from .base import Driver
-from .standalone import PTE_NAME, PteDecoder
+from .standalone import PteDecoder
 
-__all__ = ["ExecuTorchDriver", "PTE_NAME"]
+__all__ = ["ExecuTorchDriver"]
 
 
 class ExecuTorchDriver(Driver):
@@ -26,7 +27,7 @@ class ExecuTorchDriver(Driver):
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        self.decoder = PteDecoder(self.folder, threads)
+        self.decoder = PteDecoder(self.folder / PTE_NAME, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(ids.tolist())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from .ort_driver import DECODER_NAME, INTERFACE_NAME
+from ..targets.onnx_optimum import DECODER_NAME, INTERFACE_NAME
 
 
 def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -2,9 +2,7 @@
 ``InferenceSession`` over optimum's decoder with its KV cache) and a session for
 ``interface.onnx``.
 
-Artifact layout (written by the ONNX exporter, ``docs/export.md``): ``model.onnx`` +
-``model.onnx_data`` (optimum's text-generation-with-past decoder), ``interface.onnx``
-(``(input_ids, hidden) -> (embeddings, logits)``, reading the decoder's weight bytes).
+The artifact's layout is the ``onnx`` target's (:mod:`pit_deploy.targets.onnx_optimum`).
 """
 
 from __future__ import annotations
@@ -14,13 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..targets.onnx_optimum import DECODER_NAME, INTERFACE_NAME
 from .base import Driver
-from .standalone import DECODER_NAME, OrtDecoder, ort_session_options
+from .standalone import OrtDecoder, ort_session_options
 
-__all__ = ["OnnxDriver", "DECODER_NAME", "DECODER_DATA", "INTERFACE_NAME"]
-
-DECODER_DATA = "model.onnx_data"
-INTERFACE_NAME = "interface.onnx"
+__all__ = ["OnnxDriver"]
 
 
 class OnnxDriver(Driver):
@@ -30,7 +26,7 @@ class OnnxDriver(Driver):
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        self.decoder = OrtDecoder(self.folder, threads)
+        self.decoder = OrtDecoder(self.folder / DECODER_NAME, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))

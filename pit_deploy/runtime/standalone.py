@@ -34,8 +34,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-DECODER_NAME = "model.onnx"
-PTE_NAME = "model.pte"
 BUNDLE_SPEC = "bundle.json"
 #: modules whose presence in ``sys.modules`` a cell reports (a bundle must need none of them)
 WATCHED_MODULES = ("pit_deploy", "transformers", "optimum", "torch")
@@ -61,15 +59,15 @@ _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tens
 
 
 class OrtDecoder:
-    """optimum's text-generation-with-past decoder (``model.onnx``) driven by a plain
+    """optimum's text-generation-with-past decoder (the ``.onnx`` file at ``path``) driven by a plain
     ``InferenceSession``: ``input_ids``, ``attention_mask``, optional ``position_ids``, and
     ``past_key_values.N.key/value`` in; ``logits`` and ``present.N.key/value`` out. The cache
     is held as numpy arrays between calls."""
 
-    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
         import onnxruntime as ort
 
-        self.session = ort.InferenceSession(str(Path(folder) / DECODER_NAME),
+        self.session = ort.InferenceSession(str(path),
                                             sess_options=ort_session_options(threads),
                                             providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -142,15 +140,15 @@ def load_llm_custom_ops() -> bool:
 
 
 class PteDecoder:
-    """``model.pte``'s ``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over the
+    """A ``.pte`` program's ``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over the
     static KV cache in the program's mutable buffers (the ExecuTorch LLM runner's convention)."""
 
-    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
         from executorch.runtime import Runtime
 
         set_executorch_threads(threads)
         have_ops = load_llm_custom_ops()
-        self.program = Runtime.get().load_program(str(Path(folder) / PTE_NAME))
+        self.program = Runtime.get().load_program(str(path))
         try:
             self.forward = self.program.load_method("forward")
         except RuntimeError as exc:
@@ -176,7 +174,8 @@ class PteDecoder:
         self.program = None
 
 
-DECODERS: dict[str, Callable[..., Any]] = {"onnx": OrtDecoder, "executorch": PteDecoder}
+#: the decoders of this file by class name: a bundle's spec names the one each artifact needs
+DECODERS: dict[str, Callable[..., Any]] = {"OrtDecoder": OrtDecoder, "PteDecoder": PteDecoder}
 
 
 # --------------------------------------------------------------------------------------
@@ -340,9 +339,22 @@ def measure_cell(open_decoder: Callable[..., Any], spec: dict[str, Any]) -> dict
     return row
 
 
+def bundle_decoder(decoder: dict[str, str]) -> Callable[..., Any]:
+    """The decoder class a bundle's artifact names: ``{"module": ..., "class": ...}``, where the
+    module is this file (``pit_bench_runtime``) or another decoder file packed beside it."""
+    import importlib
+
+    module = sys.modules[__name__] if decoder["module"] in (__name__, "pit_bench_runtime") \
+        else importlib.import_module(decoder["module"])
+    return getattr(module, decoder["class"])
+
+
 def run_bundle_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """One cell of a bundle (in its own process), through this file's own decoders."""
-    return {**measure_cell(DECODERS[spec["runtime"]], spec), "imported": watched_modules()}
+    """One cell of a bundle (in its own process), through the decoder its artifact names,
+    opened on the artifact's file."""
+    cls = bundle_decoder(spec["decoder"])
+    opened = lambda folder, threads: cls(Path(folder) / spec["file"], threads=threads)  # noqa: E731
+    return {**measure_cell(opened, spec), "imported": watched_modules()}
 
 
 def _int_list(text: str) -> list[int]:
@@ -374,16 +386,17 @@ def bundle_main(argv: list[str] | None = None, root: str | Path | None = None) -
     if args.cell:
         print(json.dumps(run_bundle_cell(json.loads(Path(args.cell).read_text(encoding="utf-8")))))
         return 0
-    missing = sorted({a["runtime"] for a in spec["artifacts"]} - set(_installed_runtimes()))
+    missing = {a["runtime"]: a["requires"] for a in spec["artifacts"] if not _installed(a["requires"]["module"])}
     if missing:
-        print(f"error: the bundle needs the {' and '.join(missing)} runtime(s): pip install "
-              + " ".join({"onnx": "onnxruntime numpy", "executorch": "executorch"}[m] for m in missing), file=sys.stderr)
+        print(f"error: the bundle needs the {' and '.join(sorted(missing))} runtime(s): pip install "
+              + " ".join(dict.fromkeys(r["pip"] for r in missing.values())), file=sys.stderr)
         return 2
     rows = []
     cells = [(a, t) for a in spec["artifacts"] for t in args.threads]
     for i, (art, threads) in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {art['artifact']} threads={threads}", file=sys.stderr, flush=True)
-        cell = {"runtime": art["runtime"], "folder": str(root / art["folder"]), "threads": threads,
+        cell = {"runtime": art["runtime"], "decoder": art["decoder"], "file": art["file"],
+                "folder": str(root / art["folder"]), "threads": threads,
                 "prompt_ids": spec["prompts"][art["prompt"]], "gen_len": spec["gen_len"], "reps": args.reps}
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
             json.dump(cell, fh)
@@ -408,8 +421,7 @@ def bundle_main(argv: list[str] | None = None, root: str | Path | None = None) -
     return 0
 
 
-def _installed_runtimes() -> list[str]:
+def _installed(module: str) -> bool:
     import importlib.util
 
-    return [name for name, module in (("onnx", "onnxruntime"), ("executorch", "executorch"))
-            if importlib.util.find_spec(module) is not None]
+    return importlib.util.find_spec(module) is not None

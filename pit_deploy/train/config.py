@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import PitError
+from ..options import Flag, dataclass_flags, field_default, flag_name, opt
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Options that must not change between a run and its resumption.
@@ -23,18 +25,6 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 SCRATCH_LR = 3e-4
 CPT_LR = 1e-5
 CPT_WARMUP = 4
-
-
-def opt(default: Any, help: str = "", *, group: str, flag: str | None = None,
-        choices: tuple[str, ...] | None = None, cli: bool = True) -> Any:
-    """A config field with what its command-line flag needs (read by ``cli.add_train``).
-
-    ``flag`` names a flag other than ``--field-name`` (e.g. ``--no-progress`` for a field that
-    defaults to true); ``cli=False`` keeps a field off the command line."""
-    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "cli": cli}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -107,7 +97,7 @@ class TrainConfig:
     plot: bool = opt(True, "no loss.png", group="run", flag="--no-plot")
 
     def data_config_obj(self):
-        from .data import DataConfig
+        from ..data.corpus import DataConfig
 
         return DataConfig(
             spec=self.data, seq_len=self.seq_len, seed=self.seed, val_fraction=self.val_fraction,
@@ -124,16 +114,10 @@ class TrainConfig:
 
 def default_of(name: str) -> Any:
     """The default of field ``name`` (``None`` when it has none)."""
-    f = next((f for f in fields(TrainConfig) if f.name == name), None)
-    if f is None:
-        return None
-    if f.default is not MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not MISSING else None
+    return field_default(TrainConfig, name)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+_flag = flag_name
 
 
 def with_start_defaults(cfg: TrainConfig) -> TrainConfig:
@@ -229,57 +213,40 @@ def validate(cfg: TrainConfig) -> None:
         raise PitError("--train-z needs --tying pit")
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One ``pit-deploy train`` flag derived from a config field (``argparse`` keywords)."""
+def write_config(cfg: TrainConfig, path: Path) -> Path:
+    """``cfg`` as a JSON file of its fields, which ``pit-deploy train --config FILE`` reads back
+    (how ``pit-deploy run`` hands a ``torchrun`` child its configuration)."""
+    from dataclasses import asdict
 
-    flag: str
-    dest: str
-    group: str
-    kwargs: dict[str, Any]
+    from ..io.fs import write_json_atomic
 
-
-def _comma_list(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    return write_json_atomic(path, asdict(cfg))
 
 
-def _betas(text: str) -> tuple[float, float]:
-    import argparse
+def read_config(path: str | Path) -> TrainConfig:
+    """The config a :func:`write_config` file holds.
+
+    Raises:
+        PitError: not a readable JSON object of config fields.
+    """
+    import json
+    from dataclasses import fields
 
     try:
-        values = tuple(float(t) for t in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 2:
-        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, got {text!r}")
-    return values  # type: ignore[return-value]
-
-
-_PARSERS = {"str": str, "int": int, "float": float, "list[str]": _comma_list,
-            "tuple[float, float]": _betas}
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PitError(f"--config {path}: cannot read a training config ({exc})") from None
+    known = {f.name for f in fields(TrainConfig)}
+    if not isinstance(data, dict) or set(data) - known:
+        extra = sorted(set(data) - known) if isinstance(data, dict) else []
+        raise PitError(f"--config {path}: expected a JSON object of training options"
+                       + (f"; unknown: {', '.join(extra)}" if extra else ""))
+    if isinstance(data.get("betas"), list):
+        data["betas"] = tuple(data["betas"])
+    return TrainConfig(**data)
 
 
 def config_flags() -> list[Flag]:
-    """The flags of every command-line field of :class:`TrainConfig`, in field order.
-
-    Booleans that default to false are ``store_true``; those that default to true take the
-    field's ``flag`` (``--no-…``) as ``store_false``; ``X | None`` fields parse as ``X``."""
-    flags = []
-    for f in fields(TrainConfig):
-        meta = f.metadata
-        if not meta.get("cli", True):
-            continue
-        default = default_of(f.name)
-        kwargs: dict[str, Any] = {"help": meta.get("help") or None}
-        kind = str(f.type).replace(" | None", "")
-        if kind == "bool":
-            kwargs["action"] = "store_false" if default else "store_true"
-        else:
-            kwargs["type"] = _PARSERS[kind]
-            kwargs["default"] = default
-            if meta.get("choices"):
-                kwargs["choices"] = meta["choices"]
-            if f.name == "out":
-                kwargs["required"] = True
-        flags.append(Flag(flag=meta.get("flag") or _flag(f.name), dest=f.name, group=meta["group"], kwargs=kwargs))
-    return flags
+    """The flags of every command-line field of :class:`TrainConfig`, in field order (``--out``
+    is required by :func:`validate`, so that ``--config FILE`` can stand alone)."""
+    return dataclass_flags(TrainConfig)

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import PitError
 from ..model.families import max_positions
-from .data import Block, DataConfig, TextSource, validation_blocks
+from ..data.corpus import Block, DataConfig, TextSource, validation_blocks
 from .loss import token_nll_sum
 
 

@@ -55,10 +55,10 @@ from ..model.modules import INTERFACE_ATTR
 from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng_state,
                            save_checkpoint, set_rng_state)
 from .config import RESUME_KEYS, TrainConfig, validate, with_start_defaults
-from .data import Block, TextSource, TrainStream, validation_blocks
+from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll
 from .loss import distill_kl_sum, token_loss, token_nll_sum
-from .metrics import MetricsLog, read_metrics
+from ..io.metrics import MetricsLog, read_metrics
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingRecipe", "StepStats", "train", "param_groups",
            "token_loss", "latest_checkpoint", "cosine_lr", "AMP_DTYPES"]

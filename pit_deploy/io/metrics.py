@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import PitError
-from ..io.fs import write_text_atomic
+from .fs import write_text_atomic
 
 METRICS_NAME = "metrics.jsonl"
 

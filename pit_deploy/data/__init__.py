@@ -1,0 +1,3 @@
+"""Text data that several stages read: the training/validation corpus (:mod:`.corpus`) and the
+held-out token set of quantized parity (:mod:`.heldout`). Below convert, train, export and
+evaluate, so none of them imports another stage for its data."""

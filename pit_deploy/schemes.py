@@ -1,0 +1,206 @@
+"""Quantization schemes: named objects that carry their settings, their parity bounds and the
+name of the artifacts they make.
+
+A scheme is what a recipe's ``dtype`` list names (``float32``, ``int8``, ``int4``,
+``int4-compact``, …). Its ``dtype`` is what the runtimes' exporters implement; its settings say
+how (group size, bits of the token table, the linears kept at 8 bits, the PIT correction, the
+``.pte`` head); its bounds are what ``verify`` holds an artifact of it to; and its name is the
+artifact's suffix, so two schemes of one dtype sit side by side in one export directory
+(``onnx-factorized-int4`` and ``onnx-factorized-int4-compact``). A new scheme is one
+:func:`register_scheme` call (``docs/design.md``).
+
+FP32 bounds (``docs/definitions.md``, "Parity"): full-sequence and step-by-step logits within
+relative L2 ``1e-4`` of the PyTorch reference, 100 % top-1 agreement, an identical 32-token
+greedy continuation, and ``delta_ti ≤ 1e-5`` from the runtime's own embedding and head.
+
+Quantized bounds (``docs/quantization.md``, "Bounds"): the KL divergence of the runtime's
+next-token distribution from the fp32 reference on the held-out set (mean and 99th percentile),
+the same-top-1 rate, the perplexity ratio and — for factorized artifacts with the PIT
+correction — ``delta_ti``. The built-in values were set from the default model's measurements
+with a stated margin; a recipe's ``[bounds.<scheme>]`` table overrides them.
+
+Standard library only (read where a manifest is read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from .errors import PitError
+
+GROUP_SIZES = (16, 32, 64, 128, 256)
+DTYPES = ("float32", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ParityBounds:
+    """Bounds of an fp32 artifact. ``None`` means the figure is reported but not bounded."""
+
+    logits_rel_l2: float | None = 1e-4
+    top1_agreement: float | None = 1.0
+    greedy_tokens: int = 32
+    greedy_identical: bool = True
+    delta_ti: float | None = 1e-5
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class QuantizedBounds:
+    """Bounds of a quantized artifact (KL figures against the fp32 reference).
+
+    ``delta_ti`` applies where the export claims an exact interface (factorized with the PIT
+    correction, or with an unquantized table); for the others (materialized, uncorrected,
+    tied) ``delta_ti`` is reported, not bounded.
+    """
+
+    kl_mean: float = 0.1
+    kl_p99: float = 1.0
+    same_top1: float = 0.8
+    ppl_ratio: float = 1.2
+    delta_ti: float = 1e-4
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One way of storing an artifact's weights (see the module docstring).
+
+    Attributes:
+        name: what recipes and ``--dtype`` name; the artifact folder's suffix (none for float32).
+        dtype: what the exporters implement: ``float32``, ``int8`` or ``int4``.
+        bounds: the parity bounds an artifact of this scheme must meet.
+        group_size: int4 blocks / int8 table blocks along the input dimension.
+        table_bits: bits of the token tables (ONNX head and embedding, ``.pte`` gather).
+        int4_8bit_layers: int4: linears (name suffixes) kept at 8 bits.
+        pit_correction: factorized: ``T⁻¹ → (ẐᵀẐ)⁻¹T⁻¹`` so ``W_out E = I`` holds on the runtime.
+        pte_head_bits: quantized factorized ``.pte``: 0 keeps the fp32 head, 4/8 a rotated
+            quantized head.
+        runtimes: the targets this scheme is meant for (``None``: every target of its dtype).
+    """
+
+    name: str
+    dtype: str
+    bounds: ParityBounds | QuantizedBounds
+    description: str = ""
+    group_size: int = 32
+    table_bits: int = 8
+    int4_8bit_layers: tuple[str, ...] = ()
+    pit_correction: bool = True
+    pte_head_bits: int = 0
+    runtimes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise PitError(f"scheme {self.name}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.group_size not in GROUP_SIZES or isinstance(self.group_size, bool):
+            raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
+        if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
+            raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
+        if self.pte_head_bits not in (0, 4, 8) or isinstance(self.pte_head_bits, bool):
+            raise PitError(f"pte_head_bits must be 0 (a float32 head), 4 or 8, got {self.pte_head_bits!r}")
+        layers = self.int4_8bit_layers
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(n, str) and n for n in layers):
+            raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "
+                           f"got {layers!r}")
+        object.__setattr__(self, "int4_8bit_layers", tuple(layers))
+        if not isinstance(self.pit_correction, bool):
+            raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype != "float32"
+
+    def artifact_suffix(self) -> str:
+        """``""`` for float32, ``-<name>`` otherwise (``onnx-factorized-int4-compact``)."""
+        return "" if self.name == "float32" else f"-{self.name}"
+
+    def with_settings(self, **settings: Any) -> "Scheme":
+        """A copy with every non-``None`` setting replaced (validated)."""
+        return replace(self, **{k: v for k, v in settings.items() if v is not None})
+
+    def with_bounds(self, overrides: dict[str, Any] | None) -> "Scheme":
+        """A copy whose bounds take a recipe's ``[bounds.<scheme>]`` values (validated)."""
+        return replace(self, bounds=apply_bounds(self.name, self.bounds, overrides))
+
+    def settings(self) -> dict[str, Any]:
+        """What the manifest records of the scheme an artifact was made with."""
+        out = {"name": self.name, "dtype": self.dtype}
+        if self.quantized:
+            out.update(group_size=self.group_size, table_bits=self.table_bits,
+                       int4_8bit_layers=list(self.int4_8bit_layers) if self.dtype == "int4" else [],
+                       pit_correction=self.pit_correction, pte_head_bits=self.pte_head_bits)
+        return out
+
+
+SCHEMES: dict[str, Scheme] = {}
+
+
+def register_scheme(scheme: Scheme) -> Scheme:
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def scheme_names() -> tuple[str, ...]:
+    return tuple(SCHEMES)
+
+
+def get_scheme(name: str) -> Scheme:
+    """The scheme called ``name``.
+
+    Raises:
+        PitError: no such scheme.
+    """
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise PitError(f"unknown dtype/scheme {name!r}; choose from {', '.join(SCHEMES)}") from None
+
+
+def apply_bounds(name: str, base: ParityBounds | QuantizedBounds,
+                 overrides: dict[str, Any] | None) -> ParityBounds | QuantizedBounds:
+    """``base`` with a recipe's ``[bounds.<name>]`` values.
+
+    Raises:
+        PitError: an override naming a field the bounds do not have, or not a finite number
+            (``inf`` would switch a check off, ``nan`` fail every artifact).
+    """
+    if not overrides:
+        return base
+    names = {f.name for f in fields(base)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise PitError(f"bounds for {name} have no field(s) {unknown}; allowed: {', '.join(sorted(names))}")
+    for key, value in overrides.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise PitError(f"bounds.{name}.{key} must be a finite number, got {value!r}")
+    return replace(base, **overrides)
+
+
+def bounds_for(name: str, overrides: dict[str, Any] | None = None) -> ParityBounds | QuantizedBounds:
+    """The bounds of the scheme (or, for manifests written before schemes, the dtype) ``name``,
+    with a recipe's ``[bounds.<name>]`` values applied.
+
+    Raises:
+        PitError: an unknown scheme, or an invalid override.
+    """
+    return apply_bounds(name, get_scheme(name).bounds, overrides)
+
+
+# Default-model measurements behind these values: docs/quantization.md ("Bounds").
+INT4_BOUNDS = QuantizedBounds(kl_mean=0.5, kl_p99=4.0, same_top1=0.6, ppl_ratio=1.6)
+register_scheme(Scheme("float32", "float32", ParityBounds(), "full precision"))
+register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1),
+                       "8-bit weights and token tables"))
+register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
+                       "4-bit linears in groups of 32, v_proj/down_proj and the token tables at 8 bits",
+                       int4_8bit_layers=("v_proj", "down_proj")))
+register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
+                       "the smallest int4 within the int4 bounds: a 4-bit token table stored once, only "
+                       "v_proj at 8 bits (ONNX; on a .pte the same settings measured over the bound)",
+                       table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx",)))

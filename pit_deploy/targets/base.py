@@ -1,0 +1,155 @@
+"""What a deployment target is: the one object generic code asks about a runtime.
+
+A target bundles everything that differs between the runtimes people deploy with: how an
+artifact is exported and laid out, how its manifest describes its shapes, which driver runs it
+in this package, which standalone decoder runs it on a device without this package, which
+distribution must be installed, and the checks and benchmark cells that only it has (ONNX's
+shared-weight check, ExecuTorch's stock LLM runner, the phone path). Generic code — the export
+pipeline, ``verify``, ``bench``, the manifest reader, the run report — never compares a runtime
+name; it calls the target's methods, whose defaults here describe a target with no extras.
+
+This module is standard library only: manifests are read on devices, and listing targets must
+not import torch or a runtime. Heavy parts are named as ``"module:attribute"`` and imported on
+first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import PitError
+
+
+def resolve(ref: str) -> Any:
+    """The attribute named by ``"module:attribute"`` (imported on first use)."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass
+class VerifyContext:
+    """What a target's extra verification needs besides the artifact: the export directory,
+    the PyTorch reference and its tokenizer, the verification prompts, and a cache shared by
+    every artifact of one ``verify`` run (e.g. reference texts computed once)."""
+
+    directory: Path
+    reference: Any
+    tokenizer: Any
+    text_prompts: tuple[str, ...]
+    greedy_tokens: int
+    cache: dict[str, Any]
+
+
+class Target:
+    """One runtime an artifact can be exported to and run on (see the module docstring).
+
+    Subclasses set the class attributes and override the hooks they need; one instance is
+    registered per target (:func:`pit_deploy.targets.register_target`).
+    """
+
+    #: the manifest's ``runtime`` value and the artifact folder's prefix
+    name: str = ""
+    #: one line for ``--help`` and the docs
+    title: str = ""
+    #: the Python module that must import for the driver to work, and the distribution that provides it
+    module: str = ""
+    package: str = ""
+    #: dtypes the exporter produces (quantization schemes of other dtypes are refused)
+    dtypes: tuple[str, ...] = ("float32",)
+    #: whether the artifact has a static KV cache of ``recipe.max_seq_len`` positions
+    static_cache: bool = False
+    #: ``"module:function"`` ``(model, out_dir, *, tokenizer, recipe, scheme, opset) -> details``
+    exporter: str = ""
+    #: ``"module:Class"`` of the :class:`~pit_deploy.runtime.base.Driver`
+    driver: str = ""
+    #: the file of the artifact folder that the standalone decoder opens
+    primary_file: str = ""
+    #: ``("module", "Class")`` of a decoder that imports nothing of this package (bench bundles),
+    #: and the ``pip install`` words a device needs for it; ``None``: the target cannot be bundled
+    standalone: tuple[str, str] | None = None
+    bundle_install: str = ""
+    #: whether ``bench --adb`` can run the artifact on a phone (ExecuTorch's ``llama_main``)
+    phone: bool = False
+    #: which artifact a user ships first when an export holds several (lower first)
+    ship_priority: int = 50
+    #: the quantization-scheme settings this target's exporter reads (an override of another
+    #: one is refused rather than silently ignored)
+    scheme_settings: tuple[str, ...] = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction")
+
+    # ----------------------------------------------------------------------------------
+    # export
+    # ----------------------------------------------------------------------------------
+
+    def precheck(self, config: Any, recipe: Any) -> None:
+        """Raise :class:`PitError` before any slow work if the model cannot be exported."""
+
+    def export(self, model: Any, out_dir: Path, **kwargs: Any) -> dict[str, Any]:
+        """Write the artifact of the prepared fp32 ``model`` into ``out_dir``; returns the
+        details recorded in the manifest. Quantization to ``kwargs["scheme"]`` is the exporter's."""
+        return resolve(self.exporter)(model, out_dir, **kwargs)
+
+    def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
+        """The manifest's ``shapes`` entry of an artifact of this target."""
+        v, d = config.vocab_size, config.hidden_size
+        shapes: dict[str, Any] = {"vocab_size": v, "hidden_size": d, "num_layers": config.num_hidden_layers}
+        if mode == "factorized":
+            shapes["interface"] = {"Zt": [d, v], "T": [d, d], "T_inv": [d, d]}
+        elif mode == "tied":
+            shapes["interface"] = {"E": [v, d], "W_out": "Eᵀ (transpose tying)"}
+        else:
+            shapes["interface"] = {"E": [v, d], "W_out": [d, v]}
+        if self.static_cache:
+            shapes["max_seq_len"] = recipe.max_seq_len
+        return shapes
+
+    # ----------------------------------------------------------------------------------
+    # running
+    # ----------------------------------------------------------------------------------
+
+    def installed(self) -> bool:
+        """Whether the runtime's library can be imported here (without importing it)."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def driver_class(self) -> Callable[..., Any]:
+        """The driver class.
+
+        Raises:
+            PitError: the runtime's library is not installed.
+        """
+        module_name, cls_name = self.driver.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise PitError(f"the {self.name} runtime is not installed ({exc}); install it with "
+                           f"`pip install {self.package or self.module}`") from None
+        return getattr(module, cls_name)
+
+    # ----------------------------------------------------------------------------------
+    # verify and bench extras (defaults: none)
+    # ----------------------------------------------------------------------------------
+
+    def interface_checks(self, folder: Path, dim: int) -> tuple[bool | None, list[str]]:
+        """``(weights_shared, notes)``: whether the artifact's interface graph reads the very
+        weight bytes its decoder reads (``None``: not applicable), and notes for the report."""
+        return None, []
+
+    def verify_extras(self, ctx: VerifyContext, art: Any, result: Any, quantized: bool) -> None:
+        """Checks only this target has, recorded on ``result`` (an ``ArtifactResult``) before
+        it is judged; ``quantized`` says whether the artifact is judged by KL bounds."""
+
+    def bench_cells(self, cell: dict[str, Any], tokenizer: Any, vocab: int, prompt_len: int,
+                    threads: tuple[int, ...], folder: Path) -> list[dict[str, Any]]:
+        """Extra benchmark cells beside the generic one (``cell``), each with a ``variant``
+        that :meth:`measure_variant` measures."""
+        return []
+
+    def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[str]]:
+        """Measure one of this target's extra cells: ``(row, warnings)``."""
+        raise PitError(f"the {self.name} target has no benchmark variant {cell.get('variant')!r}")

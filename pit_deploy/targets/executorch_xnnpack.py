@@ -1,0 +1,87 @@
+"""The ``executorch`` target: a ``.pte`` program lowered to XNNPACK, with a static KV cache.
+
+Artifact layout (``docs/export.md``): :data:`PTE_NAME` (``forward(tokens, input_pos)``, the
+``embed``/``head`` methods verification reads the interface through, and the metadata methods
+of ExecuTorch's LLM runner) and the stock runner's ``tokenizer.json``
+(:mod:`pit_deploy.export.runner_tokenizer`). Exporter:
+:mod:`pit_deploy.export.to_executorch`; driver: :mod:`pit_deploy.runtime.executorch_driver`;
+on a device: ``PteDecoder`` of :mod:`pit_deploy.runtime.standalone`, or ExecuTorch's own
+``llama_main`` over adb (:mod:`pit_deploy.evaluate.bench_adb`).
+
+What only this target has: ``verify`` also runs every program through ExecuTorch's stock LLM
+runner (:mod:`pit_deploy.evaluate.stock_runner`), and ``bench`` times it there too.
+
+Standard library only at import; the hooks import what they call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import register_target
+from .base import Target, VerifyContext, resolve
+
+PTE_NAME = "model.pte"
+#: the ``variant`` of the benchmark cells timed through the stock runner
+RUNNER_VARIANT = "stock runner"
+
+
+class ExecuTorchXnnpackTarget(Target):
+    name = "executorch"
+    title = "ExecuTorch .pte (XNNPACK, static KV cache)"
+    module = "executorch"
+    package = "executorch"
+    dtypes = ("float32", "int8", "int4")
+    static_cache = True
+    exporter = "pit_deploy.export.to_executorch:export_artifact"
+    driver = "pit_deploy.runtime.executorch_driver:ExecuTorchDriver"
+    standalone = ("pit_deploy.runtime.standalone", "PteDecoder")
+    bundle_install = "executorch"
+    primary_file = PTE_NAME
+    phone = True
+    ship_priority = 10
+    scheme_settings = Target.scheme_settings + ("pte_head_bits",)
+
+    def precheck(self, config: Any, recipe: Any) -> None:
+        resolve("pit_deploy.export.to_executorch:precheck")(config, recipe)
+
+    def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
+        v = config.vocab_size
+        return {**super().shapes(config, mode, recipe),
+                "forward": {"tokens": [1, "S"], "input_pos": [1], "logits": [1, "S", v]}}
+
+    def verify_extras(self, ctx: VerifyContext, art: Any, result: Any, quantized: bool) -> None:
+        """The stock LLM runner's greedy texts must equal PyTorch's (fp32; recorded for quantized)."""
+        check = resolve("pit_deploy.evaluate.stock_runner:check_stock_runner")(
+            ctx.directory / art.path, ctx.reference, ctx.tokenizer, ctx.text_prompts, ctx.greedy_tokens,
+            art.shapes.get("max_seq_len"), ctx.cache.setdefault("stock_runner", {}))
+        result.stock_runner = check.to_dict()
+        if check.skipped:
+            result.notes.append(f"stock LLM runner not run: {check.skipped}")
+        elif check.identical is False and quantized:
+            result.notes.append("the stock LLM runner's greedy text differs from the fp32 reference's "
+                                "(expected of a quantized artifact; judged by its KL bounds)")
+
+    def bench_cells(self, cell: dict[str, Any], tokenizer: Any, vocab: int, prompt_len: int,
+                    threads: tuple[int, ...], folder: Path) -> list[dict[str, Any]]:
+        """The same ``.pte`` timed through ExecuTorch's stock LLM runner: its own tokenizer,
+        prefill and decode loop, and its ``Stats`` — the figures ``llama_main`` prints on a phone."""
+        if tokenizer is None or not (folder / resolve("pit_deploy.runtime.llm_runner:RUNNER_TOKENIZER")).is_file():
+            return []
+        text, _ = resolve("pit_deploy.evaluate.bench:prompt_text")(tokenizer, vocab, prompt_len)
+        runner = resolve("pit_deploy.runtime.llm_runner:RUNNER_NAME")
+        return [{**cell, "target": self.name, "variant": RUNNER_VARIANT, "threads": t, "prompt_text": text,
+                 "meta": {**cell["meta"], "runtime": runner, "variant": RUNNER_VARIANT, "threads": t}}
+                for t in threads]
+
+    def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[str]]:
+        row = resolve("pit_deploy.evaluate.stock_runner:measure_runner_cell")(cell, timeout)
+        meta, warnings = cell["meta"], []
+        if row["generated_tokens"] < meta["gen_len"] - 1:
+            warnings.append(f"{meta['artifact']} (stock runner): stopped after {row['generated_tokens']} "
+                            f"generated tokens (an end-of-sequence token), not {meta['gen_len']}")
+        return row, warnings
+
+
+TARGET = register_target(ExecuTorchXnnpackTarget())
