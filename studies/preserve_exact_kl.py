@@ -3,7 +3,7 @@
 chat text of the default model: the measurement behind "fitting the exact KL overfits"
 (docs/conversion.md). Calibration: the first default (8 chat prompts, 2048 tokens in all).
 
-    NT=1 IT=30 python benchmarks/preserve_exact_kl.py [--out benchmarks/results/preserve_exact_kl.json]
+    NT=1 IT=30 python studies/preserve_exact_kl.py [--out studies/results/preserve_exact_kl.json]
 """
 import json, os, sys, time
 from pathlib import Path
@@ -72,6 +72,6 @@ with torch.no_grad():
     G = (G0 + W @ (0.5 * (X + X.T)) @ W.T).double()
 res["refined"] = {"code": kl(G, n_code, lp_code), "chat": kl(G, n_chat, lp_chat), "calib": kl(G, n_cal, lp_cal), "s": time.time() - t1}
 print(res, flush=True)
-out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results/preserve_exact_kl.json"
+out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "studies/results/preserve_exact_kl.json"
 Path(out).write_text(json.dumps(res, indent=1) + "\n")
 print("wrote", out)

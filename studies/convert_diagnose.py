@@ -1,7 +1,7 @@
 """Time conversion and diagnosis of the default model, and measure how much each T init
 disturbs the source model. Writes JSON.
 
-    python benchmarks/convert_diagnose.py [--model default] [--out benchmarks/results/convert_diagnose.json]
+    python studies/convert_diagnose.py [--model default] [--out studies/results/convert_diagnose.json]
 
 Measured per run, side by side on one machine:
 * load time of the source (GGUF de-quantization included);
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--out", default="benchmarks/results/convert_diagnose.json")
+    parser.add_argument("--out", default="studies/results/convert_diagnose.json")
     args = parser.parse_args()
 
     loaded, load_s = timed(lambda: load_source(args.model))
