@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
+
 
 def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
     from pit_deploy.analysis.plotting import RunLog
@@ -119,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
                    if all(o["improved"] for o in runs if (o["lr"], o["warmup_steps"]) == (r["lr"], r["warmup_steps"]))})
     report = {
         "benchmark": "cpt_from_preserve",
-        "command": "python studies/cpt_from_preserve.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__, "settings": vars(args),
         "tokens_per_run": args.steps * args.batch_size * args.seq_len,
@@ -128,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in r.items() if k != "_log"} for r in runs],
         "plot": png.name,
     }
-    out.write_text(json.dumps(report, indent=2) + "\n")
     for row in table:
         print(json.dumps(row))
-    print(f"both improve at: {report['both_improve']}; wrote {out}")
-    return 0
+    print(f"both improve at: {report['both_improve']}")
+    return write_result(out, report, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     print("pte vs eager (relative L2):", json.dumps(lowering), flush=True)
     result = {"variants": rows, "pte_vs_eager_rel_l2": lowering, "heldout_tokens": int(ids.numel()),
               "export": str(export), "machine": platform.platform(), "torch": torch.__version__}
-    return write_result(args.out, result)
+    return write_result(args.out, result, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         print(name, json.dumps(rows[name]), flush=True)
     return write_result(args.out, {"variants": rows, "heldout_tokens": int(ids.numel()), "export": str(export),
                                    "body": "int4 (8da4w, v_proj/down_proj 8da8w), 8-bit token table",
-                                   "machine": platform.platform(), "torch": torch.__version__})
+                                   "machine": platform.platform(), "torch": torch.__version__}, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:40s} on_grid {row['on_grid']:.3f}  q4_1 {row['rel_err_q4_1']:.4f}  "
               f"ort {row['rel_err_ort']:.4f}  sym {row['rel_err_sym']:.4f}")
     return write_result(args.out, {"source": args.source, "pit": args.pit, "block": BLOCK,
-                                    "machine": {"platform": platform.platform()}, "sets": sets})
+                                    "machine": {"platform": platform.platform()}, "sets": sets}, __file__, argv)
 
 
 if __name__ == "__main__":

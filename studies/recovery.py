@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
+
 
 @torch.no_grad()
 def source_val_loss(args) -> float:
@@ -66,7 +69,6 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-recovery-"))
     report = {
         "benchmark": "recovery",
-        "command": "python studies/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "settings": vars(args),
         "tokens_per_run": args.steps * args.batch_size * args.seq_len,
@@ -103,9 +105,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_runs(logs, out.with_suffix(".png"), title="recovery after conversion: LM-only vs distill")
     report["plot"] = out.with_suffix(".png").name
-    out.write_text(json.dumps(report, indent=2))
     print(json.dumps({"source_tt_val_loss": report["source_tt_val_loss"], "table": report["table"]}, indent=2))
-    return 0
+    return write_result(out, report, __file__, argv)
 
 
 if __name__ == "__main__":
