@@ -3,7 +3,7 @@
 Why: a decode step's time is split between the matrix products, which quantization shrinks,
 and everything else the exported graph runs (shape arithmetic, cache handling, dispatch), which
 it does not; which of the two dominates decides what to work on next (``docs/quantization.md``:
-why int4 decodes about 2× faster than fp32 rather than 3×). This runs a prompt, then ``--steps``
+why int4 decoding falls short of its speed goal). This runs a prompt, then ``--steps``
 single-token decode steps of each artifact with ``SessionOptions.enable_profiling`` and sums the
 profiler's per-node kernel times by op type over the decode steps: how many nodes one step
 runs, how much of the step is matrix products and how much everything else.
