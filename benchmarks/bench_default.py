@@ -1,5 +1,9 @@
 """The fp32 artifacts of the default model, side by side: latency, memory, size — and the goals.
 
+Why: this is the product's own benchmark — the figures and goals the README reports for
+speed, memory and size come from one run of it, and re-running it after a change (or on another
+machine) says whether they still hold.
+
 Runs the project's own commands, in one go so every row is measured under the same conditions:
 
 1. ``pit-deploy export MODEL --runtime onnx,executorch --mode materialized,factorized`` (PIT,
@@ -10,14 +14,18 @@ Runs the project's own commands, in one go so every row is measured under the sa
 4. ``pit-deploy bench pit tt --torch MODEL --threads 1,2`` — every artifact through its Python
    driver, every ``.pte`` also through ExecuTorch's stock LLM runner, plus PyTorch eager;
 
-then writes ``benchmarks/results/bench_default.json`` (the bench JSON plus export times, verify
-results and the goals of the bench issue evaluated on these rows), ``bench_default.png`` and
-``bench_default.md`` (the table and the goals).
+then writes ``benchmarks/results/bench_default.json`` (or ``--out``: the bench JSON plus export
+times, verify results and the goals of the bench issue evaluated on these rows) and, beside it,
+``bench_default.png`` and ``bench_default.md`` (the table and the goals).
 
 Usage::
 
     python benchmarks/bench_default.py [--model default] [--work bench_work/default]
-        [--threads 1,2] [--prompt-len 64] [--gen-len 128] [--reps 3] [--reuse]
+        [--runtime onnx,executorch] [--threads 1,2] [--prompt-len 64] [--gen-len 128] [--reps 3]
+        [--reuse] [--out benchmarks/results/bench_default.json]
+
+``--model`` takes anything ``pit-deploy export`` takes (a local checkpoint directory too);
+``--runtime onnx`` skips the ExecuTorch programs, whose lowering takes minutes.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -110,19 +120,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--work", default="bench_work/default", help="export directories go here")
+    parser.add_argument("--runtime", default="onnx,executorch", help="comma list of runtimes to export")
     parser.add_argument("--max-seq-len", default="256")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--prompt-len", default="64")
     parser.add_argument("--gen-len", default="128")
     parser.add_argument("--reps", default="3")
     parser.add_argument("--reuse", action="store_true", help="keep export directories that already exist")
+    parser.add_argument("--out", default=str(RESULTS / "bench_default.json"),
+                        help="the result JSON; the .md table and the .png plot are written beside it")
     args = parser.parse_args(argv)
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     pit, tt = work / "pit", work / "tt"
     started = time.time()
-    common = ["--runtime", "onnx,executorch", "--max-seq-len", args.max_seq_len, "--force"]
+    common = ["--runtime", args.runtime, "--max-seq-len", args.max_seq_len, "--force"]
     if not (args.reuse and (pit / "manifest.json").is_file()):
         pit_deploy("export", args.model, "--out", str(pit), "--mode", "materialized,factorized", *common)
     if not (args.reuse and (tt / "manifest.json").is_file()):
@@ -135,8 +148,9 @@ def main(argv=None) -> int:
     for name, directory in (("pit", pit), ("tt", tt)):
         for art in json.loads((directory / "manifest.json").read_text())["artifacts"]:
             exports[f"{art['runtime']}-{art['mode']}" if name == "pit" else f"{art['runtime']}-tied"] = art["export_seconds"]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out_json, png = RESULTS / "bench_default.json", RESULTS / "bench_default.png"
+    out_json = Path(args.out)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    png = out_json.with_suffix(".png")
     proc = pit_deploy("bench", str(pit), str(tt), "--torch", args.model, "--threads", args.threads,
                       "--prompt-len", args.prompt_len, "--gen-len", args.gen_len, "--reps", args.reps,
                       "--json", "--plot", str(png))
@@ -144,12 +158,11 @@ def main(argv=None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     goal_rows = goals(bench, exports, threads)
     result = {**bench, "export_seconds": exports, "verify": verify, "goals": goal_rows,
-              "settings": vars(args), "wall_s": round(time.time() - started, 1),
-              "command": "python benchmarks/bench_default.py " + " ".join(argv or sys.argv[1:])}
-    out_json.write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "bench_default.md").write_text(markdown(bench, goal_rows, exports), encoding="utf-8")
-    print(markdown(bench, goal_rows, exports))
-    return 0
+              "settings": vars(args), "wall_s": round(time.time() - started, 1)}
+    table = markdown(bench, goal_rows, exports)
+    out_json.with_suffix(".md").write_text(table, encoding="utf-8")
+    print(table)
+    return write_result(out_json, result, __file__, argv)
 
 
 if __name__ == "__main__":

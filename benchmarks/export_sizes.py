@@ -1,5 +1,10 @@
 """Artifact sizes and export times: PIT (materialized, factorized) vs a plain tied (TT) export.
 
+Why: PIT's claim on disk is that a factorized artifact costs only ``T`` and ``T⁻¹`` over the
+model as the stock exporters write it; this measures that claim (and the export times) against
+the stock way of exporting the same model, so it can be re-checked after exporter or library
+changes.
+
 For the default model (SmolLM2-135M-Instruct, or ``--model``) this script
 
 1. exports the *plain tied* source model the stock way — optimum ONNX (which stores a tied
@@ -14,6 +19,10 @@ For the default model (SmolLM2-135M-Instruct, or ``--model``) this script
 Usage::
 
     python benchmarks/export_sizes.py [--model default] [--max-seq-len 64] [--pit-export DIR]
+        [--runtime onnx,executorch] [--out benchmarks/results/export_sizes.json]
+
+``--model`` takes a local checkpoint directory too; ``--runtime onnx`` measures the ONNX
+artifacts only (the ``.pte`` lowering of the default model takes minutes).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from result_file import write_result
 
 
 def dir_bytes(folder: Path) -> int:
@@ -40,6 +51,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-seq-len", type=int, default=64)
+    parser.add_argument("--runtime", default="onnx,executorch", help="comma list of runtimes to export and compare")
     parser.add_argument("--pit-export", help="reuse this export directory instead of exporting PIT again")
     parser.add_argument("--pit-out", help="write the PIT export here (kept) instead of a temporary directory")
     parser.add_argument("--baseline-json", help="reuse the tt_baseline block of a previous result (skips the TT exports)")
@@ -47,11 +59,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from pit_deploy.export.pipeline import export_model, load_pit_source
-    from pit_deploy.io.manifest import Manifest, library_versions
     from pit_deploy.export.recipes import Recipe
+    from pit_deploy.io.manifest import Manifest
 
+    runtimes = tuple(r for r in args.runtime.split(",") if r)
+    if not runtimes or set(runtimes) - {"onnx", "executorch"}:
+        parser.error(f"--runtime: choose from onnx, executorch (got {args.runtime!r})")
     work = Path(tempfile.mkdtemp(prefix="pit-export-sizes-"))
-    results: dict = {"model": args.model, "max_seq_len": args.max_seq_len, "versions": library_versions(),
+    results: dict = {"model": args.model, "max_seq_len": args.max_seq_len,
                      "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
                      "notes": ["bytes: every file of the artifact folder (config, tokenizer included); "
                                "weight_bytes: the graph/weight files only (*.onnx, *.onnx_data, *.pte); "
@@ -61,7 +76,7 @@ def main(argv=None) -> int:
         for b in baseline.values():  # results written before weight_bytes existed
             b.setdefault("weight_bytes", b.get("onnx_bytes", b["bytes"]))
     else:
-        baseline = tt_baseline(args, work)
+        baseline = tt_baseline(args.model, args.max_seq_len, runtimes, work)
     results["tt_baseline"] = baseline
 
     # 2. PIT exports
@@ -70,7 +85,7 @@ def main(argv=None) -> int:
     else:
         pit_dir = Path(args.pit_out) if args.pit_out else work / "pit"
         pit_loaded = load_pit_source(args.model)
-        export_model(pit_loaded, pit_dir, Recipe(max_seq_len=args.max_seq_len), progress=print)
+        export_model(pit_loaded, pit_dir, Recipe(max_seq_len=args.max_seq_len, runtimes=runtimes), progress=print)
     manifest = Manifest.read(pit_dir)
     shapes = manifest.artifacts[0].shapes
     v, d = shapes["vocab_size"], shapes["hidden_size"]
@@ -78,7 +93,9 @@ def main(argv=None) -> int:
     results.update({"vocab_size": v, "hidden_size": d, "vd_float32_bytes": vd_bytes})
     rows = []
     for art in manifest.artifacts:
-        base = baseline[art.runtime]
+        base = baseline.get(art.runtime)
+        if base is None:  # an artifact of a runtime left out with --runtime
+            continue
         wbytes = sum(f["bytes"] for k, f in art.files.items() if k.endswith(WEIGHT_SUFFIXES))
         row = {
             "runtime": art.runtime, "mode": art.mode, "bytes": art.bytes, "weight_bytes": wbytes,
@@ -91,17 +108,13 @@ def main(argv=None) -> int:
         print(row["runtime"], row["mode"], wbytes, row["ratio_to_tt"], row["delta_vs_tt_in_vd"], flush=True)
     results["pit"] = rows
     results["reference_bytes"] = sum(f["bytes"] for f in manifest.reference["files"].values())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return write_result(args.out, results, __file__, argv)
 
 
 WEIGHT_SUFFIXES = (".onnx", ".onnx_data", ".pte")
 
 
-def tt_baseline(args, work: Path) -> dict:
+def tt_baseline(model: str, max_seq_len: int, runtimes: tuple[str, ...], work: Path) -> dict:
     """Export the plain tied source model the stock way; sizes and seconds per runtime."""
     import torch
     from optimum.exporters.onnx import onnx_export_from_model
@@ -109,23 +122,19 @@ def tt_baseline(args, work: Path) -> dict:
     from pit_deploy.export.to_executorch import export_pte
     from pit_deploy.io.sources import load_source
 
-    plain = load_source(args.model).model.eval()
+    plain = load_source(model).model.eval()
     baseline = {}
-
-    start = time.perf_counter()
-    onnx_export_from_model(copy.deepcopy(plain), work / "tt-onnx", task="text-generation-with-past",
-                           do_validation=False)
-    baseline["onnx"] = {"bytes": dir_bytes(work / "tt-onnx"),
-                        "weight_bytes": weight_bytes(work / "tt-onnx"),
-                        "export_seconds": round(time.perf_counter() - start, 2)}
-    print("TT onnx", baseline["onnx"], flush=True)
-    start = time.perf_counter()
-    with torch.no_grad():
-        export_pte(copy.deepcopy(plain), work / "tt-executorch", args.max_seq_len, interface_methods=False)
-    baseline["executorch"] = {"bytes": dir_bytes(work / "tt-executorch"),
-                              "weight_bytes": weight_bytes(work / "tt-executorch"),
-                              "export_seconds": round(time.perf_counter() - start, 2)}
-    print("TT executorch", baseline["executorch"], flush=True)
+    for runtime in runtimes:
+        folder = work / f"tt-{runtime}"
+        start = time.perf_counter()
+        if runtime == "onnx":
+            onnx_export_from_model(copy.deepcopy(plain), folder, task="text-generation-with-past", do_validation=False)
+        else:
+            with torch.no_grad():
+                export_pte(copy.deepcopy(plain), folder, max_seq_len, interface_methods=False)
+        baseline[runtime] = {"bytes": dir_bytes(folder), "weight_bytes": weight_bytes(folder),
+                             "export_seconds": round(time.perf_counter() - start, 2)}
+        print(f"TT {runtime}", baseline[runtime], flush=True)
     return baseline
 
 

@@ -1,15 +1,17 @@
 """Where an ONNX artifact's decode step spends its time: onnxruntime's own profiler, by op type.
 
-Why: the int4 export of the default model decodes ~2× faster than fp32, not the 3× that
-llama.cpp's Q4_1 reaches on the same kind of CPU. This runs a prompt, then ``--steps`` single-
-token decode steps of each artifact with ``SessionOptions.enable_profiling`` and sums the
+Why: a decode step's time is split between the matrix products, which quantization shrinks,
+and everything else the exported graph runs (shape arithmetic, cache handling, dispatch), which
+it does not; which of the two dominates decides what to work on next (``docs/quantization.md``:
+why int4 decoding falls short of its speed goal). This runs a prompt, then ``--steps``
+single-token decode steps of each artifact with ``SessionOptions.enable_profiling`` and sums the
 profiler's per-node kernel times by op type over the decode steps: how many nodes one step
 runs, how much of the step is matrix products and how much everything else.
 
 Usage::
 
     python benchmarks/onnx_decode_profile.py DIR [DIR ...] [--threads 2] [--steps 32]
-        [--out benchmarks/results/onnx_decode_profile.json]
+        [--prompt-len 64] [--out benchmarks/results/onnx_decode_profile.json]
 
 ``DIR``: an ONNX artifact folder (e.g. ``EXPORT/onnx-factorized-int4``). Profiling adds its
 own overhead to each node; compare shares, not the step time with a bench row.
@@ -88,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dirs", nargs="+", help="ONNX artifact folders")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/onnx_decode_profile.json"))
     args = parser.parse_args(argv)
     rows = []
     for folder in args.dirs:
-        row = profile(folder, args.threads, args.steps)
+        row = profile(folder, args.threads, args.steps, args.prompt_len)
         rows.append(row)
         print(f"{folder}: {row['nodes_per_step']} nodes/step, run {row['model_run_ms']:.1f} ms, kernels "
               f"{row['kernel_sum_ms']:.1f} ms, of which matrix products {row['matmul_ms']:.1f} ms", flush=True)
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {entry['op']:30s} {entry['ms']:7.3f} ms  {entry['nodes']:5d} nodes")
     result = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "onnxruntime": ort.__version__},
               "rows": rows}
-    return write_result(args.out, result)
+    return write_result(args.out, result, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
 """The default model's head shape (576 → 49152) as ExecuTorch/XNNPACK programs, side by side:
 what storing the token table once, or quantizing the head, costs and saves.
 
-    python benchmarks/pte_head_kernels.py [--threads 1,2] [--calls 50] \\
-        [--out benchmarks/results/pte_head_kernels.json]
+Why: how a ``.pte`` stores and computes the token table (twice in fp32, once as a program
+constant, or quantized behind a rotation) is decided by what XNNPACK does with each form — packs
+it at load or on every call, keeps fp32 weights or not, computes what the eager module computes
+or not. Those are properties of the ExecuTorch version; re-run this when it changes.
+
+    python benchmarks/pte_head_kernels.py [--threads 1,2] [--calls 50] [--vocab 49152] \\
+        [--hidden 576] [--out benchmarks/results/pte_head_kernels.json]
 
 Each program holds a factorized interface — ``Zᵀ`` (d×V), ``T`` (d×d) — and computes the
 embedding rows of 3 ids and the logits of one hidden row (a decode step's head). Variants:
@@ -136,15 +141,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--vocab", type=int, default=V, help="rows of the token table (the default model's)")
+    parser.add_argument("--hidden", type=int, default=D, help=f"its width, a multiple of {GROUP}")
     parser.add_argument("--out", default="benchmarks/results/pte_head_kernels.json")
     args = parser.parse_args(argv)
+    if args.hidden % GROUP or args.vocab < args.hidden:
+        parser.error(f"--hidden must be a multiple of {GROUP} and at most --vocab")
     threads = [int(t) for t in args.threads.split(",")]
+    vocab, d = args.vocab, args.hidden
     gen = torch.Generator().manual_seed(0)
-    z, _ = torch.linalg.qr(torch.randn(V, D, generator=gen, dtype=torch.float64))
-    t = torch.eye(D, dtype=torch.float64) + 0.01 * torch.randn(D, D, generator=gen, dtype=torch.float64)
+    z, _ = torch.linalg.qr(torch.randn(vocab, d, generator=gen, dtype=torch.float64))
+    t = torch.eye(d, dtype=torch.float64) + 0.01 * torch.randn(d, d, generator=gen, dtype=torch.float64)
     t = t @ t.T
     zt, t32 = z.T.contiguous().float(), t.float()
-    inputs = (torch.tensor([1, 2, 3]), torch.randn(1, D, generator=gen))
+    inputs = (torch.tensor([1, 2, 3]), torch.randn(1, d, generator=gen))
     variants = {
         "fp32": (Interface(zt, t32), False),
         "fp32-table-once": (Interface(zt, t32), True),
@@ -160,9 +170,9 @@ def main(argv=None) -> int:
                "ms_per_call": {str(n): round(time_calls(buffer, inputs, n, args.calls), 3) for n in threads}}
         print(row, flush=True)
         rows.append(row)
-    return write_result(args.out, {"shape": {"vocab": V, "hidden": D, "group": GROUP}, "rows": rows,
+    return write_result(args.out, {"shape": {"vocab": vocab, "hidden": d, "group": GROUP}, "rows": rows,
                                    "calls": args.calls, "machine": platform.platform(), "cpu_count": os.cpu_count(),
-                                   "torch": torch.__version__})
+                                   "torch": torch.__version__}, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Quantized exports of the default model: parity (KL figures, delta_ti) and bench rows.
 
+Why: what a quantized artifact costs in fidelity and buys in speed and size, measured side by side
+with its fp32 twin in one run — the figures ``docs/quantization.md`` reports and the int8/int4
+bounds of ``verify`` were set from. Re-run it after a change to the quantizers or the runtimes.
+
 For the default model (SmolLM2-135M-Instruct, or ``--model``) this script runs the project's
 own commands:
 
@@ -24,6 +28,7 @@ Usage::
         [--mode materialized,factorized] [--dtype float32,int8,int4] [--baselines uncorrected,tied]
         [--threads 2] [--prompt-len 64] [--gen-len 64] [--reps 3]
 
+``--model`` takes anything ``pit-deploy export`` takes (a local checkpoint directory too).
 ``--mode``, ``--dtype`` and ``--baselines`` narrow the run where lowering is slow (an ExecuTorch
 program of the default model takes minutes to lower on a laptop CPU), e.g. the ExecuTorch
 figures of ``docs/quantization.md``::
@@ -42,6 +47,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = "float32,int8,int4"
@@ -139,11 +146,8 @@ def main(argv=None) -> int:
         "ratios": ratios(bench["rows"]),
         "bench_warnings": bench.get("warnings", []),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["ratios"], indent=1))
-    print(f"wrote {args.out}")
-    return 0
+    return write_result(args.out, result, __file__, argv)
 
 
 def _verify_row(a: dict) -> dict:

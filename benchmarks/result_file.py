@@ -1,16 +1,90 @@
-"""Writing a benchmark's result JSON: one place for the folder, the format and the message."""
+"""The one writer of result JSON for ``benchmarks/`` and ``studies/``: the folder, the format,
+the message, and the provenance block that makes a result file re-runnable and comparable.
+
+Every result written through :func:`write_result` carries ``provenance``:
+
+* ``command``: how to run it again from the repository root (``python benchmarks/NAME.py ARGS``),
+  and ``argv``, the same arguments as a list;
+* ``code_version``: the repository's git commit and whether tracked files differed from it
+  (``git_dirty``), or ``null`` for both outside a git checkout; the installed ``pit-deploy``
+  package version either way;
+* ``versions``: torch, transformers, onnx, onnxruntime, executorch, optimum, optimum-onnx,
+  onnxruntime-genai (``null`` where not installed);
+* ``timestamp`` (UTC, ISO 8601) and ``machine`` (platform, Python, CPU count).
+
+Scripts in ``studies/`` import it with ``benchmarks/`` put on ``sys.path``.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def write_result(out: str | Path, result: dict[str, Any]) -> int:
-    """Write ``result`` as indented JSON to ``out`` (creating its folder), say where, return 0."""
+
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit of this checkout and whether tracked files differ from it (both ``None``
+    outside a git checkout), and the installed ``pit-deploy`` version."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit.strip() if commit else None,
+            "git_dirty": bool(status.strip()) if status is not None else None,
+            "pit_deploy": _installed("pit-deploy")}
+
+
+def library_versions() -> dict[str, str | None]:
+    """The project's own record of the libraries that shape an artifact, plus onnxruntime-genai."""
+    from pit_deploy.io.manifest import library_versions as shaping_libraries
+
+    return {**shaping_libraries(), "onnxruntime-genai": _installed("onnxruntime-genai")}
+
+
+def provenance(script: str | Path, argv: list[str] | None = None) -> dict[str, Any]:
+    """What ran, from which code, with which libraries, when and where. ``script`` is the
+    running script's ``__file__``; ``argv`` its arguments (``sys.argv[1:]`` when ``None``)."""
+    args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    path = Path(script).resolve()
+    shown = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    return {
+        "command": shlex.join(["python", shown, *args]),
+        "argv": args,
+        "code_version": code_version(),
+        "versions": library_versions(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()},
+    }
+
+
+def write_result(out: str | Path, result: dict[str, Any], script: str | Path, argv: list[str] | None = None) -> int:
+    """Write ``result`` with its ``provenance`` (see :func:`provenance`) as indented JSON to
+    ``out``, creating its folder; say where; return 0."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    record = {**result, "provenance": provenance(script, argv)}
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0

@@ -220,15 +220,15 @@ def test_position_groups_and_the_shared_chat_prefix():
     assert _shared_prefix(CalibrationSet(rows[:1], [None], [3])) == 0
 
 
-def test_conversion_benchmark_holds_out_the_calibration_prompts():
-    """``benchmarks/conversion.py`` scores chat fidelity on prompts the conversion never saw:
+def test_conversion_study_holds_out_the_calibration_prompts():
+    """``studies/conversion.py`` scores chat fidelity on prompts the conversion never saw:
     none of its held-out chat prompts may be one of the calibration prompts."""
     import ast
     from pathlib import Path
 
     from pit_deploy.convert.preserve import CALIB_PROMPTS
 
-    tree = ast.parse((Path(__file__).parents[1] / "benchmarks" / "conversion.py").read_text())
+    tree = ast.parse((Path(__file__).parents[1] / "studies" / "conversion.py").read_text())
     held_out = next(ast.literal_eval(node.value) for node in tree.body
                     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CHAT_PROMPTS")
     assert len(held_out) == 16

@@ -2,22 +2,27 @@
 model: the measurement behind the grouped fit and ``FIRST_ANSWER_WEIGHT`` (docs/conversion.md,
 "Calibration"). One default calibration set (32 chat prompts + corpus, 4096 tokens); every
 variant is fitted from its statistics and scored on the held-out code and chat sets of
-``benchmarks/conversion.py``: mean KL, top-1 agreement, the first answer token of the 16
+``studies/conversion.py``: mean KL, top-1 agreement, the first answer token of the 16
 held-out chat prompts, and the first answer token of "What is the capital of France?" (one of
 the calibration prompts, so not held out: shown because the main job asks it).
 
-    python benchmarks/preserve_groups.py [--out benchmarks/results/preserve_groups.json]
+    python studies/preserve_groups.py [--out studies/results/preserve_groups.json]
 """
-import json, os, sys, time
+import argparse, json, os, sys, time
 from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from conversion import chat_sequences  # noqa
 from preserve_probe import SourceHead  # noqa
 import pit_deploy.convert.preserve as pp  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa
+from result_file import write_result  # noqa
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--out", default="studies/results/preserve_groups.json")
+args = parser.parse_args()
 torch.set_num_threads(2)
 t0 = time.time()
 head = SourceHead()
@@ -103,8 +108,5 @@ for name, terms in variants.items():
     print(json.dumps(row, ensure_ascii=False), flush=True)
 result = {"model": "default", "calib_tokens": {g.name: g.tokens for g in grouped.groups},
           "calib_tokens_prefix_in_every_row": {g.name: g.tokens for g in every_row.groups},
-          "france_source_top3": top3(lp_fr[0]), "rows": rows,
-          "command": "python benchmarks/preserve_groups.py", "threads": 2}
-out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results/preserve_groups.json"
-Path(out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
-print("wrote", out)
+          "france_source_top3": top3(lp_fr[0]), "rows": rows, "threads": 2}
+write_result(args.out, result, __file__)

@@ -1,20 +1,25 @@
 """How the calibration mix of the `preserve` conversion (corpus tokens, number of chat prompts)
 moves its held-out KL on the default model: the measurement behind the default calibration
 (docs/conversion.md, "Calibration"). Fits from token-weighted mixes of calibration statistics;
-held-out code and chat sets as in ``benchmarks/conversion.py``.
+held-out code and chat sets as in ``studies/conversion.py``.
 
-    python benchmarks/preserve_calibration_mix.py [--out benchmarks/results/preserve_calibration_mix.json]
+    python studies/preserve_calibration_mix.py [--out studies/results/preserve_calibration_mix.json]
 """
-import json, os, sys, time
+import argparse, os, sys, time
 from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from conversion import chat_sequences  # noqa
 from pit_deploy.convert.preserve import calibration_set, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
+from result_file import write_result  # noqa
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--out", default="studies/results/preserve_calibration_mix.json")
+args = parser.parse_args()
 FIRST8, MORE = CALIB_PROMPTS[:8], CALIB_PROMPTS[8:32]  # the first default, and the 24 prompts added
 torch.set_num_threads(2)
 head = SourceHead()
@@ -68,6 +73,4 @@ for name, keys in mixes.items():
     gm = fit_symmetric(a, c, h_inv @ f @ h_inv)
     res[name] = {"tokens": tot, "code": kl(gm, n_code, lp_code), "chat": kl(gm, n_chat, lp_chat)}
     print(name, res[name], flush=True)
-out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results/preserve_calibration_mix.json"
-Path(out).write_text(json.dumps(res, indent=1) + "\n")
-print("wrote", out)
+write_result(args.out, res, __file__)

@@ -20,8 +20,8 @@ Sets: the source model's body linears (unconverted), the body of a ``preserve`` 
 ``W_out = T Zᵀ`` (rows of 32 along ``d``), and the body linears of a tiny random model of each
 family (Gaussian weights: no grid at all).
 
-    python benchmarks/quantization_grid.py --pit DIR/reference \\
-        [--out benchmarks/results/quantization_grid.json]
+    python studies/quantization_grid.py --pit DIR/reference \\
+        [--out studies/results/quantization_grid.json]
 
 ``DIR/reference`` is a converted default model (``pit-deploy export default --out DIR ...`` or
 ``pit-deploy convert --model default --out DIR``).
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import find_interface  # noqa: E402
 from pit_deploy.tiny import FAMILIES, tiny_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from result_file import write_result  # noqa: E402
 
 BLOCK = 32
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:40s} on_grid {row['on_grid']:.3f}  q4_1 {row['rel_err_q4_1']:.4f}  "
               f"ort {row['rel_err_ort']:.4f}  sym {row['rel_err_sym']:.4f}")
     return write_result(args.out, {"source": args.source, "pit": args.pit, "block": BLOCK,
-                                    "machine": {"platform": platform.platform()}, "sets": sets})
+                                    "machine": {"platform": platform.platform()}, "sets": sets}, __file__, argv)
 
 
 if __name__ == "__main__":

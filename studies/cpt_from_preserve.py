@@ -8,7 +8,7 @@ never undo what the conversion kept? Each run is ``pit_deploy.train.loop.train``
 model and corpus (LM loss only, all weights, ``Z`` frozen for PIT), evaluated on the same
 held-out blocks every ``--eval-every`` steps.
 
-    python benchmarks/cpt_from_preserve.py --steps 32 --lrs 3e-6,1e-5,3e-5 --warmups 4
+    python studies/cpt_from_preserve.py --steps 32 --lrs 3e-6,1e-5,3e-5 --warmups 4
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
 
 
 def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--reuse-runs", action="store_true", help="keep finished runs found in --work-dir")
-    p.add_argument("--out", default="benchmarks/results/cpt_from_preserve_cpu.json")
+    p.add_argument("--out", default="studies/results/cpt_from_preserve_cpu.json")
     args = p.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="cpt-preserve-"))
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -119,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
                    if all(o["improved"] for o in runs if (o["lr"], o["warmup_steps"]) == (r["lr"], r["warmup_steps"]))})
     report = {
         "benchmark": "cpt_from_preserve",
-        "command": "python benchmarks/cpt_from_preserve.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__, "settings": vars(args),
         "tokens_per_run": args.steps * args.batch_size * args.seq_len,
@@ -128,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in r.items() if k != "_log"} for r in runs],
         "plot": png.name,
     }
-    out.write_text(json.dumps(report, indent=2) + "\n")
     for row in table:
         print(json.dumps(row))
-    print(f"both improve at: {report['both_improve']}; wrote {out}")
-    return 0
+    print(f"both improve at: {report['both_improve']}")
+    return write_result(out, report, __file__, argv)
 
 
 if __name__ == "__main__":

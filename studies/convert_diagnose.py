@@ -1,7 +1,7 @@
 """Time conversion and diagnosis of the default model, and measure how much each T init
 disturbs the source model. Writes JSON.
 
-    python benchmarks/convert_diagnose.py [--model default] [--out benchmarks/results/convert_diagnose.json]
+    python studies/convert_diagnose.py [--model default] [--out studies/results/convert_diagnose.json]
 
 Measured per run, side by side on one machine:
 * load time of the source (GGUF de-quantization included);
@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
+import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-from pit_deploy.convert.conversion import convert_model
-from pit_deploy.model.core import T_INITS
 from pit_deploy.analysis.diagnostics import diagnose_model
+from pit_deploy.convert.conversion import convert_model
 from pit_deploy.io.sources import load_source
+from pit_deploy.model.core import T_INITS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
 
 # A fixed, small slice of the stdlib: the same files on every CPython 3.x.
 SAMPLE_FILES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py", "shlex.py")
@@ -59,13 +62,13 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--out", default="benchmarks/results/convert_diagnose.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", default="studies/results/convert_diagnose.json")
+    args = parser.parse_args(argv)
 
     loaded, load_s = timed(lambda: load_source(args.model))
     source = loaded.model
@@ -97,11 +100,8 @@ def main() -> None:
         print(f"{t_init:>8}: convert {convert_s:.2f}s diagnose {diag_s:.2f}s "
               f"delta_ti {report.delta_ti:.2e} nll {nll:.3f} (source {src_nll:.3f}) KL {kl:.3f}")
     result["least_disturbing_t_init"] = min(result["pit"], key=lambda k: result["pit"][k]["kl_from_source"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    return write_result(args.out, result, __file__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

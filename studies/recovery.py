@@ -8,7 +8,7 @@ with ``--distill`` (KL to the frozen source model's logits, mixed with the LM lo
 ``--distill-weight``), and writes the step-0 and final validation loss of every run next to
 the source model's validation loss on the same held-out blocks.
 
-    python benchmarks/recovery.py --steps 6 --seq-len 128 --batch-size 2
+    python studies/recovery.py --steps 6 --seq-len 128 --batch-size 2
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
 
 
 @torch.no_grad()
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default="benchmarks/results/recovery_cpu.json")
+    p.add_argument("--out", default="studies/results/recovery_cpu.json")
     args = p.parse_args(argv)
 
     from pit_deploy.analysis.plotting import RunLog, plot_runs
@@ -66,7 +69,6 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-recovery-"))
     report = {
         "benchmark": "recovery",
-        "command": "python benchmarks/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "settings": vars(args),
         "tokens_per_run": args.steps * args.batch_size * args.seq_len,
@@ -103,9 +105,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_runs(logs, out.with_suffix(".png"), title="recovery after conversion: LM-only vs distill")
     report["plot"] = out.with_suffix(".png").name
-    out.write_text(json.dumps(report, indent=2))
     print(json.dumps({"source_tt_val_loss": report["source_tt_val_loss"], "table": report["table"]}, indent=2))
-    return 0
+    return write_result(out, report, __file__, argv)
 
 
 if __name__ == "__main__":

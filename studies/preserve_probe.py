@@ -1,4 +1,4 @@
-"""Shared by the `preserve` calibration benchmarks: the default source model's head written as
+"""Shared by the `preserve` calibration studies: the default source model's head written as
 ``logits = n · G · H⁻¹ Uᵀ`` (``n`` the final state normalized before the final norm's gain), so a
 candidate symmetric gain ``G`` can be scored on cached states without building a model."""
 

@@ -3,19 +3,28 @@
 chat text of the default model: the measurement behind "fitting the exact KL overfits"
 (docs/conversion.md). Calibration: the first default (8 chat prompts, 2048 tokens in all).
 
-    NT=1 IT=30 python benchmarks/preserve_exact_kl.py [--out benchmarks/results/preserve_exact_kl.json]
+    python studies/preserve_exact_kl.py [--threads 1] [--iterations 30] [--out studies/results/preserve_exact_kl.json]
+
+(``--threads`` and ``--iterations`` were the environment variables ``NT`` and ``IT``.)
 """
-import json, os, sys, time
+import argparse, os, sys, time
 from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from conversion import chat_sequences  # noqa
 from pit_deploy.convert.preserve import CALIB_PROMPTS, calibration_set, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
+from result_file import write_result  # noqa
 
-torch.set_num_threads(int(os.environ.get("NT", "1")))
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--threads", type=int, default=1)
+parser.add_argument("--iterations", type=int, default=30, help="L-BFGS max_iter")
+parser.add_argument("--out", default="studies/results/preserve_exact_kl.json")
+args = parser.parse_args()
+torch.set_num_threads(args.threads)
 head = SourceHead()
 model, tok, u, h_inv, a, K = head.model, head.tokenizer, head.u, head.h_inv, head.a, head.k
 states, kl = head.states, head.kl
@@ -49,7 +58,7 @@ lam, q = torch.linalg.eigh(c_mh @ p @ c_mh)
 W = (c_mh @ q).float()
 X = torch.zeros(576, 576, requires_grad=True)
 G0 = gfit.float()
-opt = torch.optim.LBFGS([X], lr=1, max_iter=int(os.environ.get("IT", "30")), history_size=20, line_search_fn="strong_wolfe")
+opt = torch.optim.LBFGS([X], lr=1, max_iter=args.iterations, history_size=20, line_search_fn="strong_wolfe")
 lp_cal_exp = lp_cal.exp()
 it = [0]
 def closure():
@@ -72,6 +81,4 @@ with torch.no_grad():
     G = (G0 + W @ (0.5 * (X + X.T)) @ W.T).double()
 res["refined"] = {"code": kl(G, n_code, lp_code), "chat": kl(G, n_chat, lp_chat), "calib": kl(G, n_cal, lp_cal), "s": time.time() - t1}
 print(res, flush=True)
-out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results/preserve_exact_kl.json"
-Path(out).write_text(json.dumps(res, indent=1) + "\n")
-print("wrote", out)
+write_result(args.out, res, __file__)

@@ -1,0 +1,200 @@
+"""Every reusable benchmark in ``benchmarks/`` runs once, on a tiny random model with minimal
+settings, so that it cannot rot unnoticed. Only the shape of what it writes is asserted: the
+result JSON parses, has its rows, and records its provenance (command, code version, library
+versions, timestamp). Speeds are never asserted (``docs/conventions.md``).
+
+What is smoked, and what is left out:
+
+* ``bench_default.py`` and ``quantization.py`` orchestrate ``pit-deploy export``, ``verify`` and
+  ``bench`` in subprocesses. Their exports are made here once, in this process, and both scripts
+  run with ``--reuse`` on them and ``--runtime onnx``: what is smoked is their own code — the
+  verify and bench subprocesses, the goals, the ratios, the tables and the result file. Left out
+  is ExecuTorch: lowering even one tiny ``.pte`` took about a minute on a 2-core machine, and
+  ``bench_default.py`` would need two plus their stock-runner cells; the exporters and the bench
+  have their own tests. These two are marked ``slow`` (one to two minutes each on a busy 2-core
+  machine, mostly ``verify`` and ``bench`` subprocesses); they still run in CI.
+* ``export_sizes.py`` runs its own stock ONNX export and PIT export (``--runtime onnx``).
+* ``onnx_decode_profile.py`` profiles the tiny ONNX export; ``onnx_head_kernels.py`` and
+  ``pte_head_kernels.py`` run their head-shaped kernels at a tiny shape (``--vocab/--hidden``);
+  ``train_pit_vs_tt.py`` trains the tiny model for a few hundred tokens on the default corpus.
+* The scripts run in this process through their ``main(argv)`` (no interpreter start-up each),
+  except ``onnx_head_kernels.py``, which runs as ``python benchmarks/onnx_head_kernels.py`` to
+  check that the scripts still run the way the docs say. The orchestrating scripts start their
+  own ``pit-deploy`` subprocesses either way.
+
+``studies/`` are one-off studies that need the default model; they are not run here, but the
+checks at the end keep their index and the single result writer honest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pit_deploy.cli import main as cli
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.tiny import tiny_model, tiny_pit_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS, STUDIES = ROOT / "benchmarks", ROOT / "studies"
+VERSIONED = ("torch", "transformers", "onnxruntime", "executorch", "optimum-onnx", "onnxruntime-genai")
+
+
+def run_benchmark(name: str, argv: list[str]) -> int:
+    """``benchmarks/NAME.py``'s ``main(argv)``, loaded from its file (it imports its neighbour
+    ``result_file`` as a script would)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # torch.export looks classes up by their module's name
+    try:
+        spec.loader.exec_module(module)
+        return module.main(argv)
+    finally:
+        del sys.modules[spec.name]
+
+
+def well_formed(path: Path, script: str, rows: str) -> dict:
+    """The result at ``path`` parses, has non-empty ``rows`` and a complete provenance block."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data[rows], f"{path.name}: no {rows}"
+    prov = data["provenance"]
+    assert prov["command"].startswith(f"python benchmarks/{script}.py"), prov["command"]
+    assert isinstance(prov["argv"], list)
+    code = prov["code_version"]
+    assert {"git_commit", "git_dirty", "pit_deploy"} <= set(code)
+    assert code["git_commit"] or code["pit_deploy"], "neither a git commit nor a package version"
+    if code["git_commit"]:
+        assert len(code["git_commit"]) == 40 and isinstance(code["git_dirty"], bool)
+    assert set(VERSIONED) <= set(prov["versions"]) and prov["versions"]["torch"]
+    assert datetime.datetime.fromisoformat(prov["timestamp"]).tzinfo is not None
+    return data
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A tiny tied source ``src/``, a tiny PIT model ``pit-src/`` (exported as is, no conversion to
+    wait for) and, for the orchestrating scripts' ``--reuse`` (ONNX, factorized, the tiny-ci
+    recipe): ``bench/pit`` and ``bench/tt`` (``src/`` with ``--keep-tying``) for
+    ``bench_default.py``, ``quant/pit`` (fp32 + int8) for ``quantization.py``."""
+    root = tmp_path_factory.mktemp("benchmarks")
+    src, pit_src = str(root / "src"), str(root / "pit-src")
+    save_model(tiny_model("llama"), src, tiny_tokenizer())
+    save_model(tiny_pit_model("llama"), pit_src, tiny_tokenizer())
+    common = ["--recipe", "tiny-ci", "--runtime", "onnx"]
+    assert cli(["export", pit_src, "--out", str(root / "bench" / "pit"), *common, "--mode", "factorized"]) == 0
+    assert cli(["export", src, "--out", str(root / "bench" / "tt"), *common, "--keep-tying"]) == 0
+    assert cli(["export", pit_src, "--out", str(root / "quant" / "pit"), *common, "--mode", "factorized",
+                "--dtype", "float32,int8"]) == 0
+    return root
+
+
+BENCH = ["--threads", "1", "--prompt-len", "4", "--gen-len", "3", "--reps", "1"]
+
+
+@pytest.mark.slow
+def test_bench_default(work, tmp_path):
+    out = tmp_path / "bench_default.json"
+    assert run_benchmark("bench_default", ["--model", str(work / "src"), "--work", str(work / "bench"),
+                                           "--runtime", "onnx", "--max-seq-len", "64", "--reuse", "--out", str(out), *BENCH]) == 0
+    data = well_formed(out, "bench_default", "rows")
+    assert {r["runtime"] for r in data["rows"]} == {"onnx", "torch"}
+    assert data["goals"] and set(data["verify"]) == {"pit", "tt"}
+    assert out.with_suffix(".md").read_text(encoding="utf-8").startswith("| artifact |")
+
+
+@pytest.mark.slow
+def test_quantization(work, tmp_path):
+    out = tmp_path / "quantization.json"
+    assert run_benchmark("quantization", ["--model", str(work / "src"), "--work", str(work / "quant"), "--runtime", "onnx",
+                                          "--mode", "factorized", "--dtype", "float32,int8", "--baselines", "none",
+                                          "--reuse", "--out", str(out), *BENCH]) == 0
+    data = well_formed(out, "quantization", "bench_rows")
+    assert data["verify"]["pit"] and {r["dtype"] for r in data["ratios"]} == {"int8"}
+
+
+def test_export_sizes(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "export_sizes.json"
+    save_model(tiny_model("llama"), src, tiny_tokenizer())
+    assert run_benchmark("export_sizes", ["--model", str(src), "--runtime", "onnx", "--out", str(out)]) == 0
+    data = well_formed(out, "export_sizes", "pit")
+    assert {(r["runtime"], r["mode"]) for r in data["pit"]} == {("onnx", "materialized"), ("onnx", "factorized")}
+
+
+def test_onnx_decode_profile(work, tmp_path):
+    out = tmp_path / "onnx_decode_profile.json"
+    assert run_benchmark("onnx_decode_profile", [str(work / "bench" / "pit" / "onnx-factorized"), "--threads", "1",
+                                                 "--steps", "2", "--prompt-len", "4", "--out", str(out)]) == 0
+    data = well_formed(out, "onnx_decode_profile", "rows")
+    assert data["rows"][0]["nodes_per_step"] > 0
+
+
+def test_onnx_head_kernels_as_a_script(tmp_path):
+    """Run the way the docs say, from the repository root in a fresh interpreter."""
+    out = tmp_path / "onnx_head_kernels.json"
+    proc = subprocess.run([sys.executable, "benchmarks/onnx_head_kernels.py", "--threads", "1", "--reps", "3",
+                           "--vocab", "256", "--hidden", "64", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = well_formed(out, "onnx_head_kernels", "rows")
+    assert data["shape"] == {"vocab": 256, "hidden": 64, "block": 32}
+
+
+def test_pte_head_kernels(tmp_path):
+    out = tmp_path / "pte_head_kernels.json"
+    assert run_benchmark("pte_head_kernels", ["--threads", "1", "--calls", "2", "--vocab", "256", "--hidden", "64",
+                                              "--out", str(out)]) == 0
+    data = well_formed(out, "pte_head_kernels", "rows")
+    assert len(data["rows"]) == 5
+
+
+def test_train_pit_vs_tt(work, tmp_path):
+    out = tmp_path / "train_pit_vs_tt.json"
+    assert run_benchmark("train_pit_vs_tt", ["--model", str(work / "src"), "--tokens", "128", "--seq-len", "32",
+                                             "--batch-size", "2", "--eval-every", "2", "--eval-blocks", "1",
+                                             "--timing-steps", "1", "--device", "cpu", "--work-dir",
+                                             str(tmp_path / "runs"), "--out", str(out)]) == 0
+    data = well_formed(out, "train_pit_vs_tt", "runs")
+    assert set(data["runs"]) == {"pit", "tt"} and out.with_suffix(".png").is_file()
+
+
+# -- the layout of benchmarks/ and studies/ (no model needed) ------------------------------------
+
+SCRIPTS = sorted(p for p in (*BENCHMARKS.glob("*.py"), *STUDIES.glob("*.py")))
+HELPERS = {"result_file.py", "preserve_probe.py"}  # the writer itself; shared code of the preserve studies
+
+
+@pytest.mark.parametrize("script", [p for p in SCRIPTS if p.name not in HELPERS], ids=lambda p: p.name)
+def test_one_writer(script):
+    """Every benchmark and study writes its result through ``result_file.write_result`` and
+    never writes JSON itself."""
+    text = script.read_text(encoding="utf-8")
+    assert "write_result(" in text
+    assert "json.dump(" not in text and "write_text(json.dumps" not in text
+
+
+def test_every_benchmark_is_smoked():
+    smoked = {name.removeprefix("test_").removesuffix("_as_a_script") for name in globals() if name.startswith("test_")}
+    benchmarks = {p.stem for p in BENCHMARKS.glob("*.py")} - {"result_file"}
+    assert benchmarks <= smoked, f"not smoked: {sorted(benchmarks - smoked)}"
+
+
+@pytest.mark.parametrize("folder", [BENCHMARKS, STUDIES], ids=lambda p: p.name)
+def test_index_names_every_script_and_result(folder):
+    """``benchmarks/README.md`` and ``studies/README.md`` name every script and result file."""
+    index = (folder / "README.md").read_text(encoding="utf-8")
+    names = [p.name for p in folder.glob("*.py") if p.name not in HELPERS]
+    names += [f"results/{p.name}" for p in (folder / "results").iterdir() if p.suffix in (".json", ".md")]
+    missing = [n for n in names if n not in index]
+    assert not missing, f"{folder.name}/README.md does not name {missing}"
+    for result in (folder / "results").glob("*.json"):
+        json.loads(result.read_text(encoding="utf-8"))  # every committed result parses
