@@ -39,6 +39,7 @@ MATMULS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm"}
 def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict:
     """Per-op-type kernel time of ``steps`` decode steps of the artifact in ``folder``."""
     from pit_deploy.runtime import standalone
+    from pit_deploy.targets.onnx_optimum import DECODER_NAME
 
     workdir = tempfile.mkdtemp(prefix="ort-profile-")
     plain = standalone.ort_session_options
@@ -51,7 +52,7 @@ def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict
 
     standalone.ort_session_options = profiled
     try:
-        decoder = standalone.OrtDecoder(folder, threads)
+        decoder = standalone.OrtDecoder(Path(folder) / DECODER_NAME, threads)
     finally:
         standalone.ort_session_options = plain
     ids = np.arange(100, 100 + prompt_len)

@@ -237,7 +237,7 @@ TEXT, PROMPT, FIRST_ANSWER, ANSWER = "text", "chat prompt", "first answer token"
 #: token of an answer decides which answer greedy decoding gives; weighting the 32 calibration
 #: prompts' first answer tokens ×10 wins back the held-out code KL that separate group terms
 #: cost (default model: 0.0584 → 0.0564 nat, chat KL 0.0976 → 0.0986; the previous one-term
-#: fit had 0.0578 / 0.1106 — docs/conversion.md, benchmarks/preserve_groups.py).
+#: fit had 0.0578 / 0.1106 — docs/conversion.md, studies/preserve_groups.py).
 FIRST_ANSWER_WEIGHT = 10.0
 
 

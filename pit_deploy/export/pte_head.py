@@ -16,7 +16,7 @@ every outlier of ``u`` over all channels (QuaRot, Ashkboos et al. 2024, "Outlier
 Inference in Rotated LLMs"; SpinQuant, Liu et al. 2024), so one int8 scale per token loses
 little: on the default model the input's max/rms per token drops from 13 to 3.2, and the head of
 its int4 program costs +0.0075 mean KL at 8 bits without the rotation, +0.0021 with it, and
-+0.18 / +0.08 at 4 bits (PyTorch eager, ``benchmarks/pte_head_rotation.py``; the lowered programs
++0.18 / +0.08 at 4 bits (PyTorch eager, ``studies/pte_head_rotation.py``; the lowered programs
 measure the same, ``docs/quantization.md``). With transpose tying the head reads the table the
 embedding reads, so a rotation has to turn the whole residual stream (QuaRot folds the norms and
 rotates every layer); in the factorized PIT head it is local: only ``T`` and ``Z`` change.
