@@ -270,6 +270,27 @@ def test_an_old_record_naming_a_path_outside_the_run_is_redone_and_says_so(fake)
     assert "export: running (its record has no digests of its outputs" in err
 
 
+def test_a_checkpoint_of_other_settings_or_of_a_copied_run_is_not_resumed(tmp_path):
+    """Training resumes only from a checkpoint saved with the options a resumed run must keep;
+    in a copied run directory the converted model's path differs, so the job starts over
+    instead of failing ("--resume with different options")."""
+    from dataclasses import asdict
+
+    from pit_deploy.run.pipeline import checkpoint_mismatch
+    from pit_deploy.run.stages import jsonable
+    from pit_deploy.train.loop import TrainConfig
+
+    cfg = TrainConfig(out=str(tmp_path / "2-train" / "pit"), model=str(tmp_path / "1-convert" / "model"), data="default")
+    checkpoint = tmp_path / "step-0000004"
+    checkpoint.mkdir()
+    saved = jsonable(asdict(cfg))
+    (checkpoint / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
+    assert checkpoint_mismatch(checkpoint, cfg) == []
+    saved.update(model="/elsewhere/1-convert/model", seq_len=7)
+    (checkpoint / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
+    assert checkpoint_mismatch(checkpoint, cfg) == ["model", "seq_len"]
+
+
 # --------------------------------------------------------------------------------------
 # 3. one process per run directory
 # --------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -337,12 +337,16 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
         options["tokens"] = None
     if t_init is not None:
         options["t_init"] = t_init
-    resume = not fresh and out.is_dir() and latest_checkpoint(out) is not None
     if fresh and out.exists():
         shutil.rmtree(out)
-    cfg = TrainConfig(out=str(out), model=str(model), data=data, tying=tying, resume=resume,
-                      force=not resume, progress=False, plot=True, **options)
-    say(f"  training {tying} → {out.name}/" + (" (resuming from its last checkpoint)" if resume else ""))
+    cfg = TrainConfig(out=str(out), model=str(model), data=data, tying=tying, resume=False,
+                      force=True, progress=False, plot=True, **options)
+    checkpoint = latest_checkpoint(out) if out.is_dir() else None
+    changed = checkpoint_mismatch(checkpoint, cfg) if checkpoint is not None else []
+    resume = checkpoint is not None and not changed
+    cfg = replace(cfg, resume=resume, force=not resume)
+    say(f"  training {tying} → {out.name}/" + (" (resuming from its last checkpoint)" if resume else
+        f" (starting over: its last checkpoint was saved with another {', '.join(changed)})" if changed else ""))
     nproc = int(settings.get("nproc", 1))
     if nproc > 1:
         run_distributed(cfg, nproc)
@@ -350,6 +354,21 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
         train(cfg)
     summary = json.loads((out / "summary.json").read_text())
     return {"dir": str(out), "model": str(out / "model"), "summary": summary}
+
+
+def checkpoint_mismatch(checkpoint: Path, cfg: Any) -> list[str]:
+    """The options a resumed run must keep (``RESUME_KEYS``) on which ``cfg`` differs from the
+    run that saved ``checkpoint``: changed training settings, or the converted model's path in
+    a copied or moved run directory. Such a checkpoint cannot be resumed; the job starts over.
+    An unreadable ``state.json`` is left to the loader, which skips damaged checkpoints."""
+    from ..train.config import RESUME_KEYS
+
+    try:
+        saved = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["config"]
+        mine = jsonable(asdict(cfg))
+        return [k for k in RESUME_KEYS if saved.get(k) != mine.get(k)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def run_distributed(cfg: Any, nproc: int) -> None:
