@@ -207,12 +207,14 @@ def test_run_killed_during_training_continues_from_its_checkpoint(assets, tmp_pa
     assert proc.poll() is None, "the run finished before it could be killed: " + proc.stderr.read()[-2000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    assert not (out / "2-train" / "stage.json").exists()  # the stage did not finish
+    assert _record(out, "train")["status"] == "running"  # the stage did not finish
     steps_before = sorted(p.name for p in checkpoints.glob("step-*"))
     assert steps_before
     again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "convert: up to date" in again.stderr
+    assert "resuming this run: convert finished before; train was interrupted and runs now" in again.stderr
+    assert "train: running (interrupted before it finished; resuming it)" in again.stderr
     assert "resuming from its last checkpoint" in again.stderr
     summary = json.loads((out / "2-train" / "pit" / "summary.json").read_text())
     assert summary["steps"] == 60

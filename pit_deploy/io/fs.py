@@ -1,10 +1,15 @@
 """File-system helpers every stage shares: one atomic writer for files and one for
-directories, sha256 digests, and the ``--out`` check. Standard library only.
+directories, sha256 digests, the ``--out`` checks and the run-directory lock. Standard library
+only.
 
 Atomicity: a file is written to a temporary sibling and renamed over its target
 (``os.replace`` is atomic on POSIX and Windows); a directory is built in a temporary sibling
 and renamed into place when complete. A crash therefore never leaves a half-written file or a
-directory that looks complete (``docs/conventions.md``).
+directory that looks complete (``docs/conventions.md``). The temporary siblings are named
+``.NAME.partial-PID-XXXX``: a process killed before it could remove its own is recognised by its
+PID, and the next write of the same target removes it (never one of a live process). A write
+that fails for a reason the user can fix (full disk, file size limit, read-only target) ends as
+a :class:`~pit_deploy.errors.WriteError` naming the target and the cause.
 """
 
 from __future__ import annotations
@@ -12,13 +17,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
-from ..errors import PitError
+from ..errors import PitError, WriteError, as_write_error
+
+log = logging.getLogger(__name__)
+PARTIAL = ".partial-"  #: ``.NAME.partial-PID-XXXX``: a temporary sibling of ``NAME`` being written by PID
+LOCK_NAME = ".pit-deploy.lock"  #: the lock file :func:`lock_directory` holds inside a directory
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -61,18 +72,130 @@ def check_replaceable(out: str | os.PathLike, protect: tuple[str | os.PathLike, 
     directory, the home directory, a filesystem root, or any of ``protect`` (the source model).
     ``--force`` replaces only the directory the user named, never something they did not."""
     target = Path(out).expanduser().resolve()
-    guarded: list[tuple[str, Path]] = [("the current directory", Path.cwd().resolve()),
-                                       ("your home directory", Path.home().resolve())]
-    guarded += [(f"the source {p}", Path(p).expanduser().resolve()) for p in protect if p and Path(p).expanduser().exists()]
     if target == Path(target.anchor):
         raise PitError(f"--out {out} is a filesystem root; choose a directory of its own")
-    for what, path in guarded:
+    check_apart(out, [("the current directory", Path.cwd()), ("your home directory", Path.home())],
+                "refusing to replace it (choose a new directory)", inside_ok=True)
+    check_apart(out, [(f"the source {p}", p) for p in protect], "refusing to replace it (choose a new directory)")
+
+
+def check_apart(out: str | os.PathLike, guarded: Iterable[tuple[str, str | os.PathLike]], refusal: str,
+                inside_ok: bool = False) -> None:
+    """Refuse an ``out`` that is or contains one of ``guarded`` (``(what, path)`` pairs; a path
+    that does not exist, such as ``default`` or a hub id, guards nothing) or — unless
+    ``inside_ok`` — lies inside one: what a command reads is never where it writes."""
+    target = Path(out).expanduser().resolve()
+    for what, raw in guarded:
+        if not raw or not Path(raw).expanduser().exists():
+            continue
+        path = Path(raw).expanduser().resolve()
         if target == path:
-            raise PitError(f"--out {out} is {what}; refusing to replace it (choose a new directory)")
+            raise PitError(f"--out {out} is {what}; {refusal}")
         if path.is_relative_to(target):
-            raise PitError(f"--out {out} contains {what}; refusing to replace it (choose a new directory)")
-        if what.startswith("the source") and target.is_relative_to(path):
+            raise PitError(f"--out {out} contains {what}; {refusal}")
+        if not inside_ok and target.is_relative_to(path):
             raise PitError(f"--out {out} lies inside {what}; write the output elsewhere")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine). Unknown counts as alive: a temporary
+    directory is removed only when its writer is certainly gone."""
+    if pid == os.getpid():
+        return True
+    if os.name == "nt" or pid <= 0:  # os.kill(pid, 0) would terminate the process on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_partials(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove the ``.NAME.partial-PID…`` siblings in ``directory`` (of ``name`` only, or of any
+    name) whose writer PID is no longer alive: what a killed command left behind. Returns what
+    was removed; a partial of a live process is never touched."""
+    directory = Path(directory)
+    stem = re.escape(name) if name is not None else r".+"
+    pattern = re.compile(rf"^\.{stem}{re.escape(PARTIAL)}(\d+)(?:-[^/]*)?$")
+    removed: list[Path] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+            log.info("removed %s, left by a process (pid %s) that no longer runs", entry, match.group(1))
+        except OSError:  # someone else's, or already gone: never worth failing a command for
+            continue
+    return removed
+
+
+@contextlib.contextmanager
+def lock_directory(directory: str | os.PathLike, what: str = "run") -> Iterator[Path]:
+    """Hold an exclusive lock on ``directory`` (an OS lock on its ``.pit-deploy.lock`` file, which
+    records the holder's PID) for the duration of the block. The OS releases it when the process
+    exits, however it exits, so a crashed holder never blocks a later one.
+
+    Raises:
+        PitError: another process holds the lock (named with its PID).
+    """
+    path = Path(directory) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise as_write_error(exc, path) or exc
+    try:
+        if not _try_lock(fd, path):
+            holder = _read_pid(path)
+            raise PitError(f"another pit-deploy {what} (pid {holder or 'unknown'}) is using {directory}; wait for it "
+                           "to finish, or choose another --out")
+        with contextlib.suppress(OSError):  # the PID is for the message of a refused run; the lock holds without it
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        yield path
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _try_lock(fd: int, path: Path) -> bool:
+    """Take an exclusive, non-blocking lock on ``fd``: ``False`` when another process holds it.
+    A file system without locks (some network mounts) is used without one, with a warning."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        log.warning("cannot lock %s (%s); two runs into it at once would not be detected", path, exc)
+    return True
+
+
+def _read_pid(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text if text.isdigit() else None
 
 
 @contextlib.contextmanager
@@ -80,13 +203,18 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
                      protect: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
-    On any exception the temporary directory is removed and ``out`` is untouched. With
-    ``force`` an existing ``out`` is replaced only after the new one is complete.
+    On any exception the temporary directory is removed and ``out`` is untouched; a write that
+    failed for a reason the user can fix (full disk, file size limit, read-only target) is
+    raised as a :class:`~pit_deploy.errors.WriteError` naming ``out``. With ``force`` an
+    existing ``out`` is replaced only after the new one is complete. Partial directories of
+    ``out`` left by killed processes are removed first.
     """
     out = check_output_dir(out, force, protect).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp: Path | None = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(out.parent, out.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{PARTIAL}{os.getpid()}-", dir=out.parent))
         yield tmp
         if out.exists():
             trash = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -95,24 +223,45 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
             shutil.rmtree(trash, ignore_errors=True)
         else:
             tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _raise_as_write_error(exc, out, tmp)
         raise
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``."""
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``; a failed
+    write leaves ``path`` as it was and raises a :class:`~pit_deploy.errors.WriteError` naming
+    it when the user can fix the cause (full disk, file size limit, read-only target)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp: str | None = None
     try:
+        remove_stale_partials(path.parent, path.name)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{PARTIAL}{os.getpid()}-", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        _raise_as_write_error(exc, path)
         raise
     return path
+
+
+def _raise_as_write_error(exc: BaseException, target: Path, tmp: Path | None = None) -> None:
+    """Raise ``exc`` as a :class:`~pit_deploy.errors.WriteError` naming ``target`` when it is a
+    write the user can fix; one raised for a file inside ``target``'s temporary sibling ``tmp``
+    is said of ``target`` (the partial name means nothing to the user). Returns otherwise."""
+    if isinstance(exc, WriteError):
+        if tmp is not None and exc.filename and Path(exc.filename).is_relative_to(tmp):
+            raise exc.naming(target) from exc
+        return
+    mapped = as_write_error(exc, target)
+    if mapped is not None:
+        raise mapped from exc
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:

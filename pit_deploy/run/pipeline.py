@@ -1,16 +1,20 @@
 """``pit-deploy run``: convert → train → export → verify → bench → report in one run directory.
 
 Each stage lives in its own sub-directory with a ``stage.json`` record (:mod:`.stages`). The
-pipeline walks the stages in order; a stage whose settings and input digests are unchanged
-since it last finished is skipped (and says so), ``from_stage`` redoes a stage and everything
-after it, and a stage that was interrupted runs again — training resumes from its last
-checkpoint. A stage that fails stops the run: the report still gets written, listing what
-failed, and the run's exit code is the failed stage's (1 a verification bound, 2 unusable input,
-3 an internal error; ``docs/conventions.md``).
+pipeline walks the stages in order; a stage whose settings, input digests and outputs are
+unchanged since it last finished is skipped (and says so), ``from_stage`` redoes a stage and
+everything after it, and a stage that was interrupted runs again — training resumes from its
+last checkpoint. A stage that fails stops the run: the report still gets written, listing what
+failed, and the run's exit code is the failed stage's (1 a verification bound, 2 unusable input
+— a full disk included —, 3 an internal error; ``docs/conventions.md``).
+
+One process at a time: the run holds an exclusive lock on its directory while it works, and
+never writes where its source model or data live.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,15 +23,15 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from ..errors import PitError
-from ..io.fs import write_json_atomic
+from ..errors import PitError, WriteError, as_write_error
+from ..io.fs import LOCK_NAME, check_apart, lock_directory, remove_stale_partials, write_json_atomic, write_text_atomic
 from .recipe import STAGES, RunRecipe
 from .report import REPORT_NAME
-from .stages import StageRecord, digest_path, stage_dir
+from .stages import StageRecord, digest_path, fingerprint, jsonable, relative_outputs, resolved_outputs, stage_dir
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
@@ -61,46 +65,53 @@ class RunResult:
 
 def run_pipeline(recipe: RunRecipe, out: str | Path, from_stage: str | None = None, force: bool = False,
                  say: Say = print) -> RunResult:
-    """Run (or resume, or skip through) every stage of ``recipe`` into ``out``."""
+    """Run (or resume, or skip through) every stage of ``recipe`` into ``out``.
+
+    Raises:
+        PitError: ``out`` cannot be this run's directory (another recipe's, someone else's, the
+            source's, held by another run, a damaged record in it), or a write the user can fix
+            failed outside a stage (a :class:`~pit_deploy.errors.WriteError`).
+    """
     if from_stage is not None and from_stage not in STAGES:
         raise PitError(f"--from {from_stage!r}: choose one of {', '.join(STAGES)}")
-    out = Path(out)
-    claim_run_directory(out, recipe, force)
+    out = Path(out).absolute()
+    try:
+        with claim_run_directory(out, recipe, force, say):
+            return _run_stages(recipe, out, from_stage, say)
+    except OSError as exc:  # a record, a folder: writes outside a stage's own error handling
+        mapped = as_write_error(exc, under=out)
+        if mapped is None or mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def _run_stages(recipe: RunRecipe, out: Path, from_stage: str | None, say: Say) -> RunResult:
+    """The stages in order, in the claimed directory ``out``."""
     result = RunResult(out=str(out))
+    # every record is read (and a damaged one refused) before any stage does any work
+    records = {stage: StageRecord.read(stage_dir(out, stage), stage) for stage in STAGES}
+    summary = resume_summary(records)
+    if summary:
+        say(summary)
     ctx: dict[str, dict[str, Any]] = {}
     redo_from = STAGES.index(from_stage) if from_stage else len(STAGES)
     for i, stage in enumerate(STAGES):
         folder = stage_dir(out, stage)
         settings, inputs = plan(stage, recipe, ctx)
-        previous = StageRecord.read(folder)
-        if i < redo_from and previous is not None and previous.up_to_date(settings, inputs):
-            say(f"{stage}: up to date (same settings and inputs as the finished stage) — skipped")
-            ctx[stage] = previous.outputs
+        previous = records[stage]
+        why = None if previous is None or i >= redo_from else previous.redo_reason(settings, inputs, out)
+        if i < redo_from and previous is not None and why is None:
+            if previous.refreshed:  # same files, new mtimes (a copied run): keep the next check cheap
+                previous.write(folder, stamp=False)
+            say(f"{stage}: up to date (same settings, inputs and outputs as the finished stage) — skipped")
+            ctx[stage] = resolved_outputs(previous.outputs, out)
             result.stages[stage] = "skipped"
             continue
-        reason = ("--from " + from_stage) if i >= redo_from else (
-            "first run" if previous is None else
-            "interrupted before" if previous.status == "running" else
-            "failed before" if previous.status == "failed" else "settings or inputs changed")
+        reason = (("--from " + from_stage) if i >= redo_from else why if previous is not None else
+                  "first run" if not any(records.values()) else "not run before")
         say(f"{stage}: running ({reason})")
-        record = StageRecord(stage=stage, settings=settings, inputs=inputs)
-        (folder / "stage.json").unlink(missing_ok=True)  # not "done" while it runs
-        folder.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        try:
-            outputs = STAGE_FUNCTIONS[stage](folder, recipe, ctx, say, fresh=i >= redo_from)
-            record.status = "skipped" if outputs.get("disabled") else "done"
-            record.outputs = outputs
-        except StageFailed as exc:
-            record.status, record.error, record.exit_code = "failed", str(exc), exc.exit_code
-        except PitError as exc:
-            record.status, record.error, record.exit_code = "failed", str(exc), 2
-        except Exception as exc:  # an internal error: one line here, the traceback in the log
-            (folder / "error.log").write_text(traceback.format_exc())
-            record.status, record.error, record.exit_code = "failed", f"internal error: {exc!r} (traceback in {folder / 'error.log'})", 3
-        record.seconds = round(time.perf_counter() - start, 2)
-        record.write(folder)
-        ctx[stage] = record.outputs
+        record = run_stage(stage, folder, recipe, ctx, say, settings, inputs, fresh=i >= redo_from)
+        ctx[stage] = resolved_outputs(record.outputs, out)
         result.stages[stage] = "ran" if record.status == "done" else record.status
         if record.status == "failed":
             say(f"{stage}: FAILED — {record.error}")
@@ -114,24 +125,106 @@ def run_pipeline(recipe: RunRecipe, out: str | Path, from_stage: str | None = No
     return result
 
 
-def claim_run_directory(out: Path, recipe: RunRecipe, force: bool) -> None:
-    """Make ``out`` this recipe's run directory, refusing someone else's."""
+def run_stage(stage: str, folder: Path, recipe: RunRecipe, ctx: dict[str, dict[str, Any]], say: Say,
+              settings: dict[str, Any], inputs: dict[str, Any], fresh: bool) -> StageRecord:
+    """Run one stage and write its record: ``running`` first (what an interrupt leaves, so the
+    next run knows to resume it), then ``done``/``skipped`` with its outputs (paths relative to
+    the run directory) and their digests, or ``failed`` with the error and its exit code."""
+    run = folder.parent
+    record = StageRecord(stage=stage, settings=settings, inputs=inputs)
+    record.write(folder)
+    start = time.perf_counter()
+    try:
+        outputs = STAGE_FUNCTIONS[stage](folder, recipe, ctx, say, fresh=fresh)
+        record.status = "skipped" if outputs.get("disabled") else "done"
+        record.outputs = relative_outputs(jsonable(outputs), run)
+        record.files = fingerprint(run, record.outputs)
+    except StageFailed as exc:
+        record.status, record.error, record.exit_code = "failed", str(exc), exc.exit_code
+    except PitError as exc:  # a full disk included (WriteError)
+        record.status, record.error, record.exit_code = "failed", str(exc), 2
+    except Exception as exc:
+        mapped = as_write_error(exc, under=folder)
+        if mapped is not None:  # a write failed for a reason the user can fix: not a bug
+            record.status, record.error, record.exit_code = "failed", str(mapped), 2
+        else:  # an internal error: one line here, the traceback in the log
+            log_path = folder / "error.log"
+            with contextlib.suppress(OSError):
+                write_text_atomic(log_path, traceback.format_exc())
+            record.status, record.error, record.exit_code = "failed", f"internal error: {exc!r} (traceback in {log_path})", 3
+    record.seconds = round(time.perf_counter() - start, 2)
+    record.write(folder)
+    return record
+
+
+def resume_summary(records: dict[str, StageRecord | None]) -> str | None:
+    """One line on what an earlier run left: which stages finished and where this one resumes
+    (``None`` for a new run directory)."""
+    if not any(records.values()):
+        return None
+    finished: list[str] = []
+    for stage, rec in records.items():
+        if rec is not None and rec.status in ("done", "skipped"):
+            finished.append(stage)
+            continue
+        state = "has not run" if rec is None else "was interrupted" if rec.status == "running" else "failed"
+        return (f"resuming this run: {', '.join(finished) or 'no stage'} finished before; {stage} {state} and "
+                "runs now (a finished stage is redone only if its settings, inputs or outputs changed)")
+    return "every stage finished before; each is redone only if its settings, inputs or outputs changed"
+
+
+@contextlib.contextmanager
+def claim_run_directory(out: Path, recipe: RunRecipe, force: bool, say: Say = print) -> Iterator[None]:
+    """Make ``out`` this recipe's run directory and hold it, locked, for the block.
+
+    Refuses (before writing anything) a directory of another recipe or someone else's unless
+    ``force``, and always one that is, contains or lies inside the source model or the data.
+    The lock makes a second process on the same directory fail at once (exit 2, naming the
+    holder's PID) instead of interleaving its writes; the OS drops it when the holder exits.
+    Partial files and directories left in ``out`` by killed processes are removed.
+    """
+    check_run_directory(out, recipe, force)
+    out.mkdir(parents=True, exist_ok=True)
+    with lock_directory(out, "run"):
+        check_run_directory(out, recipe, force)  # again: a run that held the lock may have changed it
+        removed = [p for d in _directories(out) for p in remove_stale_partials(d)]
+        if removed:
+            say(f"removed {len(removed)} partial file(s) left by killed processes: "
+                + ", ".join(str(p.relative_to(out)) for p in removed[:3]) + (" …" if len(removed) > 3 else ""))
+        write_json_atomic(out / "run.json", {"format": RUN_FORMAT, "recipe": recipe.name, "settings": recipe.to_dict()})
+        yield
+
+
+def check_run_directory(out: Path, recipe: RunRecipe, force: bool) -> None:
+    """Refuse an ``out`` that cannot be this recipe's run directory (see
+    :func:`claim_run_directory`)."""
+    run, lora = recipe["run"], recipe["lora"]
+    sources = [("the source model " + str(run["model"]), run["model"]), ("the data " + str(run["data"]), run["data"])]
+    if lora["enabled"] and lora["data"]:
+        sources.append(("the LoRA data " + str(lora["data"]), lora["data"]))
+    check_apart(out, sources, "refusing to write the run there (choose a new directory)")
+    if out.exists() and not out.is_dir():
+        raise PitError(f"--out {out} exists and is not a directory; choose another path")
     meta = out / "run.json"
-    if meta.is_file():
+    if meta.exists():
         try:
-            data = json.loads(meta.read_text())
-        except json.JSONDecodeError:
-            data = {}
-        if data.get("format") != RUN_FORMAT:
+            data = json.loads(meta.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, IsADirectoryError):
+            data = None
+        if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
             raise PitError(f"{meta} is not a pit-deploy run record; choose another --out")
         if data.get("recipe") != recipe.name and not force:
             raise PitError(f"{out} is a run of recipe {data.get('recipe')!r}, not {recipe.name!r}; choose "
                            "another --out, or pass --force to reuse it (stages whose settings differ rerun)")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    elif out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()) and not force:
         raise PitError(f"--out {out} exists and is not a pit-deploy run directory; choose another path "
                        "(or --force to use it anyway)")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(meta, {"format": RUN_FORMAT, "recipe": recipe.name, "settings": recipe.to_dict()})
+
+
+def _directories(root: Path) -> list[Path]:
+    """``root`` and its sub-directories, without dot-named ones (partials themselves)."""
+    return [root] + sorted(p for p in root.rglob("*") if p.is_dir()
+                           and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def plan(stage: str, recipe: RunRecipe, ctx: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -244,12 +337,16 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
         options["tokens"] = None
     if t_init is not None:
         options["t_init"] = t_init
-    resume = not fresh and out.is_dir() and latest_checkpoint(out) is not None
     if fresh and out.exists():
         shutil.rmtree(out)
-    cfg = TrainConfig(out=str(out), model=str(model), data=data, tying=tying, resume=resume,
-                      force=not resume, progress=False, plot=True, **options)
-    say(f"  training {tying} → {out.name}/" + (" (resuming from its last checkpoint)" if resume else ""))
+    cfg = TrainConfig(out=str(out), model=str(model), data=data, tying=tying, resume=False,
+                      force=True, progress=False, plot=True, **options)
+    checkpoint = latest_checkpoint(out) if out.is_dir() else None
+    changed = checkpoint_mismatch(checkpoint, cfg) if checkpoint is not None else []
+    resume = checkpoint is not None and not changed
+    cfg = replace(cfg, resume=resume, force=not resume)
+    say(f"  training {tying} → {out.name}/" + (" (resuming from its last checkpoint)" if resume else
+        f" (starting over: its last checkpoint was saved with another {', '.join(changed)})" if changed else ""))
     nproc = int(settings.get("nproc", 1))
     if nproc > 1:
         run_distributed(cfg, nproc)
@@ -257,6 +354,21 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
         train(cfg)
     summary = json.loads((out / "summary.json").read_text())
     return {"dir": str(out), "model": str(out / "model"), "summary": summary}
+
+
+def checkpoint_mismatch(checkpoint: Path, cfg: Any) -> list[str]:
+    """The options a resumed run must keep (``RESUME_KEYS``) on which ``cfg`` differs from the
+    run that saved ``checkpoint``: changed training settings, or the converted model's path in
+    a copied or moved run directory. Such a checkpoint cannot be resumed; the job starts over.
+    An unreadable ``state.json`` is left to the loader, which skips damaged checkpoints."""
+    from ..train.config import RESUME_KEYS
+
+    try:
+        saved = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["config"]
+        mine = jsonable(asdict(cfg))
+        return [k for k in RESUME_KEYS if saved.get(k) != mine.get(k)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def run_distributed(cfg: Any, nproc: int) -> None:
@@ -304,7 +416,7 @@ def stage_verify(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bo
         failed = [f"{Path(r['directory']).name}/{a['runtime']}-{a['mode']}: {'; '.join(a['failures'])}"
                   for r in reports for a in r["artifacts"] if not a["passed"]]
         raise StageFailed("verification failed: " + " | ".join(failed), 1)
-    return {"passed": passed, "reports": reports}
+    return {"passed": passed, "reports": reports, "json": str(folder / "verify.json")}
 
 
 def stage_bench(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
@@ -318,27 +430,31 @@ def stage_bench(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: boo
     result = bench_directories(ctx["export"]["exports"], opts, progress=lambda m: say("  " + m))
     data = result.to_dict()
     write_json_atomic(folder / "bench.json", data)
+    png = folder / "bench.png"
     try:
-        result.plot(folder / "bench.png")
+        result.plot(png)
     except Exception as exc:  # a chart is a nicety; the numbers are in bench.json
         log.warning("bench chart not drawn: %s", exc)
-    return {"rows": data["rows"], "json": str(folder / "bench.json"), "png": str(folder / "bench.png")}
+    return {"rows": data["rows"], "json": str(folder / "bench.json"), **({"png": str(png)} if png.is_file() else {})}
 
 
 def stage_report(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
+    """Greedy answers of the shipped artifact beside the source's, then ``report.md`` and
+    ``report.html``. The answers are asked again whenever the stage runs: it runs because
+    something it reports on changed."""
+    from .answers import greedy_answers
     from .report import write_report
 
     answers = folder / "answers.json"
-    if not answers.is_file() or fresh:
-        from .answers import greedy_answers
-
-        try:
-            write_json_atomic(answers, greedy_answers(recipe, ctx))
-        except PitError as exc:
-            write_json_atomic(answers, {"error": str(exc)})
+    try:
+        write_json_atomic(answers, greedy_answers(recipe, ctx))
+    except WriteError:  # the answers could not be saved (full disk): the stage fails
+        raise
+    except PitError as exc:  # no answers to show: the report says why
+        write_json_atomic(answers, {"error": str(exc)})
     md = write_report(folder.parent, recipe)
     say(f"report: {md}")
-    return {"report": str(md)}
+    return {"report": str(md), "html": str(md.with_suffix(".html")), "answers": str(answers)}
 
 
 def write_report_safely(out: Path, recipe: RunRecipe, say: Say) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..io.fs import write_text_atomic
 from .recipe import STAGES, RunRecipe
-from .stages import StageRecord, stage_dir
+from .stages import StageRecord, resolved_outputs, stage_dir
 
 REPORT_NAME = "report.md"  #: the report a run writes (and ``report.html`` beside it)
 Block = tuple  # ("h2", text) | ("p", text) | ("table", headers, rows) | ("img", path, alt) | ("pre", text)
@@ -34,7 +34,12 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 
 def collect(out: Path) -> dict[str, StageRecord | None]:
-    return {stage: StageRecord.read(stage_dir(out, stage)) for stage in STAGES}
+    """Every stage's record, its paths resolved against ``out`` (records hold them relative)."""
+    records = {stage: StageRecord.read(stage_dir(out, stage), stage) for stage in STAGES}
+    for rec in records.values():
+        if rec is not None:
+            rec.outputs = resolved_outputs(rec.outputs, out)
+    return records
 
 
 def warnings_of(records: dict[str, StageRecord | None], recipe: RunRecipe) -> list[str]:
@@ -43,6 +48,8 @@ def warnings_of(records: dict[str, StageRecord | None], recipe: RunRecipe) -> li
     for stage, rec in records.items():
         if rec is not None and rec.status == "failed":
             warn.append(f"Stage **{stage}** failed (exit {rec.exit_code}): {rec.error}")
+        elif rec is not None and rec.status == "running" and stage != "report":
+            warn.append(f"Stage **{stage}** was interrupted before it finished.")
         elif rec is None and stage != "report":
             warn.append(f"Stage **{stage}** has not run.")
     conv = records.get("convert")
@@ -186,12 +193,12 @@ def _one_line(text: str, limit: int = 120) -> str:
 
 
 def _device_of(run_dir: str) -> str:
-    """The device a training run used, from its ``run.json``."""
-    path = Path(run_dir) / "run.json"
-    if not path.is_file():
+    """The device a training run used, from its ``run.json`` (``?`` when it cannot be read)."""
+    try:
+        data = json.loads(Path(run_dir, "run.json").read_bytes())
+    except (OSError, ValueError):
         return "?"
-    data = json.loads(path.read_text())
-    return str(data.get("device_used") or data.get("device", "?"))
+    return str(data.get("device_used") or data.get("device", "?")) if isinstance(data, dict) else "?"
 
 
 def _verify_json(out: Path) -> list | None:
