@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import PitError
+from .errors import PitError, as_write_error
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -415,7 +415,9 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         result = bench_directories(args.directories, opts, progress=stage)
     if args.out:
-        Path(args.out).write_text(result.to_json(indent=2) + "\n")
+        from .io.fs import write_text_atomic
+
+        write_text_atomic(args.out, result.to_json(indent=2) + "\n")
     if args.plot:
         stage(f"wrote {result.plot(args.plot)}")
     print(result.to_json(indent=2) if args.json else result)
@@ -514,6 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: interrupted; nothing partial was left behind", file=sys.stderr)
         return 130
     except Exception as exc:  # an internal error: exit 3, one line (docs/conventions.md)
+        mapped = as_write_error(exc)
+        if mapped is not None:  # a full disk, a size limit, a read-only target: the user's to fix (exit 2)
+            print(f"error: {mapped}", file=sys.stderr)
+            return 2
         if args.debug:
             import traceback
 
