@@ -123,6 +123,15 @@ def test_changed_setting_reruns_downstream_only(assets, tmp_path, capsys):
     assert "export: running (settings or inputs changed)" in err
     manifest = json.loads((out / "3-export" / "export-float32" / "manifest.json").read_text())
     assert manifest["recipe"]["max_seq_len"] == 48
+    # every export recipe field is a run key, and reaches the export (docs/run.md)
+    assert main(["run", *base, "--set", "export.max_seq_len=48", "--set", "export.table_bits=4"]) == 0
+    manifest = json.loads((out / "3-export" / "export-int4" / "manifest.json").read_text())
+    assert {a["details"]["scheme"]["table_bits"] for a in manifest["artifacts"]} == {4}
+    # a shipped export recipe drives the run's export: one export directory per scheme
+    assert main(["run", *base, "--set", 'export.recipe="int4-compact"', "--set", "export.max_seq_len=64"]) == 0
+    manifest = json.loads((out / "3-export" / "export-int4-compact" / "manifest.json").read_text())
+    assert [a["path"] for a in manifest["artifacts"]] == ["onnx-factorized-int4-compact"]
+    assert manifest["verification"]["passed"] is True
 
 
 def test_unknown_recipe_key_names_the_closest_valid_key():

@@ -158,12 +158,11 @@ def test_every_export_recipe_field_is_reachable_with_set():
 
 def test_a_shipped_export_recipe_drives_the_run():
     exp = _run_recipe('export.recipe="int4-compact"').export_recipe()
-    # the smoke recipe's own [export] keys still apply on top of the named recipe
-    assert exp.runtimes == ("onnx", "executorch") or exp.runtimes == ("onnx",)
-    exp = _run_recipe('export.recipe="int4-compact"', 'export.runtimes=["onnx"]', 'export.dtype=["int4-compact"]'
-                      ).export_recipe()
-    assert exp.dtype == ("int4-compact",) and exp.runtimes == ("onnx",)
-    assert exp.schemes()[0].table_bits == 4
+    # named with --set, the export recipe replaces the run recipe file's export settings
+    assert exp.dtype == ("int4-compact",) and exp.runtimes == ("onnx",) and exp.modes == ("factorized",)
+    assert exp.schemes()[0].table_bits == 4 and exp.max_seq_len == 256
+    exp = _run_recipe('export.recipe="int4-compact"', "export.max_seq_len=64").export_recipe()
+    assert exp.dtype == ("int4-compact",) and exp.max_seq_len == 64  # other --set keys still refine it
 
 
 @pytest.mark.parametrize("override, message", [

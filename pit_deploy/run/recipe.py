@@ -75,8 +75,9 @@ class RunRecipe:
 
     name: str
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: table → the keys the recipe file or ``--set`` gave (the others are defaults)
+    #: table → the keys the recipe file gave, and those ``--set`` gave (the others are defaults)
     explicit: dict[str, set[str]] = field(default_factory=dict)
+    overridden: dict[str, set[str]] = field(default_factory=dict)
 
     def __getitem__(self, table: str) -> dict[str, Any]:
         return self.tables[table]
@@ -97,6 +98,7 @@ class RunRecipe:
         except tomllib.TOMLDecodeError:
             value = raw
         self._put(table, key, value, f"--set {dotted}")
+        self.overridden.setdefault(table, set()).add(ALIASES.get(table, {}).get(key, key))
 
     def _put(self, table: str, key: str, value: Any, where: str) -> None:
         if table not in DEFAULTS:
@@ -124,12 +126,18 @@ class RunRecipe:
 
     def export_recipe(self) -> Any:
         """The export recipe of ``[export]``: the named ``recipe`` (or the built-in defaults with
-        the run's :data:`DEFAULTS`), then every key the run recipe gave."""
+        the run's :data:`DEFAULTS`), then the keys the run recipe gave. A ``recipe`` named by
+        ``--set`` replaces the run recipe file's own export settings (only other ``--set`` keys
+        change it); one named in the file is refined by the file's keys."""
         from ..export.recipes import Recipe, load_recipe
 
-        table, given = self.tables["export"], self.explicit.get("export", set())
+        table = self.tables["export"]
+        cli = self.overridden.get("export", set())
+        given = self.explicit.get("export", set())
         if table.get("recipe"):
             base = load_recipe(str(table["recipe"]))
+            if "recipe" in cli:
+                given = cli
         else:
             base = Recipe(**{k: v for k, v in DEFAULTS["export"].items() if k != "recipe"})
         changes = {k: table[k] for k in given if k != "recipe"}
