@@ -89,9 +89,9 @@ CALIB_PROMPTS = (
     "Describe the color blue to someone who cannot see.",
     "How many continents are there?",
 )
-#: the share of the calibration budget the chat rows may take (the rest is corpus text). Measured
-#: on the default model (docs/conversion.md): 8 chat prompts in 2135 tokens left the held-out chat
-#: KL at 0.16; 32 prompts in ~3.9k tokens brought it to 0.11 for +0.01 on code.
+#: the share of the calibration budget the chat rows may take (the rest is corpus text). On the
+#: default model more chat prompts took the held-out chat KL down for a small cost on code
+#: (docs/conversion.md, "Calibration"; studies/results/preserve_calibration_mix.json).
 CHAT_SHARE = 0.6
 
 
@@ -183,9 +183,9 @@ def chat_calibration(model: PreTrainedModel, tokenizer: Any, prompts: Iterable[s
     and including its end-of-sequence token), in order, until the rows hold ``budget`` tokens
     (always at least one row) — with the final norm's inputs the generation computed for them.
 
-    Prompts are generated ``batch`` at a time, left-padded with an attention mask: the 32
-    default prompts on the default model took 51 s in batches of 8, 31 s in batches of 16 and
-    24 s in one batch of 32 on a 2-core CPU, with identical rows. A forward pre-hook on the final norm
+    Prompts are generated ``batch`` at a time, left-padded with an attention mask: for the 32
+    default prompts on the default model one batch of 32 was the fastest of the batch sizes
+    timed, with identical rows (``docs/conversion.md``, "Measured"). A forward pre-hook on the final norm
     keeps each step's hidden states, so the calibration statistics need no second pass over
     these rows: every position's state is computed during generation except the last token of a
     row that was still generating at the final step (that position is left out).
@@ -236,8 +236,8 @@ TEXT, PROMPT, FIRST_ANSWER, ANSWER = "text", "chat prompt", "first answer token"
 #: How much more a first answer token counts than any other calibration position. The first
 #: token of an answer decides which answer greedy decoding gives; weighting the 32 calibration
 #: prompts' first answer tokens ×10 wins back the held-out code KL that separate group terms
-#: cost (default model: 0.0584 → 0.0564 nat, chat KL 0.0976 → 0.0986; the previous one-term
-#: fit had 0.0578 / 0.1106 — docs/conversion.md, studies/preserve_groups.py).
+#: cost on the default model, for a slight rise of the chat KL (docs/conversion.md, "One term per
+#: group of positions"; studies/preserve_groups.py).
 FIRST_ANSWER_WEIGHT = 10.0
 
 
@@ -434,8 +434,8 @@ def fit_symmetric_grouped(a: torch.Tensor, terms: list[Term], ridge: float = 1e-
     ``G = W Y Wᵀ``, the pooled operator is diagonal (``Y_ij (λ_i + λ_j)``) and serves as the
     preconditioner, and the system is well scaled, so the iterations run in float32 (the
     statistics' own precision). One term converges at once. On the default model's four
-    groups the objective is within 0.5 % of its converged value after 40 iterations (0.06638
-    against 0.06608 after 200, held-out KL unchanged to 0.001 nat), hence ``max_iter=40``.
+    groups 40 iterations come close to the converged objective and leave the held-out KL
+    unchanged (``docs/conversion.md``, "One term per group of positions"), hence ``max_iter=40``.
     """
     total = sum(w for w, _, _ in terms)
     terms = [(w / total, _sym(c), _sym(p)) for w, c, p in terms]

@@ -14,10 +14,10 @@ and ``Z R`` still has orthonormal columns: the factorized head becomes one fp32 
 ``T R`` followed by a quantized linear over the rotated table ``Z R``. A random rotation spreads
 every outlier of ``u`` over all channels (QuaRot, Ashkboos et al. 2024, "Outlier-Free 4-Bit
 Inference in Rotated LLMs"; SpinQuant, Liu et al. 2024), so one int8 scale per token loses
-little: on the default model the input's max/rms per token drops from 13 to 3.2, and the head of
-its int4 program costs +0.0075 mean KL at 8 bits without the rotation, +0.0021 with it, and
-+0.18 / +0.08 at 4 bits (PyTorch eager, ``studies/pte_head_rotation.py``; the lowered programs
-measure the same, ``docs/quantization.md``). With transpose tying the head reads the table the
+little: on the default model the rotation flattens the input's outliers and cuts the mean KL
+a quantized head adds to its int4 program, at 8 and at 4 bits (PyTorch eager,
+``studies/pte_head_rotation.py``; the lowered programs measure the same; figures in
+``docs/quantization.md``). With transpose tying the head reads the table the
 embedding reads, so a rotation has to turn the whole residual stream (QuaRot folds the norms and
 rotates every layer); in the factorized PIT head it is local: only ``T`` and ``Z`` change.
 
@@ -81,7 +81,7 @@ class RotatedQuantizedHead(nn.Module):
     def rotated_rows(self, zt: torch.Tensor) -> torch.Tensor:
         """``Z R`` ``(V, d)`` in float64 from ``Zᵀ`` ``(d, V)``: the table the head quantizes (and
         the embedding's, so both sides read the same rotated rows). Computed when asked, not
-        kept: at the default model's size it is 226 MB of float64."""
+        kept: a ``V×d`` float64 table, twice the size of the fp32 ``Zᵀ``."""
         return zt.to(torch.float64).T @ self.rotation
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

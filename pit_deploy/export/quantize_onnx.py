@@ -8,7 +8,7 @@ Everything quantizes through onnxruntime's own tools (``onnxruntime.quantization
   on CPU). ``quantize_dynamic`` (per-tensor int8 activations) was measured and rejected.
 * **token tables** (the embedding's ``Gather`` and the head's ``MatMul``): block-quantized
   (``table_bits``: 8 by default for both dtypes, as llama.cpp's Q4_K_M keeps its output
-  matrix at 6 bits; a 4-bit table costs +0.08 mean KL on the default model's factorized int4
+  matrix at 6 bits; a 4-bit table costs mean KL on the default model's factorized int4
   artifact and makes it the smallest, ``docs/quantization.md``) with the same onnxruntime
   routine (``DefaultWeightOnlyQuantizer.qbits_block_quant``, blocks along ``d``), the embedding read by ``com.microsoft.GatherBlockQuantized`` and the head by
   ``MatMulNBits``. Both ops take the table in the same packed layout (rows = tokens, two 4-bit
@@ -24,7 +24,7 @@ runtime dequantizes (read back from the quantized bytes), so that
 ``W_out E = T ẐᵀẐ (ẐᵀẐ)⁻¹ T⁻¹ = I`` up to fp32 rounding. The head's ``MatMulNBits`` keeps fp32
 activations (no ``accuracy_level``): with int8 activations the rows of ``T`` it is fed would
 be rounded and the identity would hold only to about 1e-2. Every other head keeps them too
-(measured: a 4× larger KL with int8 activations), and an 8-bit table is read as two 4-bit
+(measured: a larger KL with int8 activations), and an 8-bit table is read as two 4-bit
 nibble planes, for which onnxruntime has a fast fp32-activation kernel (:func:`split_nibbles`).
 """
 
@@ -239,9 +239,9 @@ def split_nibbles(table: BlockTable) -> tuple[BlockTable, BlockTable]:
     ``z = 16·z_hi + z_lo``, so ``(q − z)·s = 16·(hi − z_hi)·s + (lo − z_lo)·s`` exactly.
 
     Why: onnxruntime's ``MatMulNBits`` has no fused CPU kernel for 8-bit weights with fp32
-    activations (it dequantizes the whole table on every call: 87.6 ms for the default model's
-    49152 × 576 head at 2 threads, against 1.1 ms for a 4-bit table;
-    ``benchmarks/onnx_head_kernels.py``, ``docs/quantization.md``). Two 4-bit
+    activations (it dequantizes the whole table on every call, far slower on the default model's
+    head than a 4-bit table; ``benchmarks/onnx_head_kernels.py``, ``docs/quantization.md``,
+    "Measured on the default model"). Two 4-bit
     products of the nibble planes give the 8-bit product with fp32 activations, in the same
     bytes as the 8-bit table.
     """
@@ -314,8 +314,8 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
 
     The head keeps fp32 activations in every mode (no ``accuracy_level``): in factorized mode
     so that ``W_out E = I`` holds on the runtime, and everywhere because int8 activations in the
-    head measured a 4× larger mean KL on the default model's materialized int8 export (0.063
-    against 0.0155 — ``docs/quantization.md``). An 8-bit table is stored as its two nibble
+    head measured a larger mean KL on the default model's materialized exports, failing the
+    bounds (``docs/quantization.md``). An 8-bit table is stored as its two nibble
     planes (:func:`split_nibbles`); where the embedding reads the same table it gathers both.
 
     Returns:
@@ -437,9 +437,9 @@ def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: 
     the linears named in ``keep_8bit`` (``v_proj``, ``down_proj`` by default, as in the
     ExecuTorch programs and llama.cpp's Q4_K_M) get 8-bit weights first.
 
-    Not ``quantize_dynamic``: its per-tensor uint8 activations measured a mean KL of 0.50 on
-    the default model (SmolLM2's activation outliers), against 0.0014 for 8-bit weights alone
-    (``docs/quantization.md``).
+    Not ``quantize_dynamic``: its per-tensor uint8 activations measured a far larger mean KL on
+    the default model (SmolLM2's activation outliers) than 8-bit weights alone
+    (``docs/quantization.md``, "What is quantized, and how").
 
     Returns:
         ``(model, number of linears kept at 8 bits)``.

@@ -1,9 +1,9 @@
 """Rewrites that keep a decoder layer inside one XNNPACK partition per side of the attention.
 
-Why: lowered as Hugging Face writes them, each layer of the default model broke into about five
-XNNPACK partitions with portable operators between them (154 in SmolLM2-135M's ``forward``), and
-the lowering copies the graph for every partition: side by side, 187.5 s without these rewrites
-against 148.9 s with them (35 partitions). The breaks came from operators the XNNPACK partitioner refuses (its
+Why: lowered as Hugging Face writes them, each layer of the default model broke into several
+XNNPACK partitions with portable operators between them, and the lowering copies the graph for
+every partition: side by side, the rewrites cut both (``docs/export.md``, "Where ``.pte``
+export time goes"). The breaks came from operators the XNNPACK partitioner refuses (its
 operator configs in ``executorch/backends/xnnpack/partition/config``):
 
 * **RMSNorm's** ``mean(x², dim=-1, keepdim=True)``: XNNPACK's mean only covers 4-D inputs

@@ -54,7 +54,7 @@ def save_tokenizer(tokenizer, out: str | os.PathLike) -> None:
     """``tokenizer.save_pretrained(out)``, without copying a GGUF file as ``tokenizer.model``.
 
     A tokenizer loaded from a GGUF file keeps that file as its ``vocab_file``; the default
-    save then writes the whole GGUF (weights included, ~100 MB for SmolLM2-135M) as a "slow"
+    save then writes the whole GGUF (weights included: the whole model file) as a "slow"
     ``tokenizer.model`` that is not a SentencePiece model at all. For such tokenizers only the
     fast ``tokenizer.json`` format is written (``legacy_format=False``), which is what
     ``AutoTokenizer`` loads.

@@ -74,7 +74,7 @@ def polar_factor(a: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, tor
     evals, evecs = _sym_eig(a64.T @ a64, ridge)
     # σ_min²/σ_max² below 1e-12 (cond(A) > 1e6) cannot be told apart from rank deficiency through
     # the Gram matrix: an exactly repeated column leaves an eigenvalue of rounding size, about
-    # 1e-16 of the largest and of either sign (the default model's embedding: 1.2e-4).
+    # 1e-16 of the largest and of either sign (a real embedding sits far above: docs/definitions.md).
     if evals.min() <= evals.max() * RANK_RTOL:
         raise ValueError("matrix is rank deficient: its columns do not span d dimensions")
     h = (evecs * evals.sqrt()) @ evecs.T

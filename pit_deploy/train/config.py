@@ -123,11 +123,11 @@ _flag = flag_name
 def with_start_defaults(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the learning rate and warm-up its start calls for, where they were left out.
 
-    From scratch, for LoRA adapters and from one of the paper's conversions (which lose 7–9
-    nats: there is little to keep): ``3e-4`` with no warm-up. Continued pretraining of a
+    From scratch, for LoRA adapters and from one of the paper's conversions (which lose what the
+    source knew, ``docs/conversion.md``: little to keep): ``3e-4`` with no warm-up. Continued pretraining of a
     pretrained model — PIT from the source-preserving conversion or the TT baseline, which both
     start at the source's loss — takes :data:`CPT_LR` after :data:`CPT_WARMUP` steps: the
-    largest rate at which both ended below their starting validation loss in the measured
+    rate at which PIT ended best and rose least above its start in the measured
     sweep (``docs/training.md``); a from-scratch rate there undoes what the conversion kept."""
     from dataclasses import replace
 
