@@ -299,8 +299,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
 
+    from .io.fs import json_text
     from .train.loop import TrainConfig, train
 
     from .train.config import read_config
@@ -312,7 +312,7 @@ def run_train(args: argparse.Namespace) -> int:
     if result is not None:
         stage(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
               + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
-        print(json.dumps(dataclasses.asdict(result)))
+        print(json_text(dataclasses.asdict(result)))
     return 0
 
 

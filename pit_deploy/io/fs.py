@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -264,9 +265,29 @@ def _raise_as_write_error(exc: BaseException, target: Path, tmp: Path | None = N
         raise mapped from exc
 
 
+def finite_or_null(data: Any) -> Any:
+    """``data`` with every non-finite float (NaN, ±infinity) replaced by ``None`` and tuples as
+    lists, recursively: what a strict JSON parser accepts."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: finite_or_null(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_or_null(value) for value in data]
+    return data
+
+
+def json_text(data: Any, **kwargs: Any) -> str:
+    """``data`` as strict JSON (RFC 8259): a non-finite float (a figure that could not be
+    measured) is ``null``, never the ``NaN``/``Infinity`` that Python's ``json`` writes by default
+    and other parsers reject. Every JSON the package prints or writes goes through here."""
+    return json.dumps(finite_or_null(data), allow_nan=False, **kwargs)
+
+
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
-    """:func:`write_text_atomic` of ``data`` as indented JSON with a final newline."""
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """:func:`write_text_atomic` of ``data`` as indented strict JSON (:func:`json_text`) with a
+    final newline."""
+    return write_text_atomic(path, json_text(data, indent=2) + "\n")
 
 
 def confined(root: str | os.PathLike, relative: str, what: str) -> Path:
