@@ -259,7 +259,8 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-record", action="store_true", help="do not write the results into manifest.json")
     p.add_argument("--expect-sha256", default=None, metavar="HASH",
-                   help="refuse unless manifest.json has this sha256 (pin an export you trust)")
+                   help="refuse unless manifest.json, without its recorded results, has this sha256 (pin an "
+                   "export you trust: sha256sum of the fresh manifest, or the pin verify prints)")
     p.set_defaults(handler=run_verify)
 
 
