@@ -227,8 +227,9 @@ def _export(root: Path, name: str, arts: list[tuple[str, str, str]], *, verified
                                   shapes={"vocab_size": 512, "max_seq_len": 64}))
     manifest = Manifest(source={"kind": "test"}, reference={"files": file_table(directory, directory / "reference")},
                         artifacts=artifacts, versions=library_versions(),
-                        verification={"artifacts": [{"runtime": a.runtime, "mode": a.mode, "dtype": a.dtype,
-                                                     "passed": True} for a in artifacts]} if verified else None)
+                        verification={"artifacts": [{"runtime": a.runtime, "mode": a.mode, "dtype": a.dtype, "passed": True,
+                                                     "digests": {rel: f["sha256"] for rel, f in a.files.items()}}
+                                                    for a in artifacts]} if verified else None)
     write_json_atomic(directory / MANIFEST_NAME, manifest.to_dict())
     return directory
 
@@ -353,7 +354,7 @@ def test_device_without_time_reports_no_memory(phone, exports, tmp_path, capsys)
     assert main(["bench", "--adb", "--runner", str(phone.runner), str(exports["tt"]), "--prompt-len", "8",
                  "--gen-len", "6", "--reps", "1", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert math.isnan(data["rows"][0]["peak_rss_mb"])
+    assert data["rows"][0]["peak_rss_mb"] is None  # not measured: null in strict JSON
     assert any("no toybox `time -v`" in w for w in data["warnings"])
     runs = [c[3] for c in phone.calls() if c[2:3] == ["shell"] and c[3].startswith("cd ")]
     assert runs and not any("/system/bin/time" in r for r in runs)
