@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
-from ..runtime.llm_runner import pass_figures
+from ..runtime.llm_runner import pass_figures, stats_problem
 from ..runtime.standalone import _mean_std, _percentile
 from ..targets import get_target
 from ..targets.executorch_xnnpack import PTE_NAME
@@ -423,6 +423,11 @@ def _invoke(adb: Adb, local: str, command: str, remote_log: str, label: str, thr
         raise PitError(f"{label} ({threads} threads): llama_main failed on the device ({why}); its last lines:\n"
                        f"{_tail(runner_output(output)) or '(no output)'}\nCheck that the runner was built for this phone's ABI "
                        "and from the ExecuTorch version that exported the .pte")
+    problem = stats_problem(parse_stats(output))
+    if problem:  # the device's own output: unusable input, like a runner that fails (exit 2)
+        raise PitError(f"{label} ({threads} threads): llama_main printed an impossible stats line ({problem}); "
+                       "its figures cannot be used. Check that --runner is ExecuTorch's stock llama_main, "
+                       f"unmodified; its last lines:\n{_tail(runner_output(output))}")
     return output
 
 
