@@ -166,8 +166,10 @@ def run_probe(args: argparse.Namespace) -> int:
 
     if args.top_k < 1:
         raise PitError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        raise PitError(f"--plot {args.plot}: the directory {Path(args.plot).parent} does not exist")
+    if args.plot:
+        from .analysis.plotting import check_image_path
+
+        check_image_path(args.plot, "--plot", inputs=(args.model,))
     stage(f"loading {args.model}")
     loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
     vocab = loaded.model.config.vocab_size
@@ -259,7 +261,8 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-record", action="store_true", help="do not write the results into manifest.json")
     p.add_argument("--expect-sha256", default=None, metavar="HASH",
-                   help="refuse unless manifest.json has this sha256 (pin an export you trust)")
+                   help="refuse unless manifest.json, without its recorded results, has this sha256 (pin an "
+                   "export you trust: sha256sum of the fresh manifest, or the pin verify prints)")
     p.set_defaults(handler=run_verify)
 
 
@@ -299,8 +302,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
 
+    from .io.fs import json_text
     from .train.loop import TrainConfig, train
 
     from .train.config import read_config
@@ -312,7 +315,7 @@ def run_train(args: argparse.Namespace) -> int:
     if result is not None:
         stage(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
               + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
-        print(json.dumps(dataclasses.asdict(result)))
+        print(json_text(dataclasses.asdict(result)))
     return 0
 
 
@@ -330,8 +333,9 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from .analysis.plotting import RunLog, plot_runs
+    from .analysis.plotting import RunLog, check_image_path, plot_runs
 
+    check_image_path(args.out, "--out", inputs=tuple(args.runs), make_parents=True)
     runs = [RunLog.load(r) for r in args.runs]
     path = plot_runs(runs, args.out, args.title)
     for run in runs:
@@ -359,6 +363,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", default=None, metavar="OUT.tar.gz",
                    help="instead of measuring here, pack the artifacts with a standalone run_bench.py "
                    "(needs only numpy + onnxruntime or the executorch runtime) for another device")
+    p.add_argument("--force", action="store_true", help="with --bundle: replace an existing OUT.tar.gz")
     p.add_argument("--ingest", action="append", default=[], metavar="ROWS.json",
                    help="instead of measuring, read the rows a bundle's run_bench.py wrote (repeatable)")
     p.add_argument("--adb", action="store_true",
@@ -383,9 +388,16 @@ def run_bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(threads=_int_list(args.threads, "--threads"),
                         prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
                         gen_len=args.gen_len, reps=args.reps, torch_model=args.torch_model)
-    for target in (args.out, args.plot):
-        if target is not None and not Path(target).resolve().parent.is_dir():
-            raise PitError(f"cannot write {target}: its directory does not exist")
+    from .analysis.plotting import check_image_path
+    from .io.fs import check_output_file
+
+    inputs = tuple(args.directories) + tuple(args.ingest)
+    if args.out is not None:
+        check_output_file(args.out, "--out", inputs=inputs)
+    if args.plot is not None:
+        check_image_path(args.plot, "--plot", inputs=inputs)
+    if args.force and not args.bundle:
+        raise PitError("--force applies to --bundle only (--out and --plot are replaced as they are)")
     if args.bundle and args.ingest:
         raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
                        "use one at a time")
@@ -398,7 +410,7 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.serial or args.runner or args.device_dir:
         raise PitError("--serial, --runner and --device-dir apply to --adb only")
     if args.bundle:
-        path = write_bundle(args.bundle, args.directories, opts, progress=stage)
+        path = write_bundle(args.bundle, args.directories, opts, progress=stage, force=args.force)
         stage(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
               "then `pit-deploy bench --ingest rows.json`")
         return 0

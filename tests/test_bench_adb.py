@@ -20,6 +20,7 @@ from pit_deploy.cli import main
 from pit_deploy.evaluate.bench import ROW_FIELDS
 from pit_deploy.evaluate.bench_adb import (DEFAULT_DEVICE_DIR, Adb, parse_peak_rss_kib, parse_stats,
                                            pass_figures, runner_command)
+from pit_deploy.runtime.llm_runner import stats_problem
 from pit_deploy.io.fs import write_json_atomic
 from pit_deploy.io.manifest import MANIFEST_NAME, Artifact, Manifest, file_table, library_versions
 
@@ -149,6 +150,8 @@ stats = {{"prompt_tokens": PROMPT_TOKENS, "generated_tokens": generated, "model_
           "inference_end_ms": t0 + LOAD_MS + 3 + prefill_ms + step_ms * generated,
           "prompt_eval_end_ms": t0 + LOAD_MS + 3 + prefill_ms, "first_token_ms": t0 + LOAD_MS + 3 + prefill_ms,
           "aggregate_sampling_time_ms": 2, "SCALING_FACTOR_UNITS_PER_SECOND": 1000}}
+if mode == "impossible":  # a broken or foreign runner: a first token 1e308 ms before the start
+    stats["first_token_ms"] = -1e308
 if mode != "nostats":
     print("PyTorchObserver " + json.dumps(stats, separators=(",", ":")))
 log(f"stats.h:105] \tPrompt Tokens: {{PROMPT_TOKENS}}    Generated Tokens: {{generated}}")
@@ -227,8 +230,9 @@ def _export(root: Path, name: str, arts: list[tuple[str, str, str]], *, verified
                                   shapes={"vocab_size": 512, "max_seq_len": 64}))
     manifest = Manifest(source={"kind": "test"}, reference={"files": file_table(directory, directory / "reference")},
                         artifacts=artifacts, versions=library_versions(),
-                        verification={"artifacts": [{"runtime": a.runtime, "mode": a.mode, "dtype": a.dtype,
-                                                     "passed": True} for a in artifacts]} if verified else None)
+                        verification={"artifacts": [{"runtime": a.runtime, "mode": a.mode, "dtype": a.dtype, "passed": True,
+                                                     "digests": {rel: f["sha256"] for rel, f in a.files.items()}}
+                                                    for a in artifacts]} if verified else None)
     write_json_atomic(directory / MANIFEST_NAME, manifest.to_dict())
     return directory
 
@@ -353,7 +357,7 @@ def test_device_without_time_reports_no_memory(phone, exports, tmp_path, capsys)
     assert main(["bench", "--adb", "--runner", str(phone.runner), str(exports["tt"]), "--prompt-len", "8",
                  "--gen-len", "6", "--reps", "1", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert math.isnan(data["rows"][0]["peak_rss_mb"])
+    assert data["rows"][0]["peak_rss_mb"] is None  # not measured: null in strict JSON
     assert any("no toybox `time -v`" in w for w in data["warnings"])
     runs = [c[3] for c in phone.calls() if c[2:3] == ["shell"] and c[3].startswith("cd ")]
     assert runs and not any("/system/bin/time" in r for r in runs)
@@ -422,6 +426,33 @@ def test_stats_line_and_memory_parse_into_figures():
     assert parse_stats("no stats here\nPyTorchObserver {not json}\n") is None
     zero = dict(stats, prompt_eval_end_ms=stats["inference_start_ms"])  # below the 1 ms clock
     assert math.isnan(pass_figures(zero)["prefill_tok_s"])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"first_token_ms": -1e308}, "first_token_ms is -1e+308; it must be finite and non-negative"),
+    ({"generated_tokens": -5}, "generated_tokens is -5"),
+    ({"prompt_tokens": 0}, "the runner read no prompt"),
+    ({"prompt_tokens": 7.5}, "prompt_tokens is 7.5, not a whole number"),
+    ({"inference_end_ms": float("inf")}, "inference_end_ms is inf"),
+    ({"model_load_end_ms": "soon"}, "model_load_end_ms is 'soon', not a number"),
+    ({"inference_end_ms": 1718000000000}, "inference_end_ms (1718000000000) precedes prompt_eval_end_ms"),
+    ({"SCALING_FACTOR_UNITS_PER_SECOND": 0}, "SCALING_FACTOR_UNITS_PER_SECOND is 0"),
+])
+def test_impossible_stats_are_refused(change, message):
+    stats = {**parse_stats(TRANSCRIPT), **change}
+    assert message in stats_problem(stats)
+    with pytest.raises(ValueError, match="impossible runner stats"):
+        pass_figures(stats)
+    assert stats_problem(parse_stats(TRANSCRIPT)) is None
+
+
+def test_impossible_stats_from_the_device_are_exit_2(phone, exports, monkeypatch, capsys):
+    """The runner's output is input from outside pit-deploy: exit 2 naming the field, no row."""
+    monkeypatch.setenv("STANDIN_RUNNER", "impossible")
+    assert main(["bench", "--adb", "--runner", str(phone.runner), str(exports["tt"]), *SMALL, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "llama_main printed an impossible stats line (first_token_ms is -1e+308" in captured.err
+    assert captured.out == ""
 
 
 # --------------------------------------------------------------------------------------

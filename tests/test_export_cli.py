@@ -126,7 +126,7 @@ def test_export_refuses_non_empty_out(pit_dir, onnx_export, capsys):
 
 def _start_export(pit_dir: Path, out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pit_deploy", "export", str(pit_dir), "--out", str(out),
-           "--runtime", "executorch", "--mode", "factorized", "--max-seq-len", "32"]
+           "--runtime", "executorch", "--mode", "factorized", "--max-seq-len", "33"]
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=os.environ.copy())
 
 

@@ -20,13 +20,13 @@ and counted in ``degenerate_rows``.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from ..io.fs import json_text
 from ..model.inspect import effective_interface, find_interface
 from ..model.core import identity_defect, polar_factor
 
@@ -54,7 +54,7 @@ class InterfaceReport:
         return data
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        return json_text(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
         rows = [

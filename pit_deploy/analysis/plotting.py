@@ -13,6 +13,30 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PitError
+from ..io.fs import check_output_file
+
+#: the file types a chart may be written as (matplotlib picks the format by the suffix)
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def image_file(path: str | Path) -> Path:
+    """The file a chart requested as ``path`` is written to: matplotlib adds ``.png`` to a name
+    without a suffix, and so does this, so that the path a command prints is the file written."""
+    path = Path(path)
+    return path if path.suffix else path.with_name(path.name + ".png")
+
+
+def check_image_path(path: str | Path, flag: str, inputs: tuple[str | Path, ...] = (),
+                     make_parents: bool = False) -> Path:
+    """:func:`image_file` of ``path``, refused (exit 2) before any work when it cannot be
+    written: a directory, a suffix matplotlib does not write, or what
+    :func:`~pit_deploy.io.fs.check_output_file` refuses."""
+    if Path(path).is_dir():
+        raise PitError(f"{flag} {path} is a directory; name the image file to write (e.g. {Path(path) / 'chart.png'})")
+    target = image_file(path)
+    if target.suffix.lower() not in IMAGE_SUFFIXES:
+        raise PitError(f"{flag} {path}: cannot write a {target.suffix!r} image; use one of {', '.join(IMAGE_SUFFIXES)}")
+    return check_output_file(target, flag, inputs=inputs, make_parents=make_parents)
 
 
 @dataclass
@@ -86,7 +110,7 @@ def plot_runs(runs: list[RunLog], out: str | Path, title: str | None = None) -> 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out)
+    out = image_file(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)

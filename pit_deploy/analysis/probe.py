@@ -19,15 +19,16 @@ tying they can disagree, which is the drift the paper's Figure 2 illustrates.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..io.fs import json_text
 from ..model.inspect import unwrap_model, effective_interface
 from .diagnostics import pseudo_inverse_rows
+from .plotting import image_file
 from ..model.families import adapter_for
 
 
@@ -62,7 +63,7 @@ class LensTrace:
         return data
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        return json_text(self.to_dict(), **kwargs)
 
     def __str__(self) -> str:
         head = (f"logit lens at position {self.position} ({self.prompt_tokens[self.position]!r}), "
@@ -97,7 +98,7 @@ class LensTrace:
         ax.set_title(f"logit lens ({self.tying}); anchor agreement {self.anchor_agreement:.0%}")
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
-        path = Path(path)
+        path = image_file(path)
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path

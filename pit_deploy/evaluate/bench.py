@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import PitError
+from ..io.fs import check_output_file, confined, json_text
 from ..io.manifest import REFERENCE_DIR, Manifest
 from ..runtime.standalone import first_divergence
 from ..targets import get_target
-from .bench_rows import ROW_FIELDS, check_context, verification_state
+from .bench_rows import (ROW_FIELDS, check_context, export_names, printable, reference_positions, row_problem,
+                         verification_state)
 
 Progress = Callable[[str], None]
 PROMPT_SEED = 1234
@@ -90,10 +92,10 @@ class BenchResult:
             out.append({
                 "artifact": r["artifact"], "baseline": t["artifact"], "runtime": r["runtime"], "threads": r["threads"],
                 "prompt_len": r["prompt_len"], "variant": r.get("variant"),
-                "decode_time_ratio": t["decode_tok_s"] / r["decode_tok_s"],
-                "prefill_time_ratio": t["prefill_tok_s"] / r["prefill_tok_s"],
-                "rss_ratio": r["peak_rss_mb"] / t["peak_rss_mb"],
-                "size_ratio": r["size_mb"] / t["size_mb"] if t["size_mb"] else math.nan,
+                "decode_time_ratio": _ratio(t["decode_tok_s"], r["decode_tok_s"]),
+                "prefill_time_ratio": _ratio(t["prefill_tok_s"], r["prefill_tok_s"]),
+                "rss_ratio": _ratio(r["peak_rss_mb"], t["peak_rss_mb"]),
+                "size_ratio": _ratio(r["size_mb"], t["size_mb"]),
             })
         return out
 
@@ -102,7 +104,7 @@ class BenchResult:
                 "warnings": self.warnings, "machine": self.machine}
 
     def to_json(self, **kw: Any) -> str:
-        return json.dumps(self.to_dict(), **kw)
+        return json_text(self.to_dict(), **kw)
 
     def __str__(self) -> str:
         head = (f"| {'artifact':<44} | {'threads':>7} | {'test':>6} | {'t/s':>16} | {'ttft ms':>8} | "
@@ -110,25 +112,27 @@ class BenchResult:
         lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
         for r in self.rows:
             variant = f" {r['variant']}" if r.get("variant") else ""
-            name = f"{r['artifact']} ({r.get('scheme') or r['dtype']}{variant})"[:44]
-            ok = {True: "yes", False: "FAILED", None: "no"}[r.get("verified")]
-            for test, mean, std in ((f"pp{r['prompt_len']}", r["prefill_tok_s"], r["prefill_tok_s_std"]),
-                                    (f"tg{r['gen_len']}", r["decode_tok_s"], r["decode_tok_s_std"])):
+            name = printable(f"{r['artifact']} ({r.get('scheme') or r['dtype']}{variant})")[:44]
+            ok = {True: "yes", False: "FAILED", None: "no"}.get(r.get("verified"), "?")
+            for test, mean, std in ((f"pp{r['prompt_len']}", r["prefill_tok_s"], r.get("prefill_tok_s_std")),
+                                    (f"tg{r['gen_len']}", r["decode_tok_s"], r.get("decode_tok_s_std"))):
                 lines.append(
-                    f"| {name:<44} | {r['threads']:>7} | {test:>6} | {mean:>8.2f} ± {std:>5.2f} | {r['ttft_ms']:>8.1f} | "
-                    f"{r['decode_ms_p50']:>7.2f} | {r['decode_ms_p90']:>7.2f} | {r['load_s']:>6.2f} | "
-                    f"{r['peak_rss_mb']:>7.0f} | {r['size_mb']:>7.1f} | {ok:>8} |")
+                    f"| {name:<44} | {r['threads']:>7} | {test:>6} | {_fig(mean, '8.2f')} ± {_fig(std, '5.2f')} | "
+                    f"{_fig(r['ttft_ms'], '8.1f')} | {_fig(r['decode_ms_p50'], '7.2f')} | {_fig(r['decode_ms_p90'], '7.2f')} | "
+                    f"{_fig(r['load_s'], '6.2f')} | {_fig(r['peak_rss_mb'], '7.0f')} | {_fig(r['size_mb'], '7.1f')} | "
+                    f"{ok:>8} |")
         for q in self.ratios():
             runner = f", {q['variant']}" if q.get("variant") else ""
             lines.append(f"PIT/TT {q['artifact']} vs {q['baseline']} ({q['threads']} threads, pp{q['prompt_len']}{runner}): "
-                         f"decode time ×{q['decode_time_ratio']:.3f}, prefill time ×{q['prefill_time_ratio']:.3f}, "
-                         f"RSS ×{q['rss_ratio']:.3f}, size ×{q['size_ratio']:.4f}")
+                         f"decode time ×{_fig(q['decode_time_ratio'], '.3f')}, prefill time "
+                         f"×{_fig(q['prefill_time_ratio'], '.3f')}, RSS ×{_fig(q['rss_ratio'], '.3f')}, "
+                         f"size ×{_fig(q['size_ratio'], '.4f')}")
         foreign = [r["foreign_load_cores"] for r in self.rows if r.get("foreign_load_cores") is not None]
         if foreign:
             lines.append(f"foreign load during the measurements: {min(foreign):.2f}–{max(foreign):.2f} cores busy "
                          f"with other processes (of {os.cpu_count()})")
         lines += [f"WARNING: {w}" for w in self.warnings]
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)  # rows read from files may hold escape sequences
 
     def plot(self, path: str | Path) -> Path:
         """Decode and prefill tokens/s per artifact and thread count, size beside."""
@@ -137,20 +141,36 @@ class BenchResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        from ..analysis.plotting import image_file
+
         labels = [f"{r['artifact']}\n{r['dtype']} t{r['threads']} p{r['prompt_len']}" for r in self.rows]
         fig, axes = plt.subplots(1, 3, figsize=(15, 0.5 * len(labels) + 2), sharey=True)
+
+        def value(v: Any) -> float:  # a figure that was not measured (null) is not drawn
+            return math.nan if v is None else v
+
         for ax, key, title in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "prefill_tok_s", "prefill tokens/s"),
                                (axes[2], "size_mb", "size on disk (MB)")):
-            ax.barh(range(len(labels)), [r[key] for r in self.rows],
-                    xerr=[r.get(key + "_std", 0.0) for r in self.rows] if key != "size_mb" else None)
+            ax.barh(range(len(labels)), [value(r[key]) for r in self.rows],
+                    xerr=[value(r.get(key + "_std", 0.0)) for r in self.rows] if key != "size_mb" else None)
             ax.set_title(title)
             ax.grid(axis="x", alpha=0.3)
         axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
         fig.tight_layout()
-        path = Path(path)
+        path = image_file(path)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
+
+
+def _fig(value: Any, spec: str) -> str:
+    """A figure of the table: ``-`` where none was measured (``null`` in rows read from JSON)."""
+    return format(value, spec) if isinstance(value, (int, float)) else format("-", f">{spec.split('.')[0] or 1}")
+
+
+def _ratio(a: Any, b: Any) -> float:
+    """``a / b``, NaN (``null`` in JSON) when either was not measured or ``b`` is 0."""
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else math.nan
 
 
 # --------------------------------------------------------------------------------------
@@ -235,22 +255,23 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
     from ..io.sources import _maybe_tokenizer
 
     cells, prompts, warnings = [], {}, []
-    for directory in directories:
-        directory = Path(directory)
-        manifest = Manifest.read(directory)
+    manifests = [(Path(d), Manifest.read(d)) for d in directories]  # every manifest is read before any work
+    for (directory, manifest), name in zip(manifests, export_names(directories)):
         tokenizer = _maybe_tokenizer(directory / REFERENCE_DIR, True, False)
+        positions = reference_positions(directory)
         for art in manifest.artifacts:
             target = get_target(art.runtime)
             target.driver_class()  # an uninstalled runtime is unusable input, before any work
-            label = f"{directory.name}/{art.path}"
+            label = f"{name}/{art.path}"
+            check_context(label, art, opts, positions)
             verified = verification_state(manifest, art, label, directory, warnings)
-            check_context(label, art, opts)
             for p in opts.prompt_lens:
                 ids = prompt_ids(tokenizer, art.shapes["vocab_size"], p)
-                prompts[f"{directory.name}:{p}"] = ids
+                prompts[f"{name}:{p}"] = ids
                 for t in opts.threads:
                     cells.append({
-                        "label": label, "folder": str(directory / art.path), "runtime": art.runtime,
+                        "label": label, "export": name, "prompt_key": f"{name}:{p}",
+                        "folder": str(directory / art.path), "files": list(art.files), "runtime": art.runtime,
                         "target": art.runtime, "driver": target.driver, "threads": t, "prompt_ids": ids,
                         "gen_len": opts.gen_len,
                         "reps": opts.reps,
@@ -267,6 +288,9 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
 
         loaded = load_source(opts.torch_model)
         vocab = loaded.model.config.vocab_size
+        from ..model.families import max_positions
+
+        check_context(f"torch:{opts.torch_model}", None, opts, max_positions(loaded.model.config))
         size = _torch_size_mb(opts.torch_model)
         for p in opts.prompt_lens:
             ids = prompt_ids(loaded.tokenizer, vocab, p)
@@ -359,17 +383,20 @@ sys.exit(bundle_main())
 
 
 def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: BenchOptions,
-                 progress: Progress | None = None) -> Path:
-    """Pack every ONNX/``.pte`` artifact of ``directories``, the fixed prompt ids, the PyTorch
-    reference's greedy tokens and a standalone ``run_bench.py`` into the tarball ``out``
-    (written atomically).
+                 progress: Progress | None = None, force: bool = False) -> Path:
+    """Pack every ONNX/``.pte`` artifact of ``directories`` (the files their manifests list),
+    the fixed prompt ids, the PyTorch reference's greedy tokens and a standalone
+    ``run_bench.py`` into the tarball ``out`` (written atomically). Each export directory is a
+    folder of its own in the bundle (:func:`~.bench_rows.export_names`).
 
     Raises:
-        PitError: nothing to pack, ``--torch`` given (an eager row needs this package), or an
-            unusable directory.
+        PitError: nothing to pack, ``--torch`` given (an eager row needs this package), an
+            unusable directory, or an ``out`` that exists (without ``force``), is a directory or
+            lies in one of ``directories``.
     """
     import tarfile
 
+    from ..io.manifest import plain_relative
     from ..runtime import standalone
 
     say = progress or (lambda _m: None)
@@ -377,6 +404,7 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
         raise PitError("--bundle packs exported artifacts only; a --torch row needs this package (run it here)")
     if not directories:
         raise PitError("--bundle needs export directories to pack")
+    out = check_output_file(out, "--bundle", overwrite=force, inputs=directories)
     cells, prompts, warnings = plan_cells(directories, opts)
     artifacts, references, seen, decoder_files = [], {}, set(), {}
     cells = [c for c in cells if not c.get("variant")]  # a target's variants (the stock runner) need more
@@ -391,8 +419,7 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
             decoder_files[module.rsplit(".", 1)[-1]] = resolve_module_file(module)
         decoder = {"module": BUNDLE_MODULE[:-3] if module == standalone.__name__ else module.rsplit(".", 1)[-1],
                    "class": cls}
-        directory = Path(cell["reference"]).parent
-        prompt = f"{directory.name}:{meta['prompt_len']}"
+        prompt = cell["prompt_key"]
         if (cell["label"], prompt) in seen:
             continue
         seen.add((cell["label"], prompt))
@@ -405,13 +432,18 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
                           "meta": {k: v for k, v in meta.items() if k != "threads"}})
     spec = {"name": Path(out).name, "threads": list(opts.threads), "reps": opts.reps, "gen_len": opts.gen_len,
             "prompts": prompts, "reference_tokens": references, "artifacts": artifacts, "warnings": warnings}
-    out = Path(out)
-    if not out.resolve().parent.is_dir():
-        raise PitError(f"cannot write {out}: its directory does not exist")
+    members: dict[str, dict[str, Path]] = {}  # label → member name → the file packed under it
+    for cell in cells:
+        directory = Path(cell["reference"]).parent
+        members[cell["label"]] = {f"pit-bench/artifacts/{cell['export']}/{rel}": confined(directory, rel, "manifest file")
+                                  for rel in cell["files"]}
+    unsafe = [name for packed in members.values() for name in packed if not plain_relative(name)]
+    if unsafe:  # the manifest reader refuses such paths: reaching here is a bug
+        raise RuntimeError(f"bundle member names {unsafe[:3]} are not plain relative paths")
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         files = {BUNDLE_RUNNER: _RUNNER_TEXT, BUNDLE_MODULE: Path(standalone.__file__).read_text(encoding="utf-8"),
-                 standalone.BUNDLE_SPEC: json.dumps(spec, indent=2) + "\n",
+                 standalone.BUNDLE_SPEC: json_text(spec, indent=2) + "\n",
                  **{f"{stem}.py": path.read_text(encoding="utf-8") for stem, path in decoder_files.items()}}
         with tarfile.open(tmp, "w:gz") as tar:
             for name, text in files.items():
@@ -419,9 +451,10 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
                 info = tarfile.TarInfo(f"pit-bench/{name}")
                 info.size, info.mode, info.mtime = len(data), 0o755 if name == BUNDLE_RUNNER else 0o644, int(time.time())
                 tar.addfile(info, io.BytesIO(data))
-            for folder, label in dict.fromkeys((c["folder"], c["label"]) for c in cells):
+            for label, packed in members.items():
                 say(f"packing {label}")
-                tar.add(folder, arcname=f"pit-bench/artifacts/{label}")
+                for name, path in packed.items():  # the file's content, never a link
+                    tar.add(path, arcname=name, recursive=False)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -443,7 +476,8 @@ def ingest_rows(paths: Sequence[str | Path]) -> BenchResult:
     """The rows written by ``run_bench.py`` (or ``bench --json``) as one :class:`BenchResult`.
 
     Raises:
-        PitError: a missing file, or one that is not such a JSON object (exit 2).
+        PitError: a missing file, one that is not such a JSON object, or a row with a missing
+            key, a value of the wrong type or a non-finite number (exit 2, naming row and key).
     """
     rows, prompts, warnings, machine = [], {}, [], {}
     for path in map(Path, paths):
@@ -456,11 +490,16 @@ def ingest_rows(paths: Sequence[str | Path]) -> BenchResult:
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise PitError(f"--ingest {path}: expected an object with a 'rows' list (what run_bench.py writes)")
         for i, row in enumerate(data["rows"]):
-            missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]
-            if missing:
-                raise PitError(f"--ingest {path}: row {i} lacks {', '.join(missing)}")
+            problem = row_problem(row)
+            if problem:
+                label = f" ({row['artifact']!r})" if isinstance(row, dict) and isinstance(row.get("artifact"), str) else ""
+                raise PitError(f"--ingest {path}: row {i}{label} {problem}; the file is not what run_bench.py or "
+                               "`bench --json` writes — measure again")
             rows.append(row)
+        for key, kind in (("prompts", dict), ("warnings", list), ("machine", dict)):
+            if data.get(key) is not None and not isinstance(data[key], kind):
+                raise PitError(f"--ingest {path}: {key!r} must be a {kind.__name__}, got {type(data[key]).__name__}")
         prompts.update(data.get("prompts") or {})
-        warnings += list(data.get("warnings") or [])
+        warnings += [str(w) for w in data.get("warnings") or []]
         machine = data.get("machine") or machine
     return BenchResult(rows=rows, prompts=prompts, warnings=warnings, machine=machine)

@@ -37,12 +37,12 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
-from ..runtime.llm_runner import pass_figures
+from ..runtime.llm_runner import pass_figures, stats_problem
 from ..runtime.standalone import _mean_std, _percentile
 from ..targets import get_target
 from ..targets.executorch_xnnpack import PTE_NAME
 from .bench import BenchOptions, BenchResult, prompt_text
-from .bench_rows import check_context, runner_row, verification_state
+from .bench_rows import check_context, export_names, reference_positions, runner_row, verification_state
 
 Progress = Callable[[str], None]
 
@@ -191,6 +191,8 @@ class PhoneArtifact:
 
     label: str
     directory: Path
+    #: the export's name in labels and prompt keys (unique among the directories, :func:`export_names`)
+    export: str
     pte: Path
     tokenizer: Path
     meta: dict[str, Any]
@@ -215,10 +217,11 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
     if not directories:
         raise PitError("--adb needs export directories with .pte artifacts")
     found, warnings, skipped = [], [], []
-    for directory in map(Path, directories):
-        manifest = Manifest.read(directory)
+    manifests = [(Path(d), Manifest.read(d)) for d in directories]  # every manifest is read before any work
+    for (directory, manifest), name in zip(manifests, export_names(directories)):
+        positions = reference_positions(directory)
         for art in manifest.artifacts:
-            label = f"{directory.name}/{art.path}"
+            label = f"{name}/{art.path}"
             if not get_target(art.runtime).phone:
                 skipped.append(label)
                 continue
@@ -234,10 +237,10 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
                 raise PitError(f"{label}: no tokenizer file ({', '.join(TOKENIZER_FILES)}) in {folder} or "
                                f"{directory / REFERENCE_DIR}; llama_main needs one — re-export from a model "
                                "with a tokenizer")
-            check_context(label, art, opts)
+            check_context(label, art, opts, positions)
             verified = verification_state(manifest, art, label, directory, warnings)
             found.append(PhoneArtifact(
-                label=label, directory=directory, pte=pte, tokenizer=tokenizer,
+                label=label, directory=directory, export=name, pte=pte, tokenizer=tokenizer,
                 vocab=int(art.shapes.get("vocab_size") or 1), context=art.shapes.get("max_seq_len"),
                 meta={"artifact": label, "runtime": RUNTIME, "mode": art.mode, "dtype": art.dtype,
                       "tying": getattr(art, "tying", "pit"), "gen_len": opts.gen_len,
@@ -348,10 +351,10 @@ def bench_adb(directories: Sequence[str | Path], opts: BenchOptions, adb_opts: A
     prompts: dict[str, list[int]] = {}
     texts: dict[str, str] = {}
     for art in artifacts:
-        if any(f"{art.directory.name}:{p}" not in texts for p in opts.prompt_lens):
+        if any(f"{art.export}:{p}" not in texts for p in opts.prompt_lens):
             tokenizer = load_tokenizer(art)
             for p in opts.prompt_lens:
-                key = f"{art.directory.name}:{p}"
+                key = f"{art.export}:{p}"
                 texts[key], prompts[key] = prompt_text(tokenizer, art.vocab, p)
 
     remote_runner = f"{device_dir}/{RUNNER_NAME}"
@@ -361,7 +364,7 @@ def bench_adb(directories: Sequence[str | Path], opts: BenchOptions, adb_opts: A
     adb.shell(f"chmod +x {shlex.quote(remote_runner)}")
     time_wrapper = parse_peak_rss_kib(adb.shell(f"{DEVICE_TIME} -v true 2>&1", check=False)) is not None
     if not time_wrapper:
-        warnings.append(f"the device has no toybox `time -v` at {DEVICE_TIME}: peak_rss_mb is not measured (NaN)")
+        warnings.append(f"the device has no toybox `time -v` at {DEVICE_TIME}: peak_rss_mb is not measured (null in JSON)")
 
     rows = []
     n_cells = len(artifacts) * len(opts.prompt_lens) * len(opts.threads)
@@ -374,7 +377,7 @@ def bench_adb(directories: Sequence[str | Path], opts: BenchOptions, adb_opts: A
             adb.push(art.pte, remote_pte)
             adb.push(art.tokenizer, remote_tok)
             for p in opts.prompt_lens:
-                key = f"{art.directory.name}:{p}"
+                key = f"{art.export}:{p}"
                 for t in opts.threads:
                     meta = {**art.meta, "threads": t, "prompt_len": p, "device": device}
                     say(f"[{len(rows) + 1}/{n_cells}] {art.label} {meta['dtype']} threads={t} pp{p} "
@@ -420,6 +423,11 @@ def _invoke(adb: Adb, local: str, command: str, remote_log: str, label: str, thr
         raise PitError(f"{label} ({threads} threads): llama_main failed on the device ({why}); its last lines:\n"
                        f"{_tail(runner_output(output)) or '(no output)'}\nCheck that the runner was built for this phone's ABI "
                        "and from the ExecuTorch version that exported the .pte")
+    problem = stats_problem(parse_stats(output))
+    if problem:  # the device's own output: unusable input, like a runner that fails (exit 2)
+        raise PitError(f"{label} ({threads} threads): llama_main printed an impossible stats line ({problem}); "
+                       "its figures cannot be used. Check that --runner is ExecuTorch's stock llama_main, "
+                       f"unmodified; its last lines:\n{_tail(runner_output(output))}")
     return output
 
 

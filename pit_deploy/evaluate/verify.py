@@ -29,7 +29,6 @@ FP32 bounds (``docs/definitions.md``, :mod:`pit_deploy.schemes`): ``logits_rel_l
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -41,8 +40,9 @@ import torch
 from ..errors import PitError
 from ..export.recipes import MODES, parse_list
 from ..io.checkpoint import load_pit_model
-from ..io.fs import confined, sha256_file, write_json_atomic
-from ..io.manifest import MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests
+from ..io.fs import confined, json_text, write_json_atomic
+from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests, pin_sha256,
+                           read_manifest_json)
 from ..model.core import identity_defect
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, SCHEMES, ParityBounds, QuantizedBounds, bounds_for, scheme_names
@@ -172,6 +172,8 @@ def _fmt(value: float | None, spec: str) -> str:
 class VerifyReport:
     directory: str
     artifacts: list[ArtifactResult]
+    #: the manifest's pin for ``--expect-sha256`` (:func:`~pit_deploy.io.manifest.pin_sha256`)
+    manifest_sha256: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -188,12 +190,13 @@ class VerifyReport:
         return {
             "directory": self.directory,
             "passed": self.passed,
+            "manifest_sha256": self.manifest_sha256,
             "bounds": {name: s.bounds.to_dict() for name, s in SCHEMES.items()},
             "artifacts": [asdict(a) for a in self.artifacts],
         }
 
     def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), **kw)
+        return json_text(self.to_dict(), **kw)
 
     def __str__(self) -> str:
         head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'kl_p99':>8}"
@@ -210,6 +213,8 @@ class VerifyReport:
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
         rows.append("all artifacts passed" if self.passed else "verification FAILED")
+        if self.manifest_sha256:
+            rows.append(f"manifest pin (--expect-sha256): {self.manifest_sha256}")
         return "\n".join(rows)
 
 
@@ -400,12 +405,11 @@ def verify_directory(
             runtime/mode, or a filter that selects no artifact.
     """
     directory = Path(directory)
-    if expect_sha256 is not None:
-        actual = sha256_file(directory / MANIFEST_NAME) if (directory / MANIFEST_NAME).is_file() else "missing"
-        if actual != expect_sha256.lower():
-            raise PitError(f"{directory / MANIFEST_NAME} has sha256 {actual}, not the pinned {expect_sha256}; "
-                           "this is not the export you pinned")
     manifest = Manifest.read(directory)
+    pin = pin_sha256(directory)
+    if expect_sha256 is not None and pin != expect_sha256.strip().lower():
+        raise PitError(f"{directory / MANIFEST_NAME} has sha256 {pin} (without its verification results), not the "
+                       f"pinned {expect_sha256}; this is not the export you pinned")
     if record and not os.access(directory, os.W_OK):
         raise PitError(f"{directory} is read-only, so the results could not be recorded in its manifest; "
                        "pass --no-record to verify without recording")
@@ -445,13 +449,15 @@ def verify_directory(
         get_target(art.runtime).verify_extras(ctx, art, result, quantized)
         result.judge(bounds)
         results.append(result)
-    report = VerifyReport(str(directory), results)
+    report = VerifyReport(str(directory), results, pin)
     if record:
-        data = json.loads((directory / MANIFEST_NAME).read_text())
+        data = read_manifest_json(directory / MANIFEST_NAME)
         previous = data.get("verification") or {}
         by_key = {artifact_key(r["runtime"], r["mode"], r.get("scheme") or r.get("dtype", "float32")): r
                   for r in previous.get("artifacts", [])}
-        by_key.update({r.key: asdict(r) for r in results})
+        # what was verified: the digests checked above, so that bench can tell a changed artifact
+        files = {art.key: {rel: info["sha256"] for rel, info in art.files.items()} for art in selected}
+        by_key.update({r.key: {**asdict(r), "digests": files[r.key]} for r in results})
         data["verification"] = {
             "passed": all(r["passed"] for r in by_key.values()),
             "artifacts": list(by_key.values()),

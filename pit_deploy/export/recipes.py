@@ -96,6 +96,14 @@ class Recipe:
             readers = [t for t in target_names() if ignored[0] in get_target(t).scheme_settings]
             raise PitError(f"{ignored[0]} applies to the {', '.join(readers) or 'no'} runtime(s) only, and this export "
                            f"has {', '.join(self.runtimes)}; drop it or add the runtime")
+        static = [r for r in self.runtimes if get_target(r).static_cache]
+        for scheme in (s for s in schemes if not s.quantized and static):
+            # fp32 verification greedily decodes greedy_tokens after a prompt of at least one token
+            need = scheme.bounds.greedy_tokens + 1
+            if self.max_seq_len < need:
+                raise PitError(f"max_seq_len {self.max_seq_len} is too short for the static cache of {', '.join(static)}: "
+                               f"verifying a {scheme.name} artifact decodes {need - 1} tokens after a prompt, so it "
+                               f"needs at least {need}; pass --max-seq-len {need} or more")
         for runtime in self.runtimes:
             target = get_target(runtime)
             refused = [s.name for s in schemes if s.dtype not in target.dtypes]

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..io.fs import json_text
 from ..runtime.llm_runner import RUNNER_TOKENIZER
 
 # component key in tokenizer.json -> the list key of its ``Sequence`` form
@@ -46,5 +47,5 @@ def write_runner_tokenizer(tokenizer: Any, folder: Path) -> dict[str, Any]:
         why = "no tokenizer" if tokenizer is None else "the tokenizer has no tokenizer.json form"
         return {"runner_tokenizer": None, "runner_tokenizer_note": f"{why}: the stock LLM runner cannot run this artifact"}
     data, repairs = made
-    (folder / RUNNER_TOKENIZER).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    (folder / RUNNER_TOKENIZER).write_text(json_text(data, ensure_ascii=False), encoding="utf-8")
     return {"runner_tokenizer": RUNNER_TOKENIZER, "runner_tokenizer_repairs": repairs}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -92,9 +93,39 @@ def read_config_dict(path: str | os.PathLike) -> dict | None:
     if not cfg.is_file():
         return None
     try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as exc:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except ValueError as exc:  # not JSON, or not text at all (UnicodeDecodeError)
         raise PitError(f"{cfg} is not valid JSON ({exc}); the checkpoint is corrupt") from None
+    if not isinstance(data, dict):
+        raise PitError(f"{cfg} is not a JSON object; the checkpoint is corrupt")
+    return data
+
+
+def load_config(path: str | os.PathLike, trust_remote_code: bool = False, require_adapter: bool = True) -> Any:
+    """The ``AutoConfig`` of model directory ``path`` (with ``require_adapter``: of a family
+    pit-deploy supports).
+
+    Raises:
+        PitError: a ``config.json`` that transformers cannot read (an unknown ``model_type``,
+            a malformed value) or of a family without an adapter — unusable input, naming the
+            supported families.
+    """
+    from ..model.families import adapter_for, supported_model_types
+
+    where = Path(path) / "config.json"
+    model_type = (read_config_dict(path) or {}).get("model_type")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:200]
+        raise PitError(f"{where}: transformers cannot read this config of model_type {model_type!r} ({said}); "
+                       f"pass a model of a family pit-deploy supports: {', '.join(supported_model_types())}") from None
+    try:
+        if require_adapter:
+            adapter_for(config)
+    except KeyError as exc:
+        raise PitError(f"{where}: {exc.args[0]}") from None
+    return config
 
 
 def is_pit_directory(path: str | os.PathLike) -> bool:
@@ -112,7 +143,7 @@ def load_pit_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
         raise PitError(f"{path} has no {WEIGHTS_NAME}; it is not a complete PIT checkpoint")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    config = load_config(path)
     model = empty_pit_model(config, dtype)
     try:
         state = load_file(str(weights))

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -80,21 +81,42 @@ def check_replaceable(out: str | os.PathLike, protect: tuple[str | os.PathLike, 
 
 
 def check_apart(out: str | os.PathLike, guarded: Iterable[tuple[str, str | os.PathLike]], refusal: str,
-                inside_ok: bool = False) -> None:
-    """Refuse an ``out`` that is or contains one of ``guarded`` (``(what, path)`` pairs; a path
-    that does not exist, such as ``default`` or a hub id, guards nothing) or — unless
-    ``inside_ok`` — lies inside one: what a command reads is never where it writes."""
+                inside_ok: bool = False, flag: str = "--out") -> None:
+    """Refuse an ``out`` (given as ``flag``) that is or contains one of ``guarded`` (``(what,
+    path)`` pairs; a path that does not exist, such as ``default`` or a hub id, guards nothing)
+    or — unless ``inside_ok`` — lies inside one: what a command reads is never where it writes."""
     target = Path(out).expanduser().resolve()
     for what, raw in guarded:
         if not raw or not Path(raw).expanduser().exists():
             continue
         path = Path(raw).expanduser().resolve()
         if target == path:
-            raise PitError(f"--out {out} is {what}; {refusal}")
+            raise PitError(f"{flag} {out} is {what}; {refusal}")
         if path.is_relative_to(target):
-            raise PitError(f"--out {out} contains {what}; {refusal}")
+            raise PitError(f"{flag} {out} contains {what}; {refusal}")
         if not inside_ok and target.is_relative_to(path):
-            raise PitError(f"--out {out} lies inside {what}; write the output elsewhere")
+            raise PitError(f"{flag} {out} lies inside {what}; write the output elsewhere")
+
+
+def check_output_file(out: str | os.PathLike, flag: str, overwrite: bool = True,
+                      inputs: Iterable[str | os.PathLike] = (), make_parents: bool = False) -> Path:
+    """Refuse, before any slow work, an output file (given as ``flag``) that cannot or must not
+    be written: a directory, one whose directory does not exist (unless ``make_parents``: the
+    writer creates it), an existing file unless ``overwrite`` (``--force``), or a path that is,
+    contains or lies inside one of ``inputs`` (the export directories a command reads: their
+    own files are never overwritten)."""
+    path = Path(out)
+    if path.is_dir():
+        raise PitError(f"{flag} {out} is a directory; name the file to write")
+    parent = path.absolute().parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PitError(f"cannot write {out}: its directory {'is a file' if parent.exists() else 'does not exist'}")
+    check_apart(out, [(f"the input {p}", p) for p in inputs], "write the output elsewhere", flag=flag)
+    if path.exists() and not overwrite:
+        raise PitError(f"{flag} {out} exists; pass --force to replace it, or choose another path")
+    return path
 
 
 def pid_alive(pid: int) -> bool:
@@ -264,9 +286,29 @@ def _raise_as_write_error(exc: BaseException, target: Path, tmp: Path | None = N
         raise mapped from exc
 
 
+def finite_or_null(data: Any) -> Any:
+    """``data`` with every non-finite float (NaN, ±infinity) replaced by ``None`` and tuples as
+    lists, recursively: what a strict JSON parser accepts."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: finite_or_null(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_or_null(value) for value in data]
+    return data
+
+
+def json_text(data: Any, **kwargs: Any) -> str:
+    """``data`` as strict JSON (RFC 8259): a non-finite float (a figure that could not be
+    measured) is ``null``, never the ``NaN``/``Infinity`` that Python's ``json`` writes by default
+    and other parsers reject. Every JSON the package prints or writes goes through here."""
+    return json.dumps(finite_or_null(data), allow_nan=False, **kwargs)
+
+
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
-    """:func:`write_text_atomic` of ``data`` as indented JSON with a final newline."""
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """:func:`write_text_atomic` of ``data`` as indented strict JSON (:func:`json_text`) with a
+    final newline."""
+    return write_text_atomic(path, json_text(data, indent=2) + "\n")
 
 
 def confined(root: str | os.PathLike, relative: str, what: str) -> Path:

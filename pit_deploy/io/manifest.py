@@ -16,6 +16,7 @@ old one (``os.replace`` is atomic on POSIX and Windows).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PitError
-from .fs import confined, sha256_file, write_json_atomic
+from .fs import confined, json_text, sha256_file, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
 REFERENCE_DIR = "reference"
@@ -120,7 +121,8 @@ class Manifest:
 
         Raises:
             PitError: no such directory, no manifest (not an export or an interrupted one),
-                invalid JSON or an unknown format.
+                a file that is not JSON text, an unknown format, a path that is not plain and
+                relative, or two artifacts with one key or folder.
         """
         directory = Path(directory)
         if not directory.is_dir():
@@ -131,12 +133,10 @@ class Manifest:
                 f"{directory} has no {MANIFEST_NAME}: it is not an export directory (or the export "
                 "did not finish); run `pit-deploy export MODEL --out DIR` first"
             )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PitError(f"{path} is not valid JSON ({exc}); re-run the export") from None
+        data = read_manifest_json(path)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise PitError(f"{path} is not a pit-deploy export manifest (format {data.get('format')!r})")
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PitError(f"{path} is not a pit-deploy export manifest (format {found!r})")
         if data.get("format_version") != FORMAT_VERSION:
             raise PitError(
                 f"{path} has format_version {data.get('format_version')}, this pit-deploy reads "
@@ -172,6 +172,54 @@ class Manifest:
 _ARTIFACT_TYPES = {"runtime": str, "mode": str, "dtype": str, "path": str, "files": dict, "shapes": dict}
 
 
+def read_manifest_json(path: Path) -> Any:
+    """The parsed JSON of the manifest file ``path``.
+
+    Raises:
+        PitError: the file cannot be read, is not UTF-8 text (a binary file) or not JSON.
+    """
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise PitError(f"{path} is not text (not UTF-8: a binary or corrupted file); re-run the export") from None
+    except json.JSONDecodeError as exc:
+        raise PitError(f"{path} is not valid JSON ({exc}); re-run the export") from None
+
+
+def pin_sha256(directory: str | os.PathLike) -> str:
+    """The sha256 that ``verify --expect-sha256`` pins: of ``manifest.json`` without the results
+    ``verify`` records (its ``verification`` set to ``null``), serialized as pit-deploy writes it.
+    Recording results therefore keeps a pin valid, and on a fresh export it is the file's own
+    sha256 (``sha256sum manifest.json``).
+
+    Raises:
+        PitError: the manifest cannot be read as JSON.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        return "missing"
+    data = read_manifest_json(path)
+    if isinstance(data, dict):
+        data["verification"] = None
+    return hashlib.sha256((json_text(data, indent=2) + "\n").encode("utf-8")).hexdigest()
+
+
+def plain_relative(rel: Any) -> bool:
+    """Whether ``rel`` is a plain relative path: a non-empty string of ``/``-separated names,
+    none empty, ``.`` or ``..``, no backslash, no drive or leading ``/``. Manifest paths must
+    be (a ``..`` that goes out and back in still names another place, and becomes a ``../``
+    member name in a bundle)."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or rel.startswith("/") or ":" in rel.split("/")[0]:
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+def _check_path(path: Path, where: str, rel: Any) -> None:
+    if not plain_relative(rel):
+        raise PitError(f"{path}: {where} {rel!r} is not a plain relative path (no '..', '.', empty or absolute "
+                       "part); the manifest was edited or tampered — re-export")
+
+
 def _validate(path: Path, data: dict[str, Any]) -> None:
     """Name the key of a manifest that is missing or of the wrong type (exit 2, not a traceback)."""
     from ..targets import target_names
@@ -192,12 +240,33 @@ def _validate(path: Path, data: dict[str, Any]) -> None:
         if art["runtime"] not in target_names():
             raise PitError(f"{path}: artifacts[{i}].runtime {art['runtime']!r} is not a runtime this pit-deploy "
                            f"knows ({', '.join(target_names())})")
+        _check_path(path, f"artifacts[{i}].path", art["path"])
         for rel, info in art["files"].items():
+            _check_path(path, f"artifacts[{i}].files key", rel)
             if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
                 raise PitError(f"{path}: artifacts[{i}].files[{rel!r}] needs a sha256 string")
-    for rel, info in data["reference"].get("files", {}).items():
+    ref_files = data["reference"].get("files", {})
+    if not isinstance(ref_files, dict):
+        raise PitError(f"{path}: reference.files must be a dict, got {type(ref_files).__name__}")
+    for rel, info in ref_files.items():
+        _check_path(path, "reference.files key", rel)
         if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
             raise PitError(f"{path}: reference.files[{rel!r}] needs a sha256 string")
+    _check_unique(path, data["artifacts"])
+
+
+def _check_unique(path: Path, artifacts: list[dict[str, Any]]) -> None:
+    """Two artifacts with one key (runtime, mode, scheme) or one folder are ambiguous: which of
+    them a verification result, a benchmark row or a bundle folder belongs to is undecidable."""
+    keys: dict[str, int] = {}
+    folders: dict[str, int] = {}
+    for i, art in enumerate(artifacts):
+        key = artifact_key(art["runtime"], art["mode"], art.get("scheme") or art["dtype"])
+        for seen, value, what in ((keys, key, "key"), (folders, art["path"], "path")):
+            if value in seen:
+                raise PitError(f"{path}: artifacts[{seen[value]}] and artifacts[{i}] have the same {what} "
+                               f"{value!r}; an artifact appears once — the manifest was edited or tampered, re-export")
+            seen[value] = i
 
 
 def check_digests(directory: Path, manifest: Manifest) -> list[str]:

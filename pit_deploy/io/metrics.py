@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import PitError
-from .fs import write_text_atomic
+from .fs import json_text, write_text_atomic
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -55,13 +55,13 @@ class MetricsLog:
         """Drop what was logged after ``step`` (a resumed run logs those steps again)."""
         if self.enabled:
             kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
-            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_text_atomic(self.path, "".join(json_text(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json_text(record) + "\n")
         if self.scalar_sink is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .checkpoint import is_pit_directory, load_pit_model, read_config_dict, save_tokenizer
+from .checkpoint import is_pit_directory, load_config, load_pit_model, read_config_dict, save_tokenizer
 from .fs import sha256_file
 from .gguf_files import converted_gguf, gguf_tensor_names
 from .hub import is_hub_id
@@ -226,7 +226,7 @@ def _load_directory(
             f"{path} is a {', '.join(architectures)} checkpoint, not a causal language model; "
             "pass a *ForCausalLM checkpoint"
         )
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = load_config(path, trust_remote_code, require_adapter=False)
     _check_supported(config, str(path))
     if not any(path.glob("*.safetensors")):
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]

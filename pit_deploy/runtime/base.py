@@ -15,12 +15,27 @@ looked up by :func:`pit_deploy.runtime.drivers.driver_class`).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import PitError
 
+
+@contextlib.contextmanager
+def loading(path: str | Path, runtime: str) -> Iterator[None]:
+    """Turn the failure of ``runtime`` to load the file ``path`` (truncated, corrupted, or not
+    what the manifest says: its digests can be rewritten to match) into unusable input, exit 2:
+    one line naming the file, the runtime's own first line of complaint, and what to do."""
+    try:
+        yield
+    except PitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — every runtime has its own exception types
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise PitError(f"{path} cannot be loaded by {runtime}: {said}; the file is damaged or was not written by "
+                       "this export — re-export") from None
 
 
 class Driver(ABC):

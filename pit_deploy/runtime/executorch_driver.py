@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..targets.executorch_xnnpack import PTE_NAME
-from .base import Driver
+from .base import Driver, loading
 from .standalone import PteDecoder
 
 __all__ = ["ExecuTorchDriver"]
@@ -27,7 +27,8 @@ class ExecuTorchDriver(Driver):
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        self.decoder = PteDecoder(self.folder / PTE_NAME, threads)
+        with loading(self.folder / PTE_NAME, "the ExecuTorch runtime"):
+            self.decoder = PteDecoder(self.folder / PTE_NAME, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(ids.tolist())

@@ -46,6 +46,45 @@ def stats_dict(stats: Any) -> dict[str, Any]:
     return data
 
 
+#: the stats line's timestamps in the order the runner takes them (each ≥ the one before), and the
+#: token counts
+_ORDERED_STAMPS = (("model_load_start_ms", "model_load_end_ms"),
+                   ("inference_start_ms", "prompt_eval_end_ms", "inference_end_ms"),
+                   ("inference_start_ms", "first_token_ms"))
+_COUNTS = ("prompt_tokens", "generated_tokens")
+
+
+def stats_problem(stats: Any) -> str | None:
+    """What makes a stats line impossible (``None``: nothing): a missing or non-numeric field,
+    a non-finite or negative value, a token count that is not a positive integer (at least one
+    prompt token; the generated count may be 0 only if the runner stopped at once), a time
+    that runs backwards, or a scaling factor that is not positive. Figures computed from such a
+    line (a time to first token of −1e308 ms) would be nonsense."""
+    if not isinstance(stats, dict):
+        return "the stats line is not a JSON object"
+    stamps = {name for group in _ORDERED_STAMPS for name in group}
+    for name in sorted(stamps) + list(_COUNTS) + ["SCALING_FACTOR_UNITS_PER_SECOND"]:
+        value = stats.get(name)
+        if value is None and name == "SCALING_FACTOR_UNITS_PER_SECOND":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"{name} is {value!r}, not a number"
+        if not math.isfinite(value) or value < 0:
+            return f"{name} is {value!r}; it must be finite and non-negative"
+    for name in _COUNTS:
+        if stats[name] != int(stats[name]):
+            return f"{name} is {stats[name]!r}, not a whole number"
+    if stats["prompt_tokens"] < 1:
+        return f"prompt_tokens is {stats['prompt_tokens']}; the runner read no prompt"
+    if stats.get("SCALING_FACTOR_UNITS_PER_SECOND") == 0:
+        return "SCALING_FACTOR_UNITS_PER_SECOND is 0"
+    for group in _ORDERED_STAMPS:
+        for earlier, later in zip(group, group[1:]):
+            if stats[later] < stats[earlier]:
+                return f"{later} ({stats[later]!r}) precedes {earlier} ({stats[earlier]!r})"
+    return None
+
+
 def pass_figures(stats: dict[str, Any]) -> dict[str, float]:
     """One invocation's figures from its stats line. The runner's timestamps are whole
     milliseconds (``SCALING_FACTOR_UNITS_PER_SECOND`` per second): prefill runs from
@@ -53,7 +92,14 @@ def pass_figures(stats: dict[str, Any]) -> dict[str, float]:
     its last logits give the first token (``first_token_ms``); the decode loop runs from
     ``prompt_eval_end_ms`` to ``inference_end_ms`` and makes ``generated_tokens`` tokens
     (the prefill's token not among them). An interval of 0 units is below the clock's
-    resolution: its rate is NaN, not infinite."""
+    resolution: its rate is NaN, not infinite.
+
+    Raises:
+        ValueError: an impossible stats line (:func:`stats_problem`).
+    """
+    problem = stats_problem(stats)
+    if problem:
+        raise ValueError(f"impossible runner stats: {problem}")
     unit = float(stats.get("SCALING_FACTOR_UNITS_PER_SECOND") or 1000)
 
     def seconds(a: str, b: str) -> float:

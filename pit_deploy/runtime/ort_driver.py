@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..targets.onnx_optimum import DECODER_NAME, INTERFACE_NAME
-from .base import Driver
+from .base import Driver, loading
 from .standalone import OrtDecoder, ort_session_options
 
 __all__ = ["OnnxDriver"]
@@ -26,7 +26,8 @@ class OnnxDriver(Driver):
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        self.decoder = OrtDecoder(self.folder / DECODER_NAME, threads)
+        with loading(self.folder / DECODER_NAME, "onnxruntime"):
+            self.decoder = OrtDecoder(self.folder / DECODER_NAME, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))
@@ -37,10 +38,11 @@ class OnnxDriver(Driver):
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
 
-        sess = ort.InferenceSession(
-            str(self.folder / INTERFACE_NAME), sess_options=ort_session_options(self.threads),
-            providers=["CPUExecutionProvider"],
-        )
+        with loading(self.folder / INTERFACE_NAME, "onnxruntime"):
+            sess = ort.InferenceSession(
+                str(self.folder / INTERFACE_NAME), sess_options=ort_session_options(self.threads),
+                providers=["CPUExecutionProvider"],
+            )
         emb, logits = sess.run(
             None, {"input_ids": np.arange(vocab, dtype=np.int64), "hidden": np.eye(dim, dtype=np.float32)}
         )
