@@ -93,8 +93,8 @@ def run_pipeline(recipe: RunRecipe, out: str | Path, from_stage: str | None = No
             record.outputs = outputs
         except StageFailed as exc:
             record.status, record.error, record.exit_code = "failed", str(exc), exc.exit_code
-        except PitError as exc:
-            record.status, record.error, record.exit_code = "failed", str(exc), 2
+        except PitError as exc:  # 2, or 1 for a bound that failed (training's IdentityLost)
+            record.status, record.error, record.exit_code = "failed", str(exc), exc.exit_code
         except Exception as exc:  # an internal error: one line here, the traceback in the log
             (folder / "error.log").write_text(traceback.format_exc())
             record.status, record.error, record.exit_code = "failed", f"internal error: {exc!r} (traceback in {folder / 'error.log'})", 3
@@ -267,7 +267,8 @@ def run_distributed(cfg: Any, nproc: int) -> None:
            "-m", "pit_deploy", "train", *train_argv(cfg)]
     proc = subprocess.run(cmd, env=os.environ.copy())
     if proc.returncode != 0:
-        raise StageFailed(f"torchrun training exited with {proc.returncode}", 2 if proc.returncode == 2 else 3)
+        raise StageFailed(f"torchrun training exited with {proc.returncode}",
+                          proc.returncode if proc.returncode in (1, 2) else 3)
 
 
 def stage_export(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
