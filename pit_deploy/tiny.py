@@ -119,3 +119,27 @@ def tiny_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+
+
+def widen_embedding_spectrum(model: PreTrainedModel, low: float = 5.0, high: float = 500.0,
+                             final_gain: float = 0.01) -> PreTrainedModel:
+    """Give a tiny Llama-layout model an input embedding of the default model's scale, in place.
+
+    The embedding keeps its singular vectors; its singular values become geometrically spaced
+    from ``high`` down to ``low`` (a tiny model's random table is nearly flat, about unit scale
+    over ``√V``). After conversion ``T`` then has the scale and the spread of the default
+    model's (``T = Rᵀ H⁻¹ R``: small eigenvalues), the regime where AdamW's fixed-size steps on
+    ``L`` can drive ``T`` towards singular (``docs/training.md``, "Keeping T well conditioned").
+    The final norm's gain is set to ``final_gain`` so that the tied head, now as large as the
+    embedding, gives logits of a trained model's size rather than a loss in the hundreds.
+    """
+    from .model.families import adapter_for
+
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        u, s, vh = torch.linalg.svd(weight.detach().to(torch.float64), full_matrices=False)
+        spread = torch.logspace(torch.log10(torch.tensor(high)), torch.log10(torch.tensor(low)), s.numel(),
+                                dtype=torch.float64)
+        weight.copy_(((u * spread) @ vh).to(weight.dtype))
+        adapter_for(model.config).final_norm(model).weight.fill_(final_gain)
+    return model

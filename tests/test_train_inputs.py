@@ -75,6 +75,8 @@ BAD_FLAGS = [
     (["--lora", "--lora-rank", "0"], "--lora-rank must be at least 1"),
     (["--device", "tpu"], "unknown --device 'tpu'"),
     (["--val-fraction", "1"], "--val-fraction must be in [0, 1)"),
+    (["--t-max-cond", "0.5"], "--t-max-cond must exceed 1"),
+    (["--max-delta-ti=-1e-4"], "--max-delta-ti must be 0 (no check) or positive"),
 ]
 
 

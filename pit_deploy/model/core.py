@@ -13,12 +13,17 @@ section *Approach* (Eq. 3–12) and Appendix *Implementation Details*:
   optional clamp), so ``T`` is SPD and ``W_out E = T ZᵀZ T⁻¹ = I`` by construction.
 * Embedding rows ``e_t = z_t T⁻¹`` by Cholesky solves in FP32 (also under autocast);
   logits ``(h T) Zᵀ`` as two matmuls, never materializing ``W_out``.
+* Conditioning (``docs/training.md``, "Keeping T well conditioned"): the stored ``Z`` is float32,
+  so ``ZᵀZ = I + Δ`` with ``Δ`` of rounding size, and ``W_out E − I = T Δ T⁻¹`` grows with
+  ``cond(T)``. :meth:`PITInterface.conditioning` measures that defect and ``T``'s spectrum with
+  ``d×d`` work only; :meth:`PITInterface.floor_spectrum_` caps ``cond(T)`` after an optimizer step.
 
 Conventions: row vectors, ``logits = h @ W_out`` with ``W_out`` of shape ``(d, V)``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +35,8 @@ DiagonalMap = Literal["softplus", "exp"]
 TInit = Literal["identity", "input", "output"]
 T_INITS: tuple[str, ...] = ("identity", "input", "output")
 DIAGONAL_MAPS: tuple[str, ...] = ("softplus", "exp")
+#: :meth:`PITInterface.floor_spectrum_` puts the floor this factor above ``λ_max / max_cond``
+FLOOR_MARGIN = 1.01
 
 
 # --------------------------------------------------------------------------------------
@@ -157,6 +164,22 @@ class PITSpec:
             raise ValueError("clamp_min must not exceed clamp_max")
 
 
+@dataclass(frozen=True)
+class Conditioning:
+    """``T``'s extreme eigenvalues and the interface defect ``delta_ti = ‖W_out E − I‖_F``."""
+
+    eig_min: float
+    eig_max: float
+    delta_ti: float
+
+    @property
+    def cond(self) -> float:
+        """``cond(T) = λ_max / λ_min`` (``inf`` when ``T`` is singular or not finite)."""
+        if not (self.eig_min > 0 and math.isfinite(self.eig_max)):
+            return math.inf
+        return self.eig_max / self.eig_min
+
+
 class PITInterface(nn.Module):
     """Shared token memory ``Z`` and SPD transform ``T = L Lᵀ`` of one model.
 
@@ -178,12 +201,18 @@ class PITInterface(nn.Module):
         self.spec = spec
         dtype = z.dtype if z.dtype.is_floating_point and z.dtype != torch.float64 else torch.float32
         self.Z = nn.Parameter(z.to(dtype).clone(), requires_grad=spec.train_z)
-        diag = torch.diagonal(l_factor).to(torch.float64)
-        if (diag <= 0).any():
-            raise ValueError("Cholesky factor must have a positive diagonal")
-        free_diag = _softplus_inverse(diag) if spec.diagonal == "softplus" else diag.log()
-        self.L_offdiag = nn.Parameter(torch.tril(l_factor.to(torch.float64), -1).to(torch.float32))
+        off, free_diag = self._free_parameters(l_factor)
+        self.L_offdiag = nn.Parameter(off.to(torch.float32))
         self.L_diag = nn.Parameter(free_diag.to(torch.float32))
+        self._gram: tuple[tuple, torch.Tensor] | None = None  # (key of Z's state, ZᵀZ in float64)
+
+    def _free_parameters(self, l_factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(strict lower triangle, free diagonal)`` in float64 whose map gives ``l_factor``."""
+        diag = torch.diagonal(l_factor).to(torch.float64)
+        if not (diag > 0).all():
+            raise ValueError("Cholesky factor must have a positive diagonal")
+        free_diag = _softplus_inverse(diag) if self.spec.diagonal == "softplus" else diag.log()
+        return torch.tril(l_factor.to(torch.float64), -1), free_diag
 
     # ---- shapes -------------------------------------------------------------------------
     @property
@@ -266,6 +295,75 @@ class PITInterface(nn.Module):
         eye = torch.eye(lf.shape[0], dtype=torch.float64, device=lf.device)
         return torch.cholesky_solve(eye, lf, upper=False)
 
+    # ---- conditioning of T ----------------------------------------------------------------------
+    @torch.no_grad()
+    def gram(self) -> torch.Tensor:
+        """``ZᵀZ`` ``(d, d)`` in float64: ``I`` up to the rounding of the stored ``Z``.
+
+        Cached while ``Z`` is frozen and unchanged (same storage, same version counter; the
+        retraction clears it), so the training loop's per-step checks cost ``d×d`` work only; a
+        trainable ``Z`` is multiplied out every time (``O(V d²)``, like the retraction).
+        """
+        key = (self.Z.data_ptr(), self.Z._version, self.Z.dtype, self.Z.device)
+        if self._gram is not None and self._gram[0] == key and not self.Z.requires_grad:
+            return self._gram[1]
+        z = self.Z.detach().to(torch.float64)
+        gram = z.T @ z
+        self._gram = (key, gram)
+        return gram
+
+    @torch.no_grad()
+    def conditioning(self) -> Conditioning:
+        """``T``'s extreme eigenvalues and ``delta_ti``, from ``d×d`` float64 work only.
+
+        ``W_out E − I = T ZᵀZ T⁻¹ − I = T (ZᵀZ − I) T⁻¹`` exactly, so with ``ZᵀZ`` from
+        :meth:`gram` this is the defect that :meth:`materialize` shows in float64 (``V×d``
+        products), computed without forming ``E`` or ``W_out`` and without the cancellation of
+        subtracting ``I`` from a product near ``I``. Non-finite factors give ``inf``.
+        """
+        lf = self.cholesky_factor().detach().to(torch.float64)
+        if not torch.isfinite(lf).all():
+            return Conditioning(math.nan, math.nan, math.inf)
+        t = lf @ lf.T
+        evals = torch.linalg.eigvalsh(t)
+        gram = self.gram().to(t.device)
+        m = t @ (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
+        defect = torch.cholesky_solve(m.T, lf, upper=False).T  # (T Δ) T⁻¹, T symmetric
+        return Conditioning(float(evals[0]), float(evals[-1]), float(torch.linalg.matrix_norm(defect)))
+
+    @torch.no_grad()
+    def set_cholesky_factor_(self, l_factor: torch.Tensor) -> None:
+        """Store ``l_factor`` (lower-triangular, positive diagonal) as the factor of ``T``."""
+        off, free_diag = self._free_parameters(l_factor)
+        self.L_offdiag.copy_(off.to(self.L_offdiag.dtype))
+        self.L_diag.copy_(free_diag.to(self.L_diag.dtype))
+
+    @torch.no_grad()
+    def floor_spectrum_(self, max_cond: float) -> bool:
+        """Raise ``T``'s eigenvalues below ``λ_max / max_cond`` to that floor, in place.
+
+        A projection applied after an optimizer step, as the retraction is for ``Z``: ``T``'s
+        eigenvectors and its eigenvalues above the floor are kept, the ones below are raised to
+        it (:data:`FLOOR_MARGIN` inside the bound), and ``L`` becomes the Cholesky factor of the
+        floored ``T`` (float64 ``d×d`` work). A ``T`` within the bound is not touched at all, so
+        a model that never reaches the bound trains exactly as without it.
+
+        Returns:
+            whether ``T`` was changed.
+        """
+        if not max_cond > 1:
+            raise ValueError(f"max_cond must exceed 1, got {max_cond}")
+        lf = self.cholesky_factor().detach().to(torch.float64)
+        evals, evecs = torch.linalg.eigh(lf @ lf.T)
+        if evals[0] * max_cond >= evals[-1]:
+            return False
+        # 1 % inside the bound, so the float32 rounding of the new L (about 1e-7·λ_max·max_cond
+        # relative to the floor) does not put T back above it and trigger another projection.
+        floor = evals[-1] / max_cond * FLOOR_MARGIN
+        t = (evecs * evals.clamp_min(floor)) @ evecs.T
+        self.set_cholesky_factor_(torch.linalg.cholesky(0.5 * (t + t.T)))
+        return True
+
     # ---- Stiefel constraint -----------------------------------------------------------------
     @torch.no_grad()
     def retract_(self) -> None:
@@ -279,6 +377,7 @@ class PITInterface(nn.Module):
         evals, evecs = _sym_eig(work.T @ work, self.spec.retraction_ridge)
         inv_sqrt = (evecs * evals.clamp_min(torch.finfo(torch.float64).tiny).rsqrt()) @ evecs.T
         self.Z.data.copy_((work @ inv_sqrt).to(z.dtype))
+        self._gram = None
 
     @torch.no_grad()
     def orthogonality_error(self) -> float:

@@ -141,8 +141,8 @@ def run_stage(stage: str, folder: Path, recipe: RunRecipe, ctx: dict[str, dict[s
         record.files = fingerprint(run, record.outputs)
     except StageFailed as exc:
         record.status, record.error, record.exit_code = "failed", str(exc), exc.exit_code
-    except PitError as exc:  # a full disk included (WriteError)
-        record.status, record.error, record.exit_code = "failed", str(exc), 2
+    except PitError as exc:  # 2 (a full disk included: WriteError), or 1 for a bound (training's IdentityLost)
+        record.status, record.error, record.exit_code = "failed", str(exc), exc.exit_code
     except Exception as exc:
         mapped = as_write_error(exc, under=folder)
         if mapped is not None:  # a write failed for a reason the user can fix: not a bug
@@ -381,7 +381,8 @@ def run_distributed(cfg: Any, nproc: int) -> None:
            "-m", "pit_deploy", "train", "--config", str(path)]
     proc = subprocess.run(cmd, env=os.environ.copy())
     if proc.returncode != 0:
-        raise StageFailed(f"torchrun training exited with {proc.returncode}", 2 if proc.returncode == 2 else 3)
+        raise StageFailed(f"torchrun training exited with {proc.returncode}",
+                          proc.returncode if proc.returncode in (1, 2) else 3)
 
 
 def stage_export(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:

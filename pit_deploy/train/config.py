@@ -25,6 +25,10 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 SCRATCH_LR = 3e-4
 CPT_LR = 1e-5
 CPT_WARMUP = 4
+#: defaults of ``--t-max-cond`` and ``--max-delta-ti`` (measured in ``docs/training.md``, "Keeping T
+#: well conditioned")
+T_MAX_COND = 1e3
+MAX_DELTA_TI = 1e-4
 
 
 @dataclass
@@ -68,6 +72,10 @@ class TrainConfig:
     weight_decay: float = opt(0.1, "on matrices; never on Z, L, norms, biases", group="optimization")
     betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95", group="optimization")
     grad_clip: float = opt(1.0, "max gradient norm (0: off)", group="optimization")
+    t_max_cond: float = opt(T_MAX_COND, "cap on cond(T) kept after every step by raising T's smallest eigenvalues "
+                                        "(0: off; a start above it keeps its own)", group="optimization")
+    max_delta_ti: float = opt(MAX_DELTA_TI, "stop (exit 1) when ‖W_out E − I‖_F exceeds this (0: never)",
+                              group="optimization")
     precision: str = opt("fp32", "autocast precision", group="optimization", choices=PRECISIONS)
     seed: int = opt(0, "seed of the model init, the data order and dropout", group="optimization")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N", group="optimization")
@@ -167,6 +175,7 @@ def validate(cfg: TrainConfig) -> None:
     if (cfg.steps is not None and cfg.steps < 1) or (cfg.tokens is not None and cfg.tokens < 1):
         raise PitError("--steps/--tokens must be positive")
     floats = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip,
+              "t_max_cond": cfg.t_max_cond, "max_delta_ti": cfg.max_delta_ti,
               "min_lr_ratio": cfg.min_lr_ratio, "distill_weight": cfg.distill_weight,
               "distill_temperature": cfg.distill_temperature, "lora_alpha": cfg.lora_alpha,
               "val_fraction": cfg.val_fraction}
@@ -183,6 +192,10 @@ def validate(cfg: TrainConfig) -> None:
         if getattr(cfg, name) < 0:
             raise PitError(f"{_flag(name)} must be 0 or more, got {getattr(cfg, name)}"
                            + (" (0 turns clipping off)" if name == "grad_clip" else ""))
+    if cfg.t_max_cond != 0 and not cfg.t_max_cond > 1:
+        raise PitError(f"--t-max-cond must exceed 1 (a bound on λ_max/λ_min), or be 0 for no floor; got {cfg.t_max_cond}")
+    if cfg.max_delta_ti < 0:
+        raise PitError(f"--max-delta-ti must be 0 (no check) or positive, got {cfg.max_delta_ti}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise PitError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):

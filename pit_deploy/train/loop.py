@@ -6,7 +6,9 @@ pretraining, distillation-assisted recovery and LoRA; one process or many (``tor
 loop: learning rate, :meth:`~TrainingRecipe.train_step`, logging, evaluation, checkpoints) →
 ``finish`` (final model, summary, plot) → ``cleanup``. The benchmarks call the same
 ``train_step`` (token-normalized gradient accumulation with DDP ``no_sync``, gradient scaler,
-clipping, AdamW step, polar retraction of ``Z``) instead of re-implementing it.
+clipping, AdamW step, polar retraction of ``Z``, the ``cond(T)`` floor of
+:mod:`.interface_guard`) instead of re-implementing it. A PIT run stops (exit 1) before
+checkpointing a step whose ``W_out E`` is no longer ``I`` within ``--max-delta-ti``.
 
 Run directory ``--out``::
 
@@ -57,6 +59,7 @@ from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng
 from .config import RESUME_KEYS, TrainConfig, validate, with_start_defaults
 from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll
+from .interface_guard import InterfaceGuard
 from .loss import distill_kl_sum, token_loss, token_nll_sum
 from ..io.metrics import MetricsLog, read_metrics
 
@@ -261,6 +264,9 @@ class TrainingRecipe:
         model.to(self.device).train()
         self.interface = find_interface(model)
         self.z_trains = self.interface is not None and self.interface.Z.requires_grad
+        # measured on the model as built (before any checkpoint is loaded): the start of the run
+        self.guard = (InterfaceGuard(self.interface, cfg.t_max_cond, cfg.max_delta_ti)
+                      if self.interface is not None else None)
         if cfg.fsdp:
             if not self.ddp:
                 raise PitError("--fsdp shards the model over several processes: run under "
@@ -412,7 +418,8 @@ class TrainingRecipe:
     def train_step(self, batch: Block) -> StepStats:
         """One optimizer step on the global ``batch`` (``blocks_per_step`` blocks): this
         process's micro-batches, gradients summed and normalized by the global number of
-        trained tokens, clipped, AdamW, then ``Z`` retracted onto the Stiefel manifold.
+        trained tokens, clipped, AdamW, then ``Z`` retracted onto the Stiefel manifold and
+        ``T``'s spectrum floored and measured (:class:`~.interface_guard.InterfaceGuard`).
 
         Raises:
             PitError: a non-finite loss or gradient (nothing is stepped; the last good
@@ -469,6 +476,8 @@ class TrainingRecipe:
         self.optimizer.zero_grad(set_to_none=True)
         if self.z_trains:
             self.interface.retract_()  # back onto the Stiefel manifold (paper Eq. 13)
+        if self.guard is not None:
+            self.guard.after_step()  # cond(T) floor, conditioning figures (d×d work)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return StepStats(loss=train_loss, kl=train_kl, grad_norm=float(grad_norm),
@@ -531,8 +540,11 @@ class TrainingRecipe:
             self.tokens_seen += self.tokens_per_step
             step_times.append(stats.seconds)
             last_loss = stats.loss
-            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+            broken = self.guard is not None and self.guard.broken()
+            if broken or self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 self._log_train(stats, lr, wall)
+            if broken:  # before this step's evaluation or checkpoint: every checkpoint keeps the identity
+                raise self.guard.error(self.step, self._last_good(), cfg.lr * cfg.t_lr_scale)
             if self._progress is not None:
                 self._progress.update(1)
                 self._progress.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{self.tokens_per_step / wall:.0f}")
@@ -549,7 +561,9 @@ class TrainingRecipe:
                   "step_time": stats.seconds, "tokens_per_s": self.tokens_per_step / wall}
         if self.teacher is not None:
             record["kl"] = stats.kl
-        if self.master or (self.cfg.fsdp and self.interface is None):  # a sharded TT table is gathered by all
+        if self.guard is not None:  # PIT: delta_ti and cond(T) from d×d work (interface_guard)
+            record.update(self.guard.record())
+        elif self.master or self.cfg.fsdp:  # TT; a sharded table is gathered by all
             record["delta_ti"] = delta_ti(self.raw_model)
         if self.master and self.z_trains:
             record["z_orthogonality_error"] = self.interface.orthogonality_error()
@@ -590,7 +604,8 @@ class TrainingRecipe:
                 final_val_loss=evals[-1]["val_loss"] if evals else None,
                 initial_val_loss=evals[0]["val_loss"] if evals and evals[0]["step"] == 0 else None,
                 median_step_time_s=median, tokens_per_s=(self.tokens_per_step / median) if median else None,
-                extra={"tying": cfg.tying, "world_size": self.world, "delta_ti": delta_ti(final)},
+                extra={"tying": cfg.tying, "world_size": self.world, "delta_ti": delta_ti(final),
+                       **({"t_cond": self.guard.current.cond} if self.guard is not None else {})},
             )
             write_text_atomic(self.out / "summary.json", json.dumps(asdict(result), indent=2))
             if cfg.plot:
@@ -633,7 +648,9 @@ def train(cfg: TrainConfig) -> TrainResult | None:
 
     Raises:
         PitError: bad options or data, no loadable checkpoint to resume from, a non-finite
-            loss (the last good checkpoint is kept and named).
+            loss (the last good checkpoint is kept and named); its subclass
+            :class:`~.interface_guard.IdentityLost` (exit 1) when ``delta_ti`` exceeds
+            ``--max-delta-ti``.
     """
     recipe = TrainingRecipe(cfg)
     try:
