@@ -166,11 +166,14 @@ class PITSpec:
 
 @dataclass(frozen=True)
 class Conditioning:
-    """``T``'s extreme eigenvalues and the interface defect ``delta_ti = ‖W_out E − I‖_F``."""
+    """``T``'s extreme eigenvalues, the range of ``L``'s diagonal, and the interface defect
+    ``delta_ti = ‖W_out E − I‖_F``."""
 
     eig_min: float
     eig_max: float
     delta_ti: float
+    l_diag_min: float = math.nan
+    l_diag_max: float = math.nan
 
     @property
     def cond(self) -> float:
@@ -314,7 +317,8 @@ class PITInterface(nn.Module):
 
     @torch.no_grad()
     def conditioning(self) -> Conditioning:
-        """``T``'s extreme eigenvalues and ``delta_ti``, from ``d×d`` float64 work only.
+        """``T``'s extreme eigenvalues, ``L``'s diagonal range and ``delta_ti``, from ``d×d``
+        float64 work only.
 
         ``W_out E − I = T ZᵀZ T⁻¹ − I = T (ZᵀZ − I) T⁻¹`` exactly, so with ``ZᵀZ`` from
         :meth:`gram` this is the defect that :meth:`materialize` shows in float64 (``V×d``
@@ -329,7 +333,9 @@ class PITInterface(nn.Module):
         gram = self.gram().to(t.device)
         m = t @ (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
         defect = torch.cholesky_solve(m.T, lf, upper=False).T  # (T Δ) T⁻¹, T symmetric
-        return Conditioning(float(evals[0]), float(evals[-1]), float(torch.linalg.matrix_norm(defect)))
+        diag = torch.diagonal(lf)
+        return Conditioning(float(evals[0]), float(evals[-1]), float(torch.linalg.matrix_norm(defect)),
+                            float(diag.min()), float(diag.max()))
 
     @torch.no_grad()
     def set_cholesky_factor_(self, l_factor: torch.Tensor) -> None:

@@ -80,7 +80,7 @@ class InterfaceGuard:
         """The figures of the last step for ``metrics.jsonl``; resets the floored-step count."""
         c = self.current
         out = {"delta_ti": c.delta_ti, "t_cond": c.cond, "t_eig_min": c.eig_min, "t_eig_max": c.eig_max,
-               "t_floored": self.floored}
+               "l_diag_min": c.l_diag_min, "l_diag_max": c.l_diag_max, "t_floored": self.floored}
         self.floored = 0
         return out
 
@@ -92,7 +92,7 @@ class InterfaceGuard:
         """The one-line stop for :meth:`broken` at ``step``."""
         c = self.current
         remedy = (f"cond(T) was capped at {self.max_cond:g}: lower --t-max-cond, or T's rate --lr-t" if self.max_cond
-                  else "the cond(T) floor was off: turn it on (--t-max-cond 1e3), or lower T's rate --lr-t")
+                  else "The cond(T) floor was off: turn it on (--t-max-cond 1e3), or lower T's rate --lr-t")
         return IdentityLost(
             f"W_out E = I no longer holds at step {step}: delta_ti {c.delta_ti:.3g} exceeds --max-delta-ti "
             f"{self.max_delta_ti:g} (cond(T) {_fmt(c.cond)}, smallest eigenvalue {c.eig_min:.3g}); training "
