@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = {"lr": args.family_lr, "steps": args.family_steps, "seq_len": 32, "batch_size": 4, "data": args.data}
         return write_result(args.out or results / "t_conditioning_families.json",
                             {"study": "t_conditioning --families", "command": command.strip(), "setup": setup,
-                             "families": rows})
+                             "families": rows}, __file__)
     names = [n for n in args.candidates.split(",") if n]
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     return write_result(args.out or results / "t_conditioning.json",
                         {"study": "t_conditioning", "command": command.strip(), "setup": setup,
                          "model": "tiny Llama (pit_deploy.tiny), widen_embedding_spectrum(), preserve",
-                         "by_lr": rows})
+                         "by_lr": rows}, __file__)
 
 
 if __name__ == "__main__":
