@@ -33,6 +33,12 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
     return str(value)
 
 
+def bench_label(row: dict[str, Any]) -> str:
+    """A bench row's artifact, with the variant it was timed through (``(stock runner)``) so
+    that two rows of one artifact are told apart."""
+    return f"{row['artifact']} ({row['variant']})" if row.get("variant") else str(row["artifact"])
+
+
 def collect(out: Path) -> dict[str, StageRecord | None]:
     """Every stage's record, its paths resolved against ``out`` (records hold them relative)."""
     records = {stage: StageRecord.read(stage_dir(out, stage), stage) for stage in STAGES}
@@ -146,7 +152,12 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
         blocks.append(("h2", "Latency, memory and size"))
         cols = ["artifact", "runtime", "mode", "dtype", "threads", "prefill_tok_s", "decode_tok_s", "ttft_ms",
                 "decode_ms_p50", "peak_rss_mb", "size_mb"]
-        blocks.append(("table", cols, [[_fmt(r.get(c), ".4g") for c in cols] for r in bench.outputs["rows"]]))
+        blocks.append(("table", cols, [[bench_label(r), *(_fmt(r.get(c), ".4g") for c in cols[1:])]
+                                       for r in bench.outputs["rows"]]))
+        if any(r.get(c) is None for r in bench.outputs["rows"] for c in ("prefill_tok_s", "decode_tok_s")):
+            blocks.append(("p", "— in a rate column: not measured. A runner that times itself (ExecuTorch's stock "
+                                "runner) reports whole milliseconds, and on a small model a phase can take less "
+                                "than one, so there is no rate to give."))
         foreign = [r["foreign_load_cores"] for r in bench.outputs["rows"] if r.get("foreign_load_cores") is not None]
         if foreign:
             blocks.append(("p", f"Other processes kept {min(foreign):.2f}–{max(foreign):.2f} cores busy during the "
