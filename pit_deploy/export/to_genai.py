@@ -1,0 +1,275 @@
+"""Export a prepared model to a folder that ``onnxruntime_genai.Model(folder)`` loads.
+
+The decoder graph is not ours: the onnxruntime-genai model builder
+(``python -m onnxruntime_genai.models.builder``, PyPI ``onnxruntime-genai``) writes the fused
+graph (``GroupQueryAttention``, ``SkipSimplifiedLayerNormalization``, ``MatMulNBits`` when
+quantized) together with ``genai_config.json`` and the tokenizer files that the genai runtime
+reads. We give it a plain Hugging Face checkpoint in a temporary directory and keep its folder.
+
+* **materialized** — the builder reads ``E = Z T⁻¹`` and ``W_out = T Zᵀ`` as ordinary weights.
+* **factorized** — the builder reads the same materialized checkpoint, then the token interface
+  of its graph is rewritten (:func:`factorize_graph`): the embedding ``Gather`` becomes
+  ``Gather(Zᵀ, ids, axis=1) → Transpose → MatMul(M)`` with ``M = T⁻¹`` and the head ``MatMul``
+  becomes ``MatMul(h, T) → MatMul(·, Zᵀ)``, both reading the one ``Zᵀ`` initializer.
+
+Beside ``model.onnx`` we write ``interface.onnx`` (``(input_ids[1, N], hidden[1, M, d]) ->
+(embeddings, logits)``): the nodes of the decoder between ``input_ids`` and the first layer's
+norm, and between the final norm and ``logits``, copied with their initializers still pointing
+into the decoder's external data file — the runtime's own ``W_out E`` by construction.
+
+The builder is run in a child process: importing it appends its own directory to ``sys.path``
+(top-level modules named ``builders`` and ``quantization``), and builder 0.18.0 imports two
+classes that transformers 4.57 does not have (``Qwen3_5ForConditionalGeneration``,
+``Qwen3_5MoeForConditionalGeneration``; used only for those architectures), which the child
+stubs before importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import PitError
+from ..io.checkpoint import save_model
+from ..schemes import Scheme
+from ..targets.onnx_genai import (BUILDER_ARCHITECTURES, BUILDER_DATA, CONFIG_NAME, DECODER_NAME,
+                                  INTERFACE_NAME)
+
+#: builder ``-p`` value of each dtype the target exports
+PRECISIONS = {"float32": "fp32", "int8": "int8", "int4": "int4"}
+
+#: run in the child: stub the transformers names builder 0.18.0 imports but 4.57 lacks, then
+#: run the builder's ``__main__`` with our arguments
+_LAUNCHER = """
+import runpy, sys, transformers
+for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+    if not hasattr(transformers, name):
+        setattr(transformers, name, type(name, (), {}))
+sys.argv = ["onnxruntime_genai.models.builder", *sys.argv[1:]]
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+
+
+def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Path:
+    """Save ``model`` (a plain HF model) as the checkpoint the builder reads.
+
+    Two edits the builder needs and transformers' ``save_pretrained`` of a model built from a
+    config does not give: ``architectures`` (the builder dispatches on its first entry) and a
+    ``rope_scaling`` dict (builder 0.18.0 iterates it unconditionally; ``{"rope_type":
+    "default"}`` means the same rotary embedding as ``null``).
+    """
+    arch = type(model).__name__
+    if arch not in BUILDER_ARCHITECTURES:
+        raise PitError(f"the onnxruntime-genai builder has no {arch}; supported: {', '.join(BUILDER_ARCHITECTURES)}")
+    save_model(model, out, tokenizer, force=True)
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = [arch]
+    if "rope_scaling" in config and not config["rope_scaling"]:
+        config["rope_scaling"] = {"rope_type": "default"}
+    path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
+                extra_options: dict[str, str] | None = None) -> None:
+    """``python -m onnxruntime_genai.models.builder -i hf_dir -o out_dir -p precision -e cpu``.
+
+    Raises:
+        PitError: the builder failed (its last lines of output are in the message).
+    """
+    cmd = [sys.executable, "-c", _LAUNCHER, "-i", str(hf_dir), "-o", str(out_dir), "-p", precision,
+           "-e", "cpu", "-c", str(cache_dir)]
+    if extra_options:
+        cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra_options.items())]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise PitError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
+
+
+def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
+    """The plain HF model the builder reads: ``model`` itself when materialized; for a
+    factorized model, a materialized copy built from its ``pit_factors`` (the builder must see
+    an ordinary embedding and head; :func:`factorize_graph` replaces them afterwards)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
+
+    from ..model.families import adapter_for
+    from .passes import FACTORS_ATTR
+
+    factors = getattr(model, FACTORS_ATTR, None)
+    if factors is None:
+        return model
+    config = model.config
+    adapter = adapter_for(config)
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(FACTORS_ATTR + ".")}
+    zt, t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("Zt", "T", "T_inv"))
+    emb_name = next(n for n, p in plain.named_parameters() if p is plain.get_input_embeddings().weight)
+    head_name = next(n for n, p in plain.named_parameters() if p is plain.get_output_embeddings().weight)
+    state = {k: v for k, v in state.items() if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head."))}
+    state[emb_name] = ((zt.T @ t_inv) / adapter.embedding_multiplier(config)).float()
+    state[head_name] = ((t @ zt).T / adapter.logits_multiplier(config)).float()
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    if bias is not None:
+        state[head_name.rsplit(".", 1)[0] + ".bias"] = bias.detach().float()
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise PitError(f"cannot rebuild a plain twin for the builder: missing {missing}, unexpected {unexpected}")
+    return plain.eval()
+
+
+# --------------------------------------------------------------------------------------
+# graph surgery on the builder's decoder
+# --------------------------------------------------------------------------------------
+
+
+def _producers(graph) -> dict[str, Any]:
+    return {out: node for node in graph.node for out in node.output}
+
+
+def _interface_tensors(graph) -> tuple[str, str]:
+    """``(embedding_output, head_input)``: the tensor the first layer's input norm reads (the
+    effective embedding, multipliers applied) and the final norm's output that the head reads.
+
+    The builder names its nodes after the HF modules (``/model/layers.0/input_layernorm/…``,
+    ``/model/layers.{L}/final_norm_layernorm/…``); we rely on those names and fail loudly when
+    a builder version changes them.
+    """
+    first_norm = next((n for n in graph.node if n.name.startswith("/model/layers.0/input_layernorm/")), None)
+    final_norm = next((n for n in graph.node if "/final_norm_layernorm/" in n.name), None)
+    if first_norm is None or final_norm is None:
+        raise PitError("the builder's graph has no /model/layers.0/input_layernorm or final_norm_layernorm node; "
+                       "this onnxruntime-genai version names its nodes differently")
+    return first_norm.input[0], final_norm.output[0]
+
+
+def _subgraph(graph, start: str, end: str) -> list[Any]:
+    """The nodes that compute ``end`` from ``start`` and constants, in graph order.
+
+    Raises:
+        PitError: ``end`` depends on another graph input (the cut is not clean).
+    """
+    producers = _producers(graph)
+    initializers = {i.name for i in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    wanted: set[str] = set()
+    stack = [end]
+    while stack:
+        name = stack.pop()
+        if name == start or name in initializers or not name:
+            continue
+        node = producers.get(name)
+        if node is None:
+            if name in inputs:
+                raise PitError(f"{end} depends on the graph input {name}, not only on {start}")
+            continue
+        key = node.output[0]
+        if key in wanted:
+            continue
+        wanted.add(key)
+        stack.extend(node.input)
+    return [n for n in graph.node if n.output[0] in wanted]
+
+
+def write_interface_graph(folder: Path) -> dict[str, Any]:
+    """Write ``interface.onnx``: the decoder's own embedding and head nodes, reading the
+    decoder's external data (initializers are copied as references, not bytes)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    decoder = onnx.load(str(folder / DECODER_NAME), load_external_data=False)
+    graph = decoder.graph
+    emb_out, head_in = _interface_tensors(graph)
+    emb_nodes = _subgraph(graph, "input_ids", emb_out)
+    head_nodes = _subgraph(graph, head_in, "logits")
+    used = {name for node in emb_nodes + head_nodes for name in node.input}
+    inits = [i for i in graph.initializer if i.name in used]
+    nodes = list(emb_nodes) + list(head_nodes)
+    # rename the head's input to "hidden" and expose the two outputs under fixed names
+    for node in head_nodes:
+        for i, name in enumerate(node.input):
+            if name == head_in:
+                node.input[i] = "hidden"
+    nodes += [helper.make_node("Identity", [emb_out], ["embeddings"], name="/interface/embeddings"),
+              helper.make_node("Identity", ["logits"], ["head_logits"], name="/interface/logits")]
+    io_type = next(i for i in graph.input if i.name.startswith("past_key_values")).type.tensor_type.elem_type
+    new_graph = helper.make_graph(
+        nodes, "pit_interface",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "n"]),
+         helper.make_tensor_value_info("hidden", io_type, [1, "m", None])],
+        [helper.make_tensor_value_info("embeddings", io_type, [1, "n", None]),
+         helper.make_tensor_value_info("head_logits", io_type, [1, "m", None])],
+        initializer=inits,
+    )
+    model = helper.make_model(new_graph, opset_imports=list(decoder.opset_import), ir_version=decoder.ir_version)
+    onnx.save_model(model, str(folder / INTERFACE_NAME))
+    return {"interface": INTERFACE_NAME, "embedding_nodes": [n.op_type for n in emb_nodes],
+            "head_nodes": [n.op_type for n in head_nodes],
+            "interface_tensors_shared": [i.name for i in inits if i.data_location == onnx.TensorProto.EXTERNAL]}
+
+
+# --------------------------------------------------------------------------------------
+# the target's exporter
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, dtype: str = "float32",
+                 group_size: int = 32) -> dict[str, Any]:
+    """Build the genai folder of ``model`` (materialized, or factorized: see the module
+    docstring) into ``out_dir``; returns the manifest details."""
+    import onnx
+
+    from .passes import FACTORS_ATTR
+
+    if dtype not in PRECISIONS:
+        raise PitError(f"the onnx-genai target exports {', '.join(PRECISIONS)}, not {dtype}")
+    if tokenizer is None:
+        raise PitError("an onnxruntime-genai folder needs the tokenizer; the source has none")
+    factorized = getattr(model, FACTORS_ATTR, None) is not None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    extra: dict[str, str] = {}
+    if dtype != "float32":
+        # the builder's defaults, spelled out so the manifest says what was asked
+        extra = {"block_size": str(group_size), "accuracy_level": "4", "is_symmetric": "true"}
+    with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
+        hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
+        run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra)
+    if factorized:
+        factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype)
+    details: dict[str, Any] = {"builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
+                               "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
+    if extra:
+        details["builder_extra_options"] = extra
+    details.update(write_interface_graph(out_dir))
+    decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=False)
+    details["decoder_nodes"] = len(decoder.graph.node)
+    ops: dict[str, int] = {}
+    for node in decoder.graph.node:
+        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    details["decoder_ops"] = dict(sorted(ops.items()))
+    return details
+
+
+def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> None:
+    """Replace the builder's embedding and head weights by one ``Zᵀ`` and the ``d×d`` factors.
+
+    Implemented for float32 graphs; quantized factorized graphs are refused by the target.
+    """
+    raise PitError("factorized mode for onnx-genai is not implemented yet")
+
+
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
+                    scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
+    """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
+    return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size)

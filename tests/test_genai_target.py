@@ -1,0 +1,53 @@
+"""The ``onnx-genai`` target: folders that ``onnxruntime_genai.Model`` loads, built by the
+onnxruntime-genai model builder from tiny models, exported and verified through the generic
+commands (``pit-deploy export``/``verify``), and a family the builder lacks refused up front."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (requirements/cpu.txt pins it)")
+
+from pit_deploy.cli import main  # noqa: E402
+from pit_deploy.io.checkpoint import save_model  # noqa: E402
+from pit_deploy.io.manifest import Manifest  # noqa: E402
+from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer  # noqa: E402
+
+
+def _source(tmp_path: Path, family: str) -> Path:
+    src = tmp_path / f"{family}-src"
+    save_model(tiny_pit_model(family), src, tiny_tokenizer())
+    return src
+
+
+def _verify(out: Path, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["verify", str(out), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_materialized_fp32_folder_loads_in_genai_and_matches_pytorch(family, tmp_path, capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, family)), "--out", str(out), "--runtime", "onnx-genai",
+                 "--mode", "materialized", "--dtype", "float32"]) == 0
+    (art,) = Manifest.read(out).artifacts
+    folder = out / art.path
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "interface.onnx"):
+        assert (folder / name).is_file(), name
+    assert art.details["decoder_ops"].get("GroupQueryAttention") == 2  # the builder's fused decoder
+    (result,) = _verify(out, capsys)["artifacts"]
+    assert result["passed"], result["failures"]
+    assert result["logits_rel_l2"] <= 1e-4 and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
+    assert any(n.startswith("onnxruntime_genai generator vs decoder session") for n in result["notes"])
+
+
+def test_a_family_the_builder_lacks_is_exit_2_before_export(tmp_path, capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "gpt2")), "--out", str(out), "--runtime", "onnx-genai"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: " in "\n" + err and "'gpt2' is not one of them" in err
+    assert not out.exists()
