@@ -29,16 +29,19 @@ def _verify(out: Path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_materialized_fp32_folder_loads_in_genai_and_matches_pytorch(family, tmp_path, capsys):
+@pytest.mark.parametrize("family, mode", [("llama", "materialized"), ("qwen3", "materialized"), ("qwen3", "factorized")])
+def test_fp32_folder_loads_in_genai_and_matches_pytorch(family, mode, tmp_path, capsys):
     out = tmp_path / "exp"
     assert main(["export", str(_source(tmp_path, family)), "--out", str(out), "--runtime", "onnx-genai",
-                 "--mode", "materialized", "--dtype", "float32"]) == 0
+                 "--mode", mode, "--dtype", "float32"]) == 0
     (art,) = Manifest.read(out).artifacts
     folder = out / art.path
     for name in ("model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "interface.onnx"):
         assert (folder / name).is_file(), name
     assert art.details["decoder_ops"].get("GroupQueryAttention") == 2  # the builder's fused decoder
+    if mode == "factorized":  # one V×d tensor, read by the gather and by the head
+        assert art.details["factorized"]["tables"] == ["pit.Zt"]
+        assert art.details["interface_tensors_shared"] == ["pit.Zt", "pit.M", "pit.T"]
     (result,) = _verify(out, capsys)["artifacts"]
     assert result["passed"], result["failures"]
     assert result["logits_rel_l2"] <= 1e-4 and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
@@ -50,4 +53,12 @@ def test_a_family_the_builder_lacks_is_exit_2_before_export(tmp_path, capsys):
     assert main(["export", str(_source(tmp_path, "gpt2")), "--out", str(out), "--runtime", "onnx-genai"]) == 2
     err = capsys.readouterr().err
     assert "\nerror: " in "\n" + err and "'gpt2' is not one of them" in err
+    assert not out.exists()
+
+
+def test_a_quantized_factorized_export_is_refused_before_the_builder_runs(tmp_path, capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai",
+                 "--mode", "factorized", "--dtype", "int4"]) == 2
+    assert "factorized onnx-genai artifacts are float32 only" in capsys.readouterr().err
     assert not out.exists()

@@ -112,11 +112,14 @@ def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
     adapter = adapter_for(config)
     with no_init_weights():
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith(FACTORS_ATTR + ".")}
+    # drop the factors and whatever the PIT embedding/head modules hold (they read the factors)
+    modules = {id(mod): name for name, mod in model.named_modules()}
+    prefixes = (FACTORS_ATTR + ".", modules[id(model.get_input_embeddings())] + ".",
+                modules[id(model.get_output_embeddings())] + ".")
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
     zt, t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("Zt", "T", "T_inv"))
     emb_name = next(n for n, p in plain.named_parameters() if p is plain.get_input_embeddings().weight)
     head_name = next(n for n, p in plain.named_parameters() if p is plain.get_output_embeddings().weight)
-    state = {k: v for k, v in state.items() if not (k.endswith("embed_tokens.weight") or k.startswith("lm_head."))}
     state[emb_name] = ((zt.T @ t_inv) / adapter.embedding_multiplier(config)).float()
     state[head_name] = ((t @ zt).T / adapter.logits_multiplier(config)).float()
     bias = getattr(model.get_output_embeddings(), "bias", None)
@@ -245,9 +248,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra)
-    if factorized:
-        factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype)
-    details: dict[str, Any] = {"builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
+    rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype) if factorized else {}
+    details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
     if extra:
         details["builder_extra_options"] = extra
@@ -261,12 +263,83 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     return details
 
 
-def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> None:
-    """Replace the builder's embedding and head weights by one ``Zᵀ`` and the ``d×d`` factors.
+def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> dict[str, Any]:
+    """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors.
 
-    Implemented for float32 graphs; quantized factorized graphs are refused by the target.
+    The builder's graph (read from the materialized twin) computes ``Gather(E_s, ids)`` and
+    ``MatMul(h, W_s)`` with the *stored* weights ``E_s = Z T⁻¹ / a`` and ``W_s = T Zᵀ / b``
+    (``a``, ``b`` the family's embedding and logits multipliers, which the builder applies in
+    nodes of their own). They become
+
+    * ``Gather(Zᵀ, ids, axis=1) → Transpose(1, 2, 0) → MatMul(M)`` with ``M = T⁻¹ / a``;
+    * ``MatMul(h, T / b) → MatMul(·, Zᵀ)``;
+
+    so the one ``V×d`` tensor of the graph is ``Zᵀ`` and the gather and the head read it. The
+    constants are computed in float64 from the factors and cast once.
+
+    Raises:
+        PitError: a quantized graph (its head is a ``MatMulNBits``; not rewritten here), or a
+            graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
     """
-    raise PitError("factorized mode for onnx-genai is not implemented yet")
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from ..model.families import adapter_for
+
+    if dtype != "float32":
+        raise PitError(f"factorized onnx-genai artifacts are float32 only (asked: {dtype})")
+    path = folder / DECODER_NAME
+    model = onnx.load(str(path), load_external_data=True)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    _, head_in = _interface_tensors(graph)
+    gather = next((n for n in graph.node if n.op_type == "Gather" and list(n.input)[1:] == ["input_ids"]
+                   and n.input[0] in inits), None)
+    head = next((n for n in graph.node if n.op_type == "MatMul" and n.input[0] == head_in and n.input[1] in inits), None)
+    if gather is None or head is None:
+        raise PitError("the builder's graph has no Gather(table, input_ids) / MatMul(final norm, head) to factorize")
+    adapter = adapter_for(config)
+    zt = factors.Zt.detach().to(torch.float64)
+    m = factors.T_inv.detach().to(torch.float64) / float(adapter.embedding_multiplier(config))
+    th = factors.T.detach().to(torch.float64) / float(adapter.logits_multiplier(config))
+    names = {"Zt": "pit.Zt", "M": "pit.M", "T": "pit.T"}
+    for key, value in (("Zt", zt), ("M", m), ("T", th)):
+        graph.initializer.append(numpy_helper.from_array(value.to(torch.float32).numpy(), names[key]))
+    emb_out, logits = gather.output[0], head.output[0]
+    emb_nodes = [
+        helper.make_node("Gather", [names["Zt"], "input_ids"], ["/pit/embed/Gather/output_0"], axis=1,
+                         name="/pit/embed/Gather"),
+        helper.make_node("Transpose", ["/pit/embed/Gather/output_0"], ["/pit/embed/Transpose/output_0"],
+                         perm=[1, 2, 0], name="/pit/embed/Transpose"),
+        helper.make_node("MatMul", ["/pit/embed/Transpose/output_0", names["M"]], [emb_out], name="/pit/embed/MatMul"),
+    ]
+    head_nodes = [
+        helper.make_node("MatMul", [head_in, names["T"]], ["/pit/head/MatMulT/output_0"], name="/pit/head/MatMulT"),
+        helper.make_node("MatMul", ["/pit/head/MatMulT/output_0", names["Zt"]], [logits], name="/pit/head/MatMulZt"),
+    ]
+    nodes = []
+    for node in graph.node:
+        if node is gather:
+            nodes += emb_nodes
+        elif node is head:
+            nodes += head_nodes
+        else:
+            nodes.append(node)
+    dropped = {gather.input[0], head.input[1]}
+    still_read = {name for node in nodes for name in node.input}
+    kept = [i for i in graph.initializer if i.name not in dropped or i.name in still_read]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    (folder / BUILDER_DATA).unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=BUILDER_DATA, size_threshold=0)
+    v, d = factors.vocab_size, factors.hidden_size
+    tables = [i.name for i in kept if sorted(i.dims) == sorted([v, d])]
+    return {"factorized": {"replaced": sorted(dropped), "tables": tables,
+                           "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
+                           "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}}
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,

@@ -33,6 +33,8 @@ BUILDER_FAMILIES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
+#: dtypes of factorized artifacts (the token interface is rewritten in the builder's float graph)
+FACTORIZED_DTYPES: tuple[str, ...] = ("float32",)
 
 
 class OnnxGenaiTarget(Target):
@@ -55,6 +57,10 @@ class OnnxGenaiTarget(Target):
         if model_type not in BUILDER_FAMILIES:
             raise PitError(f"the {self.name} runtime builds {', '.join(BUILDER_FAMILIES)} models with the "
                            f"onnxruntime-genai builder; {model_type!r} is not one of them")
+        quantized = sorted({s.dtype for s in recipe.schemes() if s.dtype not in FACTORIZED_DTYPES})
+        if "factorized" in recipe.modes and quantized:
+            raise PitError(f"factorized {self.name} artifacts are {', '.join(FACTORIZED_DTYPES)} only "
+                           f"(asked: {', '.join(quantized)}); export the quantized ones with --mode materialized")
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe),
