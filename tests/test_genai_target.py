@@ -56,9 +56,18 @@ def test_a_family_the_builder_lacks_is_exit_2_before_export(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_a_quantized_factorized_export_is_refused_before_the_builder_runs(tmp_path, capsys):
+def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_path, capsys):
+    """The builder quantizes the body; the token table is one block-quantized Ẑ read by
+    GatherBlockQuantized and MatMulNBits, stored once, with M = (ẐᵀẐ)⁻¹T⁻¹ (W_out E = I)."""
     out = tmp_path / "exp"
     assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai",
-                 "--mode", "factorized", "--dtype", "int4"]) == 2
-    assert "factorized onnx-genai artifacts are float32 only" in capsys.readouterr().err
-    assert not out.exists()
+                 "--mode", "factorized", "--dtype", "int4"]) == 0
+    (art,) = Manifest.read(out).artifacts
+    ops = art.details["decoder_ops"]
+    # two layers × (qkv, o, gate, up, down) by the builder, and the head's two table planes
+    assert ops["GatherBlockQuantized"] == 2 and ops["MatMulNBits"] == 2 * 5 + 2 and "GroupQueryAttention" in ops
+    assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
+    assert art.details["quantization"]["interface_exact"] is True
+    (result,) = _verify(out, capsys)["artifacts"]
+    assert result["passed"], result["failures"]
+    assert result["interface_exact"] is True and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True

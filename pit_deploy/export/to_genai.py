@@ -228,7 +228,7 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
 
 @torch.no_grad()
 def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, dtype: str = "float32",
-                 group_size: int = 32) -> dict[str, Any]:
+                 group_size: int = 32, table_bits: int | None = None, pit_correction: bool = True) -> dict[str, Any]:
     """Build the genai folder of ``model`` (materialized, or factorized: see the module
     docstring) into ``out_dir``; returns the manifest details."""
     import onnx
@@ -248,7 +248,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra)
-    rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype) if factorized else {}
+    rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
+                              pit_correction) if factorized else {}
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
     if extra:
@@ -263,13 +264,14 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     return details
 
 
-def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> dict[str, Any]:
+def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
+                    table_bits: int | None = None, pit_correction: bool = True) -> dict[str, Any]:
     """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors.
 
     The builder's graph (read from the materialized twin) computes ``Gather(E_s, ids)`` and
-    ``MatMul(h, W_s)`` with the *stored* weights ``E_s = Z T⁻¹ / a`` and ``W_s = T Zᵀ / b``
-    (``a``, ``b`` the family's embedding and logits multipliers, which the builder applies in
-    nodes of their own). They become
+    ``MatMul(h, W_s)`` (``MatMulNBits`` when quantized) with the *stored* weights
+    ``E_s = Z T⁻¹ / a`` and ``W_s = T Zᵀ / b`` (``a``, ``b`` the family's embedding and logits
+    multipliers, which the builder applies in nodes of their own). They become
 
     * ``Gather(Zᵀ, ids, axis=1) → Transpose(1, 2, 0) → MatMul(M)`` with ``M = T⁻¹ / a``;
     * ``MatMul(h, T / b) → MatMul(·, Zᵀ)``;
@@ -277,17 +279,21 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> dict
     so the one ``V×d`` tensor of the graph is ``Zᵀ`` and the gather and the head read it. The
     constants are computed in float64 from the factors and cast once.
 
+    For ``int8``/``int4`` (the builder has quantized the body) the table is then quantized the
+    way the ``onnx`` target quantizes its factorized graphs (:func:`.quantize_onnx.quantize_graph`
+    with ``body=False``): one block-quantized ``Ẑ`` read by ``GatherBlockQuantized`` and by the
+    head's ``MatMulNBits`` (fp32 activations), stored once, and with ``pit_correction``
+    ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime.
+
     Raises:
-        PitError: a quantized graph (its head is a ``MatMulNBits``; not rewritten here), or a
-            graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
+        PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
     """
     import onnx
     from onnx import helper, numpy_helper
 
     from ..model.families import adapter_for
+    from .quantize_onnx import quantize_graph, save_deduplicated
 
-    if dtype != "float32":
-        raise PitError(f"factorized onnx-genai artifacts are float32 only (asked: {dtype})")
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)
     graph = model.graph
@@ -295,13 +301,15 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> dict
     _, head_in = _interface_tensors(graph)
     gather = next((n for n in graph.node if n.op_type == "Gather" and list(n.input)[1:] == ["input_ids"]
                    and n.input[0] in inits), None)
-    head = next((n for n in graph.node if n.op_type == "MatMul" and n.input[0] == head_in and n.input[1] in inits), None)
+    head = next((n for n in graph.node if n.op_type in ("MatMul", "MatMulNBits") and n.input[0] == head_in
+                 and n.input[1] in inits), None)
     if gather is None or head is None:
         raise PitError("the builder's graph has no Gather(table, input_ids) / MatMul(final norm, head) to factorize")
     adapter = adapter_for(config)
+    a, b = float(adapter.embedding_multiplier(config)), float(adapter.logits_multiplier(config))
     zt = factors.Zt.detach().to(torch.float64)
-    m = factors.T_inv.detach().to(torch.float64) / float(adapter.embedding_multiplier(config))
-    th = factors.T.detach().to(torch.float64) / float(adapter.logits_multiplier(config))
+    m = factors.T_inv.detach().to(torch.float64) / a
+    th = factors.T.detach().to(torch.float64) / b
     names = {"Zt": "pit.Zt", "M": "pit.M", "T": "pit.T"}
     for key, value in (("Zt", zt), ("M", m), ("T", th)):
         graph.initializer.append(numpy_helper.from_array(value.to(torch.float32).numpy(), names[key]))
@@ -325,24 +333,55 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str) -> dict
             nodes += head_nodes
         else:
             nodes.append(node)
-    dropped = {gather.input[0], head.input[1]}
+    dropped = {gather.input[0], *(name for name in head.input[1:] if name)}
     still_read = {name for node in nodes for name in node.input}
     kept = [i for i in graph.initializer if i.name not in dropped or i.name in still_read]
     del graph.node[:]
     graph.node.extend(nodes)
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    (folder / BUILDER_DATA).unlink()
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=BUILDER_DATA, size_threshold=0)
     v, d = factors.vocab_size, factors.hidden_size
-    tables = [i.name for i in kept if sorted(i.dims) == sorted([v, d])]
-    return {"factorized": {"replaced": sorted(dropped), "tables": tables,
-                           "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
-                           "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}}
+    details: dict[str, Any] = {"replaced": sorted(dropped),
+                               "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
+                               "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}
+    quant_details: dict[str, Any] | None = None
+    if dtype != "float32":
+        model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
+                                      table_bits=table_bits)
+        if quant.get("pit_correction") and a * b != 1.0:
+            # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
+            init = next(i for i in model.graph.initializer if i.name == names["M"])
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) / (a * b), names["M"]))
+        # the body is the builder's (symmetric, its block size and accuracy level), not ours
+        quant.pop("body_8bit", None)
+        quant["body"] = (f"the builder's MatMulNBits ({dtype}, symmetric, block {group_size}, accuracy_level 4)")
+        quant_details = quant
+    (folder / BUILDER_DATA).unlink()
+    if dtype != "float32":
+        save_deduplicated(model, path, BUILDER_DATA)  # the gather's and the head's table: one byte range
+    else:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=BUILDER_DATA, size_threshold=0)
+    saved = onnx.load(str(path), load_external_data=False)
+    # the tensors the embedding's gathers (input 0) and the head's matmuls (input 1) read as the
+    # token table, and the byte ranges of the data file they occupy: one per table plane
+    readers = [(n, 0) for n in saved.graph.node if n.name.startswith("/pit/embed/Gather")
+               and n.op_type in ("Gather", "GatherBlockQuantized")] + \
+              [(n, 1) for n in saved.graph.node if n.name.startswith("/pit/head/MatMulZt")
+               and n.op_type in ("MatMul", "MatMulNBits")]
+    tables = {n.input[k] for n, k in readers}
+    ranges = {tuple(sorted((e.key, e.value) for e in i.external_data)) for i in saved.graph.initializer
+              if i.name in tables}
+    details["tables"] = sorted(tables)
+    details["table_byte_ranges"] = len(ranges)
+    out: dict[str, Any] = {"factorized": details}
+    if quant_details is not None:
+        out["quantization"] = quant_details  # where verify reads pit_correction / interface_exact
+    return out
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
                     scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
     """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
-    return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size)
+    return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size,
+                        table_bits=scheme.table_bits, pit_correction=scheme.pit_correction)

@@ -33,8 +33,6 @@ BUILDER_FAMILIES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
-#: dtypes of factorized artifacts (the token interface is rewritten in the builder's float graph)
-FACTORIZED_DTYPES: tuple[str, ...] = ("float32",)
 
 
 class OnnxGenaiTarget(Target):
@@ -47,9 +45,10 @@ class OnnxGenaiTarget(Target):
     driver = "pit_deploy.runtime.genai_driver:GenaiDriver"
     primary_file = DECODER_NAME
     ship_priority = 15
-    #: the builder quantizes with its own block size; the table bits, 8-bit layers and the PIT
-    #: correction of our ONNX quantizer do not apply to its graphs
-    scheme_settings = ("group_size",)
+    #: the builder quantizes the body with the scheme's block size; the token table of a
+    #: factorized artifact is quantized like the ``onnx`` target's (table bits, PIT correction);
+    #: the builder's body has no 8-bit layers of ours
+    scheme_settings = ("group_size", "table_bits", "pit_correction")
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse a family the builder cannot build before any slow work."""
@@ -57,10 +56,6 @@ class OnnxGenaiTarget(Target):
         if model_type not in BUILDER_FAMILIES:
             raise PitError(f"the {self.name} runtime builds {', '.join(BUILDER_FAMILIES)} models with the "
                            f"onnxruntime-genai builder; {model_type!r} is not one of them")
-        quantized = sorted({s.dtype for s in recipe.schemes() if s.dtype not in FACTORIZED_DTYPES})
-        if "factorized" in recipe.modes and quantized:
-            raise PitError(f"factorized {self.name} artifacts are {', '.join(FACTORIZED_DTYPES)} only "
-                           f"(asked: {', '.join(quantized)}); export the quantized ones with --mode materialized")
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe),
