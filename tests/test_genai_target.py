@@ -5,6 +5,10 @@ commands (``pit-deploy export``/``verify``), and a family the builder lacks refu
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -71,3 +75,28 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     (result,) = _verify(out, capsys)["artifacts"]
     assert result["passed"], result["failures"]
     assert result["interface_exact"] is True and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
+    # a bench bundle runs the folder with numpy + onnxruntime only (GenaiDecoder, packed beside the runner)
+    bundle = tmp_path / "b.tar.gz"
+    assert main(["bench", str(out), "--prompt-len", "6", "--gen-len", "4", "--reps", "1", "--bundle", str(bundle)]) == 0
+    with tarfile.open(bundle) as tar:
+        tar.extractall(tmp_path / "device", filter="data")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    rows_path = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(tmp_path / "device" / "pit-bench" / "run_bench.py"), "--threads", "1",
+                           "--out", str(rows_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(rows_path.read_text())["rows"]
+    assert row["first_divergence"] is None and "pit_deploy" not in row["imported"]
+
+
+def test_the_standalone_decoder_imports_nothing_of_the_package():
+    """``genai_standalone.py`` is packed unchanged into bench bundles."""
+    import ast
+
+    from pit_deploy.runtime import genai_standalone
+
+    for node in ast.walk(ast.parse(Path(genai_standalone.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("pit_deploy"), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith(("pit_deploy", "transformers", "torch")) for a in node.names)

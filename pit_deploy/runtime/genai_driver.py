@@ -1,7 +1,8 @@
 """Driver of the ``onnx-genai`` target (:mod:`pit_deploy.targets.onnx_genai`).
 
 Prefill and step run the folder's ``model.onnx`` — the builder's fused decoder that
-``onnxruntime_genai`` runs — in a plain ``onnxruntime.InferenceSession``: full logits of every
+``onnxruntime_genai`` runs — in a plain ``onnxruntime.InferenceSession``
+(:class:`~pit_deploy.runtime.genai_standalone.GenaiDecoder`, which bench bundles carry too): full logits of every
 prompt position are needed for verification, and ``onnxruntime_genai``'s generator exposes the
 logits of the last appended tokens only through its own shared-buffer KV cache. The session
 feeds the graph's inputs the way genai does (``input_ids``, ``attention_mask`` of the total
@@ -16,7 +17,6 @@ decoder's weight bytes (:func:`shared_interface_weights` checks that).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from ..errors import PitError
 from ..targets.onnx_genai import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
 from .base import Driver, loading
+from .genai_standalone import GenaiDecoder
 from .standalone import ort_session_options
 
 __all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
@@ -34,43 +35,23 @@ _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class GenaiDriver(Driver):
-    """The builder's decoder through an onnxruntime session, with its KV cache kept here."""
+    """The builder's decoder through :class:`GenaiDecoder`; the interface graph through its own session."""
 
     runtime = "onnx-genai"
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
         super().__init__(folder, threads)
-        path = self.folder / DECODER_NAME
-        with loading(path, "onnxruntime"):
-            config = json.loads((self.folder / CONFIG_NAME).read_text())["model"]["decoder"]
-            self.session = ort.InferenceSession(str(path), sess_options=ort_session_options(threads),
-                                                providers=["CPUExecutionProvider"])
-        self.kv_heads, self.head_size = int(config["num_key_value_heads"]), int(config["head_size"])
-        self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
-        self.kv_dtype = _NP[next(i.type for i in self.session.get_inputs() if i.name in self.past_names)]
-        self.outputs = [o.name for o in self.session.get_outputs()]
-        self.past: dict[str, np.ndarray] = {}
-        self.cached = 0
-
-    def _run(self, ids: np.ndarray) -> np.ndarray:
-        total = self.cached + ids.shape[1]
-        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, total), np.int64), **self.past}
-        values = dict(zip(self.outputs, self.session.run(None, feeds)))
-        self.past = {name: values[name.replace("past_key_values.", "present.")] for name in self.past_names}
-        self.cached = total
-        return values["logits"][0].astype(np.float32)
+        with loading(self.folder / DECODER_NAME, "onnxruntime"):
+            self.decoder = GenaiDecoder(self.folder / DECODER_NAME, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        self.past = {name: np.zeros((1, self.kv_heads, 0, self.head_size), self.kv_dtype) for name in self.past_names}
-        self.cached = 0
-        return torch.from_numpy(self._run(ids.numpy().reshape(1, -1)))
+        return torch.from_numpy(self.decoder.prefill(ids.numpy()))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
-        if pos != self.cached:
-            raise PitError(f"step at position {pos}, but the cache holds {self.cached} tokens")
-        return torch.from_numpy(self._run(np.array([[token]], np.int64))[-1])
+        try:
+            return torch.from_numpy(self.decoder.step(token, pos))
+        except ValueError as exc:
+            raise PitError(str(exc)) from None
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
@@ -85,7 +66,7 @@ class GenaiDriver(Driver):
         return torch.from_numpy(emb[0].astype(np.float32)), torch.from_numpy(logits[0].astype(np.float32))
 
     def close(self) -> None:
-        self.session = None  # type: ignore[assignment]
+        self.decoder.close()
 
 
 def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str]:

@@ -51,6 +51,11 @@ def target_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*BUILTIN, *_TARGETS]))
 
 
+def default_target_names() -> tuple[str, ...]:
+    """The targets an export that names no runtime writes (those with ``default_export``)."""
+    return tuple(name for name in target_names() if _TARGETS[name].default_export)
+
+
 def get_target(name: str) -> Target:
     """The target called ``name``.
 
@@ -64,5 +69,5 @@ def get_target(name: str) -> Target:
         raise PitError(f"unknown runtime {name!r}; choose from {', '.join(target_names())}") from None
 
 
-__all__ = ["BUILTIN", "Target", "VerifyContext", "get_target", "register_target", "resolve", "target_names",
+__all__ = ["BUILTIN", "Target", "VerifyContext", "default_target_names", "get_target", "register_target", "resolve", "target_names",
            "unregister_target"]

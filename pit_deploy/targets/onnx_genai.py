@@ -5,7 +5,8 @@ Artifact layout: :data:`DECODER_NAME` + :data:`BUILDER_DATA` (the builder's fuse
 its external weights), :data:`CONFIG_NAME` (the genai runtime's config), the tokenizer files the
 builder copies, and :data:`INTERFACE_NAME` (the decoder's own embedding and head nodes, reading
 the decoder's weight bytes, so verification measures the runtime's own ``W_out E``).
-Exporter: :mod:`pit_deploy.export.to_genai`; driver: :mod:`pit_deploy.runtime.genai_driver`.
+Exporter: :mod:`pit_deploy.export.to_genai`; driver: :mod:`pit_deploy.runtime.genai_driver`; on a
+device: ``GenaiDecoder`` of :mod:`pit_deploy.runtime.genai_standalone` (numpy + onnxruntime only).
 
 Standard library only at import; the hooks import what they call.
 """
@@ -44,7 +45,12 @@ class OnnxGenaiTarget(Target):
     exporter = "pit_deploy.export.to_genai:export_artifact"
     driver = "pit_deploy.runtime.genai_driver:GenaiDriver"
     primary_file = DECODER_NAME
+    standalone = ("pit_deploy.runtime.genai_standalone", "GenaiDecoder")
+    bundle_install = "onnxruntime numpy"
     ship_priority = 15
+    #: opt-in (``--runtime onnx-genai``): it needs onnxruntime-genai and builds fewer families
+    #: (no GPT-2) than the default targets
+    default_export = False
     #: the builder quantizes the body with the scheme's block size; the token table of a
     #: factorized artifact is quantized like the ``onnx`` target's (table bits, PIT correction);
     #: the builder's body has no 8-bit layers of ours
