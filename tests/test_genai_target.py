@@ -21,9 +21,14 @@ from pit_deploy.io.manifest import Manifest  # noqa: E402
 from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer  # noqa: E402
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
 def _source(tmp_path: Path, family: str) -> Path:
     src = tmp_path / f"{family}-src"
-    save_model(tiny_pit_model(family), src, tiny_tokenizer())
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE  # the folder must carry it to onnxruntime_genai's tokenizer
+    save_model(tiny_pit_model(family), src, tokenizer)
     return src
 
 
@@ -50,6 +55,11 @@ def test_fp32_folder_loads_in_genai_and_matches_pytorch(family, mode, tmp_path, 
     assert result["passed"], result["failures"]
     assert result["logits_rel_l2"] <= 1e-4 and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
     assert any(n.startswith("onnxruntime_genai generator vs decoder session") for n in result["notes"])
+    import onnxruntime_genai as og
+
+    chat = og.Tokenizer(og.Model(str(folder))).apply_chat_template(
+        json.dumps([{"role": "user", "content": "hi"}]), add_generation_prompt=False)
+    assert chat == "<s>user: hi</s>"
 
 
 def test_a_family_the_builder_lacks_is_exit_2_before_export(tmp_path, capsys):

@@ -57,7 +57,10 @@ class OnnxGenaiTarget(Target):
     scheme_settings = ("group_size", "table_bits", "pit_correction")
 
     def precheck(self, config: Any, recipe: Any) -> None:
-        """Refuse a family the builder cannot build before any slow work."""
+        """Refuse a family the builder cannot build, or a missing builder, before any slow work."""
+        if not self.installed():
+            raise PitError(f"the {self.name} runtime needs the onnxruntime-genai model builder; "
+                           f"install it with `pip install {self.package}==0.18.0`")
         model_type = getattr(config, "model_type", None)
         if model_type not in BUILDER_FAMILIES:
             raise PitError(f"the {self.name} runtime builds {', '.join(BUILDER_FAMILIES)} models with the "
