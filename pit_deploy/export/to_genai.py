@@ -26,7 +26,9 @@ stubs before importing it.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -89,7 +91,9 @@ def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
            "-e", "cpu", "-c", str(cache_dir)]
     if extra_options:
         cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra_options.items())]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # offline: everything the builder reads is in hf_dir; a hub lookup would only stall
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
         raise PitError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
@@ -108,7 +112,8 @@ def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
     factors = getattr(model, FACTORS_ATTR, None)
     if factors is None:
         return model
-    config = model.config
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False  # E and W_out are two different matrices (as materialize says)
     adapter = adapter_for(config)
     with no_init_weights():
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
