@@ -32,6 +32,7 @@ BUILDER_FAMILIES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma": "GemmaForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
 
