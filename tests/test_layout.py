@@ -44,7 +44,7 @@ def _package_files(sub: str) -> list[Path]:
 
 @pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.export.recipes",
                                    "pit_deploy.targets", "pit_deploy.targets.onnx_optimum",
-                                   "pit_deploy.targets.executorch_xnnpack", "pit_deploy.runtime.base", "pit_deploy.runtime.drivers",
+                                   "pit_deploy.targets.executorch_xnnpack", "pit_deploy.targets.onnx_genai", "pit_deploy.runtime.base", "pit_deploy.runtime.drivers",
                                    "pit_deploy.schemes", "pit_deploy.options", "pit_deploy.io.hub",
                                    "pit_deploy.train.config", "pit_deploy.io.metrics", "pit_deploy.run.recipe"])
 def test_light_modules_import_without_torch(light):

@@ -35,7 +35,7 @@ from typing import Any
 from ..errors import PitError
 from ..options import opt
 from ..schemes import GROUP_SIZES, Scheme, get_scheme, scheme_names
-from ..targets import get_target, target_names
+from ..targets import default_target_names, get_target, target_names
 
 MODES: tuple[str, ...] = ("materialized", "factorized")
 #: the recipes shipped with the package (package data)
@@ -49,7 +49,7 @@ SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correcti
 class Recipe:
     """What to export. Validated on construction (raises :class:`PitError`)."""
 
-    runtimes: tuple[str, ...] | None = opt(None, "comma list of targets (default: every target)", flag="--runtime",
+    runtimes: tuple[str, ...] | None = opt(None, "comma list of targets (default: every target but the opt-in ones)", flag="--runtime",
                                     group="what", parse="tuple[str, ...]")
     modes: tuple[str, ...] = opt(MODES, "comma list of materialized, factorized (default: both)", flag="--mode",
                                  group="what", parse="tuple[str, ...]")
@@ -73,7 +73,7 @@ class Recipe:
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:
-        runtimes = target_names() if self.runtimes is None else self.runtimes
+        runtimes = default_target_names() if self.runtimes is None else self.runtimes
         object.__setattr__(self, "runtimes", tuple(parse_list(runtimes, target_names(), "runtime")))
         object.__setattr__(self, "modes", tuple(parse_list(self.modes, MODES, "mode")))
         object.__setattr__(self, "dtype", tuple(parse_list(self.dtype, scheme_names(), "dtype")))

@@ -1,7 +1,7 @@
 """The target registry: runtime name → :class:`~pit_deploy.targets.base.Target`.
 
 Each built-in target lives in one module of this package (``onnx_optimum``,
-``executorch_xnnpack``) that registers itself when imported; the registry imports them on first
+``executorch_xnnpack``, ``onnx_genai``) that registers itself when imported; the registry imports them on first
 use, by name, so nothing here imports a runtime. A new target is one module that defines a
 ``Target`` subclass and calls :func:`register_target` (``docs/design.md``, "Adding a target");
 code outside the package can register one the same way (a test does, for the proof).
@@ -20,6 +20,7 @@ from .base import Target, VerifyContext, resolve
 BUILTIN: dict[str, str] = {
     "onnx": "pit_deploy.targets.onnx_optimum",
     "executorch": "pit_deploy.targets.executorch_xnnpack",
+    "onnx-genai": "pit_deploy.targets.onnx_genai",
 }
 
 _TARGETS: dict[str, Target] = {}
@@ -50,6 +51,11 @@ def target_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*BUILTIN, *_TARGETS]))
 
 
+def default_target_names() -> tuple[str, ...]:
+    """The targets an export that names no runtime writes (those with ``default_export``)."""
+    return tuple(name for name in target_names() if _TARGETS[name].default_export)
+
+
 def get_target(name: str) -> Target:
     """The target called ``name``.
 
@@ -63,5 +69,5 @@ def get_target(name: str) -> Target:
         raise PitError(f"unknown runtime {name!r}; choose from {', '.join(target_names())}") from None
 
 
-__all__ = ["BUILTIN", "Target", "VerifyContext", "get_target", "register_target", "resolve", "target_names",
+__all__ = ["BUILTIN", "Target", "VerifyContext", "default_target_names", "get_target", "register_target", "resolve", "target_names",
            "unregister_target"]

@@ -74,6 +74,9 @@ class Target:
     bundle_install: str = ""
     #: whether ``bench --adb`` can run the artifact on a phone (ExecuTorch's ``llama_main``)
     phone: bool = False
+    #: whether an export that names no runtime includes this target (an opt-in target, whose
+    #: exporter needs an extra distribution or supports fewer families, says ``False``)
+    default_export: bool = True
     #: which artifact a user ships first when an export holds several (lower first)
     ship_priority: int = 50
     #: the quantization-scheme settings this target's exporter reads (an override of another

@@ -1,0 +1,392 @@
+"""Export a prepared model to a folder that ``onnxruntime_genai.Model(folder)`` loads.
+
+The decoder graph is not ours: the onnxruntime-genai model builder
+(``python -m onnxruntime_genai.models.builder``, PyPI ``onnxruntime-genai``) writes the fused
+graph (``GroupQueryAttention``, ``SkipSimplifiedLayerNormalization``, ``MatMulNBits`` when
+quantized) together with ``genai_config.json`` and the tokenizer files that the genai runtime
+reads. We give it a plain Hugging Face checkpoint in a temporary directory and keep its folder.
+
+* **materialized** — the builder reads ``E = Z T⁻¹`` and ``W_out = T Zᵀ`` as ordinary weights.
+* **factorized** — the builder reads the same materialized checkpoint, then the token interface
+  of its graph is rewritten (:func:`factorize_graph`): the embedding ``Gather`` becomes
+  ``Gather(Zᵀ, ids, axis=1) → Transpose → MatMul(M)`` with ``M = T⁻¹`` and the head ``MatMul``
+  becomes ``MatMul(h, T) → MatMul(·, Zᵀ)``, both reading the one ``Zᵀ`` initializer.
+
+Beside ``model.onnx`` we write ``interface.onnx`` (``(input_ids[1, N], hidden[1, M, d]) ->
+(embeddings, logits)``): the nodes of the decoder between ``input_ids`` and the first layer's
+norm, and between the final norm and ``logits``, copied with their initializers still pointing
+into the decoder's external data file — the runtime's own ``W_out E`` by construction.
+
+The builder is run in a child process: importing it appends its own directory to ``sys.path``
+(top-level modules named ``builders`` and ``quantization``), and builder 0.18.0 imports two
+classes that transformers 4.57 does not have (``Qwen3_5ForConditionalGeneration``,
+``Qwen3_5MoeForConditionalGeneration``; used only for those architectures), which the child
+stubs before importing it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import PitError
+from ..io.checkpoint import save_model
+from ..schemes import Scheme
+from ..targets.onnx_genai import (BUILDER_ARCHITECTURES, BUILDER_DATA, CONFIG_NAME, DECODER_NAME,
+                                  INTERFACE_NAME)
+
+#: builder ``-p`` value of each dtype the target exports
+PRECISIONS = {"float32": "fp32", "int8": "int8", "int4": "int4"}
+
+#: run in the child: stub the transformers names builder 0.18.0 imports but 4.57 lacks, then
+#: run the builder's ``__main__`` with our arguments
+_LAUNCHER = """
+import runpy, sys, transformers
+for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+    if not hasattr(transformers, name):
+        setattr(transformers, name, type(name, (), {}))
+sys.argv = ["onnxruntime_genai.models.builder", *sys.argv[1:]]
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+
+
+def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Path:
+    """Save ``model`` (a plain HF model) as the checkpoint the builder reads.
+
+    Two edits the builder needs and transformers' ``save_pretrained`` of a model built from a
+    config does not give: ``architectures`` (the builder dispatches on its first entry) and a
+    ``rope_scaling`` dict (builder 0.18.0 iterates it unconditionally; ``{"rope_type":
+    "default"}`` means the same rotary embedding as ``null``).
+    """
+    arch = type(model).__name__
+    if arch not in BUILDER_ARCHITECTURES:
+        raise PitError(f"the onnxruntime-genai builder has no {arch}; supported: {', '.join(BUILDER_ARCHITECTURES)}")
+    save_model(model, out, tokenizer, force=True)
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = [arch]
+    if "rope_scaling" in config and not config["rope_scaling"]:
+        config["rope_scaling"] = {"rope_type": "default"}
+    path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
+                extra_options: dict[str, str] | None = None) -> None:
+    """``python -m onnxruntime_genai.models.builder -i hf_dir -o out_dir -p precision -e cpu``.
+
+    Raises:
+        PitError: the builder failed (its last lines of output are in the message).
+    """
+    cmd = [sys.executable, "-c", _LAUNCHER, "-i", str(hf_dir), "-o", str(out_dir), "-p", precision,
+           "-e", "cpu", "-c", str(cache_dir)]
+    if extra_options:
+        cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra_options.items())]
+    # offline: everything the builder reads is in hf_dir; a hub lookup would only stall
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise PitError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
+
+
+def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
+    """The plain HF model the builder reads: ``model`` itself when materialized; for a
+    factorized model, a materialized copy built from its ``pit_factors`` (the builder must see
+    an ordinary embedding and head; :func:`factorize_graph` replaces them afterwards)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
+
+    from ..model.families import adapter_for
+    from .passes import FACTORS_ATTR
+
+    factors = getattr(model, FACTORS_ATTR, None)
+    if factors is None:
+        return model
+    config = copy.deepcopy(model.config)
+    config.tie_word_embeddings = False  # E and W_out are two different matrices (as materialize says)
+    adapter = adapter_for(config)
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # drop the factors and whatever the PIT embedding/head modules hold (they read the factors)
+    modules = {id(mod): name for name, mod in model.named_modules()}
+    prefixes = (FACTORS_ATTR + ".", modules[id(model.get_input_embeddings())] + ".",
+                modules[id(model.get_output_embeddings())] + ".")
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    zt, t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("Zt", "T", "T_inv"))
+    emb_name = next(n for n, p in plain.named_parameters() if p is plain.get_input_embeddings().weight)
+    head_name = next(n for n, p in plain.named_parameters() if p is plain.get_output_embeddings().weight)
+    state[emb_name] = ((zt.T @ t_inv) / adapter.embedding_multiplier(config)).float()
+    state[head_name] = ((t @ zt).T / adapter.logits_multiplier(config)).float()
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    if bias is not None:
+        state[head_name.rsplit(".", 1)[0] + ".bias"] = bias.detach().float()
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise PitError(f"cannot rebuild a plain twin for the builder: missing {missing}, unexpected {unexpected}")
+    return plain.eval()
+
+
+# --------------------------------------------------------------------------------------
+# graph surgery on the builder's decoder
+# --------------------------------------------------------------------------------------
+
+
+def _producers(graph) -> dict[str, Any]:
+    return {out: node for node in graph.node for out in node.output}
+
+
+def _interface_tensors(graph) -> tuple[str, str]:
+    """``(embedding_output, head_input)``: the tensor the first layer's input norm reads (the
+    effective embedding, multipliers applied) and the final norm's output that the head reads.
+
+    The builder names its nodes after the HF modules (``/model/layers.0/input_layernorm/…``,
+    ``/model/layers.{L}/final_norm_layernorm/…``); we rely on those names and fail loudly when
+    a builder version changes them.
+    """
+    first_norm = next((n for n in graph.node if n.name.startswith("/model/layers.0/input_layernorm/")), None)
+    final_norm = next((n for n in graph.node if "/final_norm_layernorm/" in n.name), None)
+    if first_norm is None or final_norm is None:
+        raise PitError("the builder's graph has no /model/layers.0/input_layernorm or final_norm_layernorm node; "
+                       "this onnxruntime-genai version names its nodes differently")
+    return first_norm.input[0], final_norm.output[0]
+
+
+def _subgraph(graph, start: str, end: str) -> list[Any]:
+    """The nodes that compute ``end`` from ``start`` and constants, in graph order.
+
+    Raises:
+        PitError: ``end`` depends on another graph input (the cut is not clean).
+    """
+    producers = _producers(graph)
+    initializers = {i.name for i in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    wanted: set[str] = set()
+    stack = [end]
+    while stack:
+        name = stack.pop()
+        if name == start or name in initializers or not name:
+            continue
+        node = producers.get(name)
+        if node is None:
+            if name in inputs:
+                raise PitError(f"{end} depends on the graph input {name}, not only on {start}")
+            continue
+        key = node.output[0]
+        if key in wanted:
+            continue
+        wanted.add(key)
+        stack.extend(node.input)
+    return [n for n in graph.node if n.output[0] in wanted]
+
+
+def write_interface_graph(folder: Path) -> dict[str, Any]:
+    """Write ``interface.onnx``: the decoder's own embedding and head nodes, reading the
+    decoder's external data (initializers are copied as references, not bytes)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    decoder = onnx.load(str(folder / DECODER_NAME), load_external_data=False)
+    graph = decoder.graph
+    emb_out, head_in = _interface_tensors(graph)
+    emb_nodes = _subgraph(graph, "input_ids", emb_out)
+    head_nodes = _subgraph(graph, head_in, "logits")
+    used = {name for node in emb_nodes + head_nodes for name in node.input}
+    inits = [i for i in graph.initializer if i.name in used]
+    nodes = list(emb_nodes) + list(head_nodes)
+    # rename the head's input to "hidden" and expose the two outputs under fixed names
+    for node in head_nodes:
+        for i, name in enumerate(node.input):
+            if name == head_in:
+                node.input[i] = "hidden"
+    nodes += [helper.make_node("Identity", [emb_out], ["embeddings"], name="/interface/embeddings"),
+              helper.make_node("Identity", ["logits"], ["head_logits"], name="/interface/logits")]
+    io_type = next(i for i in graph.input if i.name.startswith("past_key_values")).type.tensor_type.elem_type
+    new_graph = helper.make_graph(
+        nodes, "pit_interface",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "n"]),
+         helper.make_tensor_value_info("hidden", io_type, [1, "m", None])],
+        [helper.make_tensor_value_info("embeddings", io_type, [1, "n", None]),
+         helper.make_tensor_value_info("head_logits", io_type, [1, "m", None])],
+        initializer=inits,
+    )
+    model = helper.make_model(new_graph, opset_imports=list(decoder.opset_import), ir_version=decoder.ir_version)
+    onnx.save_model(model, str(folder / INTERFACE_NAME))
+    return {"interface": INTERFACE_NAME, "embedding_nodes": [n.op_type for n in emb_nodes],
+            "head_nodes": [n.op_type for n in head_nodes],
+            "interface_tensors_shared": [i.name for i in inits if i.data_location == onnx.TensorProto.EXTERNAL]}
+
+
+# --------------------------------------------------------------------------------------
+# the target's exporter
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, dtype: str = "float32",
+                 group_size: int = 32, table_bits: int | None = None, pit_correction: bool = True) -> dict[str, Any]:
+    """Build the genai folder of ``model`` (materialized, or factorized: see the module
+    docstring) into ``out_dir``; returns the manifest details."""
+    import onnx
+
+    from .passes import FACTORS_ATTR
+
+    if dtype not in PRECISIONS:
+        raise PitError(f"the onnx-genai target exports {', '.join(PRECISIONS)}, not {dtype}")
+    if tokenizer is None:
+        raise PitError("an onnxruntime-genai folder needs the tokenizer; the source has none")
+    factorized = getattr(model, FACTORS_ATTR, None) is not None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    extra: dict[str, str] = {}
+    if dtype != "float32":
+        # the builder's defaults, spelled out so the manifest says what was asked
+        extra = {"block_size": str(group_size), "accuracy_level": "4", "is_symmetric": "true"}
+    with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
+        hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
+        run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra)
+    rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
+                              pit_correction) if factorized else {}
+    details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
+                               "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
+    if extra:
+        details["builder_extra_options"] = extra
+    details.update(write_interface_graph(out_dir))
+    decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=False)
+    details["decoder_nodes"] = len(decoder.graph.node)
+    ops: dict[str, int] = {}
+    for node in decoder.graph.node:
+        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    details["decoder_ops"] = dict(sorted(ops.items()))
+    return details
+
+
+def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
+                    table_bits: int | None = None, pit_correction: bool = True) -> dict[str, Any]:
+    """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors.
+
+    The builder's graph (read from the materialized twin) computes ``Gather(E_s, ids)`` and
+    ``MatMul(h, W_s)`` (``MatMulNBits`` when quantized) with the *stored* weights
+    ``E_s = Z T⁻¹ / a`` and ``W_s = T Zᵀ / b`` (``a``, ``b`` the family's embedding and logits
+    multipliers, which the builder applies in nodes of their own). They become
+
+    * ``Gather(Zᵀ, ids, axis=1) → Transpose(1, 2, 0) → MatMul(M)`` with ``M = T⁻¹ / a``;
+    * ``MatMul(h, T / b) → MatMul(·, Zᵀ)``;
+
+    so the one ``V×d`` tensor of the graph is ``Zᵀ`` and the gather and the head read it. The
+    constants are computed in float64 from the factors and cast once.
+
+    For ``int8``/``int4`` (the builder has quantized the body) the table is then quantized the
+    way the ``onnx`` target quantizes its factorized graphs (:func:`.quantize_onnx.quantize_graph`
+    with ``body=False``): one block-quantized ``Ẑ`` read by ``GatherBlockQuantized`` and by the
+    head's ``MatMulNBits`` (fp32 activations), stored once, and with ``pit_correction``
+    ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime.
+
+    Raises:
+        PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from ..model.families import adapter_for
+    from .quantize_onnx import quantize_graph, save_deduplicated
+
+    path = folder / DECODER_NAME
+    model = onnx.load(str(path), load_external_data=True)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    _, head_in = _interface_tensors(graph)
+    gather = next((n for n in graph.node if n.op_type == "Gather" and list(n.input)[1:] == ["input_ids"]
+                   and n.input[0] in inits), None)
+    head = next((n for n in graph.node if n.op_type in ("MatMul", "MatMulNBits") and n.input[0] == head_in
+                 and n.input[1] in inits), None)
+    if gather is None or head is None:
+        raise PitError("the builder's graph has no Gather(table, input_ids) / MatMul(final norm, head) to factorize")
+    adapter = adapter_for(config)
+    a, b = float(adapter.embedding_multiplier(config)), float(adapter.logits_multiplier(config))
+    zt = factors.Zt.detach().to(torch.float64)
+    m = factors.T_inv.detach().to(torch.float64) / a
+    th = factors.T.detach().to(torch.float64) / b
+    names = {"Zt": "pit.Zt", "M": "pit.M", "T": "pit.T"}
+    for key, value in (("Zt", zt), ("M", m), ("T", th)):
+        graph.initializer.append(numpy_helper.from_array(value.to(torch.float32).numpy(), names[key]))
+    emb_out, logits = gather.output[0], head.output[0]
+    emb_nodes = [
+        helper.make_node("Gather", [names["Zt"], "input_ids"], ["/pit/embed/Gather/output_0"], axis=1,
+                         name="/pit/embed/Gather"),
+        helper.make_node("Transpose", ["/pit/embed/Gather/output_0"], ["/pit/embed/Transpose/output_0"],
+                         perm=[1, 2, 0], name="/pit/embed/Transpose"),
+        helper.make_node("MatMul", ["/pit/embed/Transpose/output_0", names["M"]], [emb_out], name="/pit/embed/MatMul"),
+    ]
+    head_nodes = [
+        helper.make_node("MatMul", [head_in, names["T"]], ["/pit/head/MatMulT/output_0"], name="/pit/head/MatMulT"),
+        helper.make_node("MatMul", ["/pit/head/MatMulT/output_0", names["Zt"]], [logits], name="/pit/head/MatMulZt"),
+    ]
+    nodes = []
+    for node in graph.node:
+        if node is gather:
+            nodes += emb_nodes
+        elif node is head:
+            nodes += head_nodes
+        else:
+            nodes.append(node)
+    dropped = {gather.input[0], *(name for name in head.input[1:] if name)}
+    still_read = {name for node in nodes for name in node.input}
+    kept = [i for i in graph.initializer if i.name not in dropped or i.name in still_read]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    v, d = factors.vocab_size, factors.hidden_size
+    details: dict[str, Any] = {"replaced": sorted(dropped),
+                               "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
+                               "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}
+    quant_details: dict[str, Any] | None = None
+    if dtype != "float32":
+        model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
+                                      table_bits=table_bits)
+        if quant.get("pit_correction") and a * b != 1.0:
+            # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
+            init = next(i for i in model.graph.initializer if i.name == names["M"])
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) / (a * b), names["M"]))
+        # the body is the builder's (symmetric, its block size and accuracy level), not ours
+        quant.pop("body_8bit", None)
+        quant["body"] = (f"the builder's MatMulNBits ({dtype}, symmetric, block {group_size}, accuracy_level 4)")
+        quant_details = quant
+    (folder / BUILDER_DATA).unlink()
+    if dtype != "float32":
+        save_deduplicated(model, path, BUILDER_DATA)  # the gather's and the head's table: one byte range
+    else:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=BUILDER_DATA, size_threshold=0)
+    saved = onnx.load(str(path), load_external_data=False)
+    # the tensors the embedding's gathers (input 0) and the head's matmuls (input 1) read as the
+    # token table, and the byte ranges of the data file they occupy: one per table plane
+    readers = [(n, 0) for n in saved.graph.node if n.name.startswith("/pit/embed/Gather")
+               and n.op_type in ("Gather", "GatherBlockQuantized")] + \
+              [(n, 1) for n in saved.graph.node if n.name.startswith("/pit/head/MatMulZt")
+               and n.op_type in ("MatMul", "MatMulNBits")]
+    tables = {n.input[k] for n, k in readers}
+    ranges = {tuple(sorted((e.key, e.value) for e in i.external_data)) for i in saved.graph.initializer
+              if i.name in tables}
+    details["tables"] = sorted(tables)
+    details["table_byte_ranges"] = len(ranges)
+    out: dict[str, Any] = {"factorized": details}
+    if quant_details is not None:
+        out["quantization"] = quant_details  # where verify reads pit_correction / interface_exact
+    return out
+
+
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
+                    scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
+    """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
+    return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size,
+                        table_bits=scheme.table_bits, pit_correction=scheme.pit_correction)

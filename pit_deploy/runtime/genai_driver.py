@@ -1,0 +1,131 @@
+"""Driver of the ``onnx-genai`` target (:mod:`pit_deploy.targets.onnx_genai`).
+
+Prefill and step run the folder's ``model.onnx`` — the builder's fused decoder that
+``onnxruntime_genai`` runs — in a plain ``onnxruntime.InferenceSession``
+(:class:`~pit_deploy.runtime.genai_standalone.GenaiDecoder`, which bench bundles carry too): full logits of every
+prompt position are needed for verification, and ``onnxruntime_genai``'s generator exposes the
+logits of the last appended tokens only through its own shared-buffer KV cache. The session
+feeds the graph's inputs the way genai does (``input_ids``, ``attention_mask`` of the total
+length, ``past_key_values.N.key/value`` grown by each step's ``present.N.*``). The generator
+itself is checked against this session by :func:`check_generator` (verify's extra for the
+target), so both ways of running the folder are measured.
+
+``interface()`` runs ``interface.onnx``, the decoder's own embedding and head nodes reading the
+decoder's weight bytes (:func:`shared_interface_weights` checks that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import PitError
+from ..targets.onnx_genai import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
+from .base import Driver, loading
+from .genai_standalone import GenaiDecoder
+from .standalone import ort_session_options
+
+__all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+class GenaiDriver(Driver):
+    """The builder's decoder through :class:`GenaiDecoder`; the interface graph through its own session."""
+
+    runtime = "onnx-genai"
+
+    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+        super().__init__(folder, threads)
+        with loading(self.folder / DECODER_NAME, "onnxruntime"):
+            self.decoder = GenaiDecoder(self.folder / DECODER_NAME, threads)
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.decoder.prefill(ids.numpy()))
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        try:
+            return torch.from_numpy(self.decoder.step(token, pos))
+        except ValueError as exc:
+            raise PitError(str(exc)) from None
+
+    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import onnxruntime as ort
+
+        path = self.folder / INTERFACE_NAME
+        with loading(path, "onnxruntime"):
+            sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads),
+                                        providers=["CPUExecutionProvider"])
+        io = _NP[sess.get_inputs()[1].type]
+        emb, logits = sess.run(["embeddings", "head_logits"], {
+            "input_ids": np.arange(vocab, dtype=np.int64)[None], "hidden": np.eye(dim, dtype=io)[None]})
+        return torch.from_numpy(emb[0].astype(np.float32)), torch.from_numpy(logits[0].astype(np.float32))
+
+    def close(self) -> None:
+        self.decoder.close()
+
+
+def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str]:
+    """Are ``interface.onnx``'s large initializers the decoder's very bytes?
+
+    The exporter writes them as references into the decoder's external data file; here the
+    bytes each one reads are hashed and looked up among the decoder's initializers (so a
+    rewritten or re-pointed interface graph is caught, not just a renamed one).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    def digests(path: Path) -> dict[str, str]:
+        model = onnx.load(str(path), load_external_data=True)
+        out = {}
+        for init in model.graph.initializer:
+            if int(np.prod(init.dims)) >= min_elements:
+                out[init.name] = hashlib.sha256(numpy_helper.to_array(init).tobytes()).hexdigest()
+        return out
+
+    probe, decoder = digests(folder / INTERFACE_NAME), digests(folder / DECODER_NAME)
+    if not probe:
+        return False, "interface.onnx holds no interface weights to compare"
+    missing = [name for name, digest in probe.items() if digest not in set(decoder.values())]
+    if missing:
+        return False, f"interface.onnx weights not found byte-identical in model.onnx: {missing}"
+    return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"
+
+
+def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
+    """Run the folder through ``onnxruntime_genai`` itself: the generator's logits of a prompt
+    and of a few greedy steps against :class:`GenaiDriver`'s, recorded as notes.
+
+    Raises:
+        PitError: ``onnxruntime_genai`` cannot load or run the folder (the artifact would be
+            useless to the people it is for).
+    """
+    folder = ctx.directory / art.path
+    with loading(folder / CONFIG_NAME, "onnxruntime_genai"):
+        import onnxruntime_genai as og
+
+        model = og.Model(str(folder))
+    prompt = np.arange(3, 11, dtype=np.int64)
+    steps = 4
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt[None])
+    driver = GenaiDriver(folder)
+    ref = driver.prefill(torch.from_numpy(prompt)).numpy()[-1]
+    worst, tokens = 0.0, []
+    for i in range(steps):
+        got = np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1, ref.shape[-1])[-1]
+        worst = max(worst, float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
+        token = int(ref.argmax())
+        tokens.append(token)
+        if i + 1 < steps:
+            generator.append_tokens(np.array([[token]], np.int64))
+            ref = driver.step(token, len(prompt) + i).numpy()
+    driver.close()
+    result.notes.append(f"onnxruntime_genai generator vs decoder session: max rel L2 {worst:.2e} over "
+                        f"prefill + {steps - 1} steps")

@@ -1,0 +1,112 @@
+"""The ``onnx-genai`` target: folders that ``onnxruntime_genai.Model`` loads, built by the
+onnxruntime-genai model builder from tiny models, exported and verified through the generic
+commands (``pit-deploy export``/``verify``), and a family the builder lacks refused up front."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (requirements/cpu.txt pins it)")
+
+from pit_deploy.cli import main  # noqa: E402
+from pit_deploy.io.checkpoint import save_model  # noqa: E402
+from pit_deploy.io.manifest import Manifest  # noqa: E402
+from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer  # noqa: E402
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+def _source(tmp_path: Path, family: str) -> Path:
+    src = tmp_path / f"{family}-src"
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE  # the folder must carry it to onnxruntime_genai's tokenizer
+    save_model(tiny_pit_model(family), src, tokenizer)
+    return src
+
+
+def _verify(out: Path, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["verify", str(out), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("family, mode", [("llama", "materialized"), ("qwen3", "materialized"), ("qwen3", "factorized")])
+def test_fp32_folder_loads_in_genai_and_matches_pytorch(family, mode, tmp_path, capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, family)), "--out", str(out), "--runtime", "onnx-genai",
+                 "--mode", mode, "--dtype", "float32"]) == 0
+    (art,) = Manifest.read(out).artifacts
+    folder = out / art.path
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "interface.onnx"):
+        assert (folder / name).is_file(), name
+    assert art.details["decoder_ops"].get("GroupQueryAttention") == 2  # the builder's fused decoder
+    if mode == "factorized":  # one V×d tensor, read by the gather and by the head
+        assert art.details["factorized"]["tables"] == ["pit.Zt"]
+        assert art.details["interface_tensors_shared"] == ["pit.Zt", "pit.M", "pit.T"]
+    (result,) = _verify(out, capsys)["artifacts"]
+    assert result["passed"], result["failures"]
+    assert result["logits_rel_l2"] <= 1e-4 and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
+    assert any(n.startswith("onnxruntime_genai generator vs decoder session") for n in result["notes"])
+    import onnxruntime_genai as og
+
+    chat = og.Tokenizer(og.Model(str(folder))).apply_chat_template(
+        json.dumps([{"role": "user", "content": "hi"}]), add_generation_prompt=False)
+    assert chat == "<s>user: hi</s>"
+
+
+def test_a_family_the_builder_lacks_is_exit_2_before_export(tmp_path, capsys):
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "gpt2")), "--out", str(out), "--runtime", "onnx-genai"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: " in "\n" + err and "'gpt2' is not one of them" in err
+    assert not out.exists()
+
+
+def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_path, capsys):
+    """The builder quantizes the body; the token table is one block-quantized Ẑ read by
+    GatherBlockQuantized and MatMulNBits, stored once, with M = (ẐᵀẐ)⁻¹T⁻¹ (W_out E = I)."""
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai",
+                 "--mode", "factorized", "--dtype", "int4"]) == 0
+    (art,) = Manifest.read(out).artifacts
+    ops = art.details["decoder_ops"]
+    # two layers × (qkv, o, gate, up, down) by the builder, and the head's two table planes
+    assert ops["GatherBlockQuantized"] == 2 and ops["MatMulNBits"] == 2 * 5 + 2 and "GroupQueryAttention" in ops
+    assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
+    assert art.details["quantization"]["interface_exact"] is True
+    (result,) = _verify(out, capsys)["artifacts"]
+    assert result["passed"], result["failures"]
+    assert result["interface_exact"] is True and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
+    # a bench bundle runs the folder with numpy + onnxruntime only (GenaiDecoder, packed beside the runner)
+    bundle = tmp_path / "b.tar.gz"
+    assert main(["bench", str(out), "--prompt-len", "6", "--gen-len", "4", "--reps", "1", "--bundle", str(bundle)]) == 0
+    with tarfile.open(bundle) as tar:
+        tar.extractall(tmp_path / "device", filter="data")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    rows_path = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(tmp_path / "device" / "pit-bench" / "run_bench.py"), "--threads", "1",
+                           "--out", str(rows_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(rows_path.read_text())["rows"]
+    assert row["first_divergence"] is None and "pit_deploy" not in row["imported"]
+
+
+def test_the_standalone_decoder_imports_nothing_of_the_package():
+    """``genai_standalone.py`` is packed unchanged into bench bundles."""
+    import ast
+
+    from pit_deploy.runtime import genai_standalone
+
+    for node in ast.walk(ast.parse(Path(genai_standalone.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("pit_deploy"), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith(("pit_deploy", "transformers", "torch")) for a in node.names)
