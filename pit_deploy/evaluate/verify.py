@@ -296,8 +296,8 @@ def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, 
 
 @torch.no_grad()
 def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds) -> ArtifactResult:
-    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`.heldout`)."""
-    from .heldout import kl_parity
+    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`)."""
+    from ..data.heldout import kl_parity
 
     blocks = heldout.get("blocks") if isinstance(heldout, dict) else None
     if not blocks:
