@@ -17,7 +17,9 @@ Quantized bounds (``docs/quantization.md``, "Bounds"): the KL divergence of the 
 next-token distribution from the fp32 reference on the held-out set (mean and 99th percentile),
 the same-top-1 rate, the perplexity ratio and — for factorized artifacts with the PIT
 correction — ``delta_ti``. The built-in values were set from the default model's measurements
-with a stated margin; a recipe's ``[bounds.<scheme>]`` table overrides them.
+with a stated margin; a recipe's ``[bounds.<scheme>]`` table overrides them. Those absolute
+values mean little on another model, so the KL is also bounded relative to the artifact's own
+expected quantization error, recorded at export (:meth:`QuantizedBounds.scaled_kl_bound`).
 
 Standard library only (read where a manifest is read).
 """
@@ -62,9 +64,25 @@ class QuantizedBounds:
     same_top1: float = 0.8
     ppl_ratio: float = 1.2
     delta_ti: float = 1e-4
+    #: the scaled check, where the export recorded the artifact's expected error (the KL of the
+    #: fp32 model with its weights rounded to the scheme's grid in PyTorch): ``kl_mean ≤
+    #: max(expected_factor × expected kl_mean, expected_floor)``, and the same for ``kl_p99``
+    expected_factor: float = 4.0
+    expected_floor: float = 1e-5
+    expected_factor_p99: float = 4.0
+    expected_floor_p99: float = 1e-4
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def scaled_kl_bound(self, expected_mean: float, expected_p99: float) -> tuple[float, float]:
+        """``(kl_mean, kl_p99)`` an artifact may reach given the KL its weight rounding alone
+        costs (measured at export, :mod:`pit_deploy.export.expected_error`). Why a factor: the
+        runtimes also quantize activations, which the expected figure leaves out; why a floor:
+        an expected error near zero would otherwise leave no room for that rounding. Both were
+        set from measurements (``docs/quantization.md``, "Bounds")."""
+        return (max(self.expected_factor * expected_mean, self.expected_floor),
+                max(self.expected_factor_p99 * expected_p99, self.expected_floor_p99))
 
 
 @dataclass(frozen=True)

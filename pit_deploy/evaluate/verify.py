@@ -25,6 +25,13 @@ runs through ExecuTorch's stock LLM runner.
 
 FP32 bounds (``docs/definitions.md``, :mod:`pit_deploy.schemes`): ``logits_rel_l2 ≤ 1e-4``, ``top1_agreement = 1``, greedy identical,
 ``delta_ti ≤ 1e-5`` — a miss fails the artifact (optimum's own validation would only warn).
+
+Quantized artifacts are judged by KL figures on the manifest's held-out blocks instead: against
+the scheme's absolute bounds and, where the export recorded it, against a multiple of the
+artifact's own expected quantization error (its weights rounded to the scheme's grid in PyTorch,
+measured at export without the artifact: ``docs/quantization.md``, "Bounds"). Absolute bounds
+set on one model say little about another; the scaled check is what catches an artifact that is
+further from fp32 than its quantization explains.
 """
 
 from __future__ import annotations
@@ -83,6 +90,12 @@ class ArtifactResult:
     same_top1: float | None = None
     ppl_ratio: float | None = None
     heldout_tokens: int | None = None
+    #: the KL figures the export measured for the artifact's weight rounding alone, in PyTorch
+    #: (``details["expected"]``; ``None`` in manifests written before it)
+    expected_kl_mean: float | None = None
+    expected_kl_p99: float | None = None
+    #: ``{"kl_mean", "kl_p99"}`` the expected figures allow (:meth:`QuantizedBounds.scaled_kl_bound`)
+    scaled_bounds: dict[str, float] | None = None
     pit_correction: bool | None = None
     interface_exact: bool | None = None
     delta_ti: float = math.nan
@@ -153,6 +166,15 @@ class ArtifactResult:
             fails.append(f"kl_mean {self.kl_mean:.4g} > {b.kl_mean:g}")
         if not self.kl_p99 <= b.kl_p99:
             fails.append(f"kl_p99 {self.kl_p99:.4g} > {b.kl_p99:g}")
+        if self.expected_kl_mean is not None and self.expected_kl_p99 is not None:
+            mean, p99 = b.scaled_kl_bound(self.expected_kl_mean, self.expected_kl_p99)
+            self.scaled_bounds = {"kl_mean": mean, "kl_p99": p99}
+            for name, value, allowed, expected, factor, floor in (
+                    ("kl_mean", self.kl_mean, mean, self.expected_kl_mean, b.expected_factor, b.expected_floor),
+                    ("kl_p99", self.kl_p99, p99, self.expected_kl_p99, b.expected_factor_p99, b.expected_floor_p99)):
+                if not value <= allowed:
+                    fails.append(f"{name} {value:.4g} > {allowed:.4g} = max({factor:g} × {expected:.4g}, {floor:g}), "
+                                 f"the error its weight rounding explains (expected at export)")
         if not self.same_top1 >= b.same_top1:
             fails.append(f"same_top1 {self.same_top1:.2%} < {b.same_top1:.0%}")
         if not self.ppl_ratio <= b.ppl_ratio:
@@ -166,6 +188,13 @@ class ArtifactResult:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _ratio(value: float | None, expected: float | None) -> float | None:
+    """``value / expected`` for the ``x_exp`` column (``None``: nothing to divide)."""
+    if value is None or not expected:
+        return None
+    return value / expected
 
 
 @dataclass
@@ -199,7 +228,7 @@ class VerifyReport:
         return json_text(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'kl_p99':>8}"
+        head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'x_exp':>7}{'kl_p99':>8}"
                 f"{'same1':>7}{'ppl_x':>7}{'delta_ti':>10}  result")
         rows = [head]
         for a in self.artifacts:
@@ -208,7 +237,8 @@ class VerifyReport:
             runner = "-" if same is None else ("yes" if same else "NO")
             rows.append(
                 f"{a.key:<30}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
-                f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
+                f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(_ratio(a.kl_mean, a.expected_kl_mean), '.1f'):>7}"
+                f"{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
                 f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
@@ -294,10 +324,30 @@ def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, 
     return delta_ti_of(emb, head), delta_ti_of(e_ref, w_ref), weights_shared, list(notes)
 
 
+def expected_figures(directory: Path, art) -> dict[str, float] | None:
+    """``{"kl_mean", "kl_p99"}`` of the artifact's expected quantization error as the export
+    recorded it (``details["expected"]``, :mod:`pit_deploy.export.expected_error`), or ``None``
+    for a manifest written before it was recorded.
+
+    Raises:
+        PitError: an ``expected`` entry that is not two finite non-negative numbers (a tampered
+            or corrupted manifest): unusable input.
+    """
+    entry = art.details.get("expected") if isinstance(art.details, dict) else None
+    if entry is None:
+        return None
+    values = {key: entry.get(key) if isinstance(entry, dict) else None for key in ("kl_mean", "kl_p99")}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in values.values()):
+        raise PitError(f"{directory / MANIFEST_NAME}: artifacts {art.key}: details.expected must hold finite, "
+                       f"non-negative kl_mean and kl_p99, got {entry!r} (tampered manifest?); re-export")
+    return {key: float(v) for key, v in values.items()}
+
+
 @torch.no_grad()
 def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds) -> ArtifactResult:
-    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`.heldout`)."""
-    from .heldout import kl_parity
+    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`)."""
+    from ..data.heldout import kl_parity
 
     blocks = heldout.get("blocks") if isinstance(heldout, dict) else None
     if not blocks:
@@ -317,11 +367,17 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
     quant = art.details.get("quantization", {}) if isinstance(art.details, dict) else {}
     correction, exact = quant.get("pit_correction"), quant.get("interface_exact")
     notes.append(f"held-out set: {len(blocks)} × {len(blocks[0])} tokens, {heldout.get('source', '?')}")
+    expected = expected_figures(directory, art)
+    if expected is None:
+        notes.append("the scaled KL check was not available: the manifest records no expected quantization "
+                     "error for this artifact (written before exports measured it, or by a target that "
+                     "declares no weight grid); re-export with this pit-deploy to get it")
     return ArtifactResult(
         runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
         kl_mean=figures.kl_mean, kl_p99=figures.kl_p99, same_top1=figures.same_top1,
         ppl_ratio=figures.ppl_ratio, heldout_tokens=figures.tokens, pit_correction=correction,
-        interface_exact=exact,
+        interface_exact=exact, expected_kl_mean=None if expected is None else expected["kl_mean"],
+        expected_kl_p99=None if expected is None else expected["kl_p99"],
         delta_ti=delta, reference_delta_ti=ref_delta, weights_shared=weights_shared, notes=notes,
         tying=getattr(art, "tying", "pit"), nonfinite_outputs=figures.nonfinite_outputs,
     ).judge(bounds)

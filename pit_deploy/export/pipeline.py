@@ -27,7 +27,9 @@ from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
 from ..io.sources import LoadedModel, load_source
+from ..schemes import Scheme
 from ..targets import get_target
+from ..targets.base import WeightGrid
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -126,6 +128,9 @@ def export_model(
                     if scheme.quantized:
                         details["scheme"] = scheme.settings()
                     seconds = time.perf_counter() - start
+                    if scheme.quantized:
+                        _record_expected_error(details, prepared, model, heldout, scheme, target.weight_grid(scheme, mode),
+                                               say)
                     art = Artifact(
                         runtime=runtime, mode=mode, dtype=scheme.dtype, path=name,
                         files=file_table(tmp, tmp / name), shapes=target.shapes(prepared.config, mode, recipe),
@@ -142,6 +147,25 @@ def export_model(
         )
         manifest.write(tmp)  # last: a manifest means every file above is complete
     return manifest
+
+
+def _record_expected_error(details: dict, prepared: torch.nn.Module, reference: torch.nn.Module, heldout: dict,
+                           scheme: Scheme, grid: WeightGrid | None, say: Progress) -> None:
+    """Add ``details["expected"]``: the KL that the scheme's rounding of ``prepared``'s weights
+    alone costs on the held-out blocks, measured in PyTorch without the artifact
+    (:mod:`.expected_error`), which ``verify`` scales its bound by. A target that declares no
+    weight grid records none."""
+    if grid is None:
+        return
+    from .expected_error import expected_error
+
+    expected = expected_error(prepared, reference, heldout["blocks"], scheme, grid)
+    if expected is None:
+        say("  expected quantization error: not finite, not recorded (verify keeps the absolute bounds)")
+        return
+    details["expected"] = expected
+    say(f"  expected quantization error (weights rounded in PyTorch): kl_mean {expected['kl_mean']:.4g}, "
+        f"kl_p99 {expected['kl_p99']:.4g}")
 
 
 def _normalize_permissions(root: Path) -> None:

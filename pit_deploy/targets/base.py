@@ -30,6 +30,30 @@ def resolve(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+@dataclass(frozen=True)
+class WeightGrid:
+    """How a target's exporter rounds the weights of one artifact, as far as the *expected*
+    quantization error measured at export reproduces it in PyTorch
+    (:mod:`pit_deploy.export.expected_error`). The bits of the body linears, the group size and
+    the linears kept at 8 bits come from the scheme; what differs between targets is here.
+
+    Attributes:
+        symmetric: symmetric codes with one scale a group (XNNPACK), or asymmetric codes with an
+            integer zero point (onnxruntime's ``MatMulNBits``).
+        per_channel_8bit: 8-bit *linears* (body, and a quantized head) take one scale per output
+            channel instead of one per group.
+        head_bits: bits of the table the head reads; 0 keeps it float32.
+        embed_bits: bits of the table the embedding gathers; 0 keeps it float32.
+        conv1d: whether GPT-2's ``Conv1D`` linears are quantized too (or kept float32).
+    """
+
+    symmetric: bool
+    per_channel_8bit: bool
+    head_bits: int
+    embed_bits: int
+    conv1d: bool = True
+
+
 @dataclass
 class VerifyContext:
     """What a target's extra verification needs besides the artifact: the export directory,
@@ -94,6 +118,12 @@ class Target:
         """Write the artifact of the prepared fp32 ``model`` into ``out_dir``; returns the
         details recorded in the manifest. Quantization to ``kwargs["scheme"]`` is the exporter's."""
         return resolve(self.exporter)(model, out_dir, **kwargs)
+
+    def weight_grid(self, scheme: Any, mode: str) -> WeightGrid | None:
+        """How this target's exporter rounds a quantized artifact's weights (``scheme``: a
+        :class:`~pit_deploy.schemes.Scheme`), for the expected error the export records; ``None``
+        (the default) records none, and ``verify`` keeps only the scheme's absolute bounds."""
+        return None
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         """The manifest's ``shapes`` entry of an artifact of this target."""

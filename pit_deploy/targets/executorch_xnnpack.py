@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import register_target
-from .base import Target, VerifyContext, resolve
+from .base import Target, VerifyContext, WeightGrid, resolve
 
 PTE_NAME = "model.pte"
 #: the ``variant`` of the benchmark cells timed through the stock runner
@@ -45,6 +45,15 @@ class ExecuTorchXnnpackTarget(Target):
 
     def precheck(self, config: Any, recipe: Any) -> None:
         resolve("pit_deploy.export.to_executorch:precheck")(config, recipe)
+
+    def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
+        """torchao ``8da4w``/``8da8w`` linears (symmetric; 8-bit ones per output channel), the
+        gather's symmetric ``table_bits`` table, and a float32 head unless a factorized program
+        asks for ``pte_head_bits``; torchao quantizes ``nn.Linear`` only, so GPT-2's ``Conv1D``
+        body stays float32 (:mod:`pit_deploy.export.to_executorch`)."""
+        return WeightGrid(symmetric=True, per_channel_8bit=True,
+                          head_bits=scheme.pte_head_bits if mode == "factorized" else 0,
+                          embed_bits=scheme.table_bits, conv1d=False)
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         v = config.vocab_size

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import register_target
-from .base import Target, resolve
+from .base import Target, WeightGrid, resolve
 
 DECODER_NAME = "model.onnx"
 DECODER_DATA = "model.onnx_data"
@@ -39,6 +39,12 @@ class OnnxOptimumTarget(Target):
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe),
                 "decoder": "optimum text-generation-with-past (dynamic batch/sequence/past)"}
+
+    def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
+        """``MatMulNBits`` everywhere: asymmetric blocks of ``group_size`` (8-bit ones too), the
+        head and the embedding on the ``table_bits`` table (:mod:`pit_deploy.export.quantize_onnx`)."""
+        return WeightGrid(symmetric=False, per_channel_8bit=False, head_bits=scheme.table_bits,
+                          embed_bits=scheme.table_bits)
 
     def interface_checks(self, folder: Path, dim: int) -> tuple[bool | None, list[str]]:
         """The interface graph must read the decoder's weight bytes (else ``delta_ti`` would be

@@ -1,0 +1,176 @@
+"""Quantized parity scaled to the model: every quantized artifact's manifest entry records the
+error its weight rounding alone is expected to cost (measured at export in PyTorch, without the
+artifact), and ``verify`` fails an artifact whose KL is further from fp32 than that explains —
+which the absolute bounds, set on the default model, cannot do on a tiny one.
+
+Cost: ONNX on every family of ``FAMILIES`` (factorized int8 and int4: one export per family,
+verified honest, then with random bytes in every body weight); the ``.pte`` scrambled case on
+one family (``llama``; a lowering takes 30–60 s) — the honest ``.pte`` artifacts of ``qwen3``
+and ``gpt2`` are verified, with the scaled check, by ``tests/test_quantize.py``. GPT-2's
+``.pte`` body is not scrambled here: its ``Conv1D`` linears are not quantized by the ``.pte``
+exporter (``studies/quantized_scaling.py`` reports it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pit_deploy.cli import main
+from pit_deploy.evaluate.verify import verify_directory
+from pit_deploy.export.expected_error import fake_quantize
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.io.manifest import MANIFEST_NAME
+from pit_deploy.schemes import QuantizedBounds, bounds_for
+from pit_deploy.tiny import FAMILIES, tiny_pit_model
+
+from scramble import rehash, scramble_onnx_body, scrambled_pte_linears
+
+QUANTIZED = ("int8", "int4")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qscale-src")
+    out = {}
+    for family in FAMILIES:
+        out[family] = root / family
+        save_model(tiny_pit_model(family), out[family])
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def onnx_export(request, sources, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"qscale-{request.param}") / "exp"
+    assert main(["export", str(sources[request.param]), "--out", str(out), "--runtime", "onnx",
+                 "--mode", "factorized", "--dtype", ",".join(QUANTIZED), "--max-seq-len", "64"]) == 0
+    return out
+
+
+def _one_family(export: Path) -> None:
+    """Checks of the manifest's reading need one family's export, not four."""
+    if json.loads((export / "reference" / "config.json").read_text())["model_type"] != "llama":
+        pytest.skip("one family is enough")
+
+
+def _copy(export: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(export, target)
+    return target
+
+
+def test_honest_onnx_artifacts_pass_the_scaled_check(onnx_export):
+    """The expected error is recorded per artifact, and the honest artifact is within the bound
+    it scales (the runtime also rounds activations, so its KL is at least about as large)."""
+    manifest = json.loads((onnx_export / MANIFEST_NAME).read_text())
+    for art in manifest["artifacts"]:
+        expected = art["details"]["expected"]
+        assert 0 < expected["kl_mean"] < expected["kl_p99"] and "PyTorch" in expected["method"]
+    report = verify_directory(onnx_export, record=False)
+    assert report.passed, str(report)
+    for dtype in QUANTIZED:
+        r = report.result("onnx", "factorized", dtype)
+        assert r.expected_kl_mean > 0 and r.scaled_bounds["kl_mean"] >= r.kl_mean
+        assert 0.5 * r.expected_kl_mean <= r.kl_mean, (r.kl_mean, r.expected_kl_mean)
+        assert not any("scaled KL check was not available" in n for n in r.notes)
+
+
+def test_random_body_weights_fail_verification_on_onnx(onnx_export, tmp_path, capsys):
+    """Random bytes in every body ``MatMulNBits`` weight, digests re-recorded (a broken exporter,
+    not a tampered file): within the absolute bounds on a tiny model, but far beyond the error
+    its quantization explains — exit 1, naming the scaled bound."""
+    d = _copy(onnx_export, tmp_path)
+    for dtype in QUANTIZED:
+        assert scramble_onnx_body(d / f"onnx-factorized-{dtype}") > 0
+    rehash(d)
+    assert main(["verify", str(d), "--no-record", "--json"]) == 1
+    for art in json.loads(capsys.readouterr().out)["artifacts"]:
+        assert not art["passed"]
+        assert any("expected at export" in f for f in art["failures"]), art["failures"]
+        absolute = bounds_for(art["scheme"])
+        assert art["kl_mean"] <= absolute.kl_mean  # what the absolute bound alone let through
+
+
+def test_random_body_weights_fail_verification_on_pte(sources, tmp_path, capsys):
+    """The ``.pte`` case: the quantized linears' codes are replaced by random ones before
+    lowering (``tests/scramble.py``: editing XNNPACK's packed weights in the flatbuffer is not
+    faithful); the expected error is measured on the unquantized model and stays honest."""
+    out = tmp_path / "exp"
+    with scrambled_pte_linears() as counts:
+        assert main(["export", str(sources["llama"]), "--out", str(out), "--runtime", "executorch",
+                     "--mode", "factorized", "--dtype", "int4", "--max-seq-len", "64"]) == 0
+    assert counts and all(counts)
+    assert main(["verify", str(out), "--no-record", "--json"]) == 1
+    (art,) = json.loads(capsys.readouterr().out)["artifacts"]
+    assert not art["passed"] and any("expected at export" in f for f in art["failures"]), art["failures"]
+
+
+def test_a_manifest_without_the_expectation_keeps_the_absolute_bounds(onnx_export, tmp_path):
+    """Manifests written before the expected error was recorded still verify, by the absolute
+    bounds alone, and say that the scaled check was not available."""
+    d = _copy(onnx_export, tmp_path)
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    for art in data["artifacts"]:
+        del art["details"]["expected"]
+    (d / MANIFEST_NAME).write_text(json.dumps(data))
+    report = verify_directory(d, record=False)
+    assert report.passed, str(report)
+    for r in report.artifacts:
+        assert r.expected_kl_mean is None and r.scaled_bounds is None
+        assert any("scaled KL check was not available" in n and "re-export" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("bad", [{"kl_mean": "x", "kl_p99": 0.1}, {"kl_mean": -1.0, "kl_p99": 0.1}, [1, 2]])
+def test_a_garbled_expectation_is_exit_2(onnx_export, tmp_path, capsys, bad):
+    _one_family(onnx_export)
+    d = _copy(onnx_export, tmp_path)
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    data["artifacts"][0]["details"]["expected"] = bad
+    (d / MANIFEST_NAME).write_text(json.dumps(data))
+    assert main(["verify", str(d), "--no-record"]) == 2
+    assert "details.expected" in capsys.readouterr().err
+
+
+def test_recipe_bounds_override_the_scaled_check(onnx_export, tmp_path, capsys):
+    """``[bounds.<scheme>]`` reaches the factor and the floor like every other bound."""
+    _one_family(onnx_export)
+    d = _copy(onnx_export, tmp_path)
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    data["recipe"]["bounds"] = {"int4": {"expected_factor": 0.5, "expected_floor": 0.0}}
+    (d / MANIFEST_NAME).write_text(json.dumps(data))
+    assert main(["verify", str(d), "--dtype", "int4", "--no-record", "--json"]) == 1
+    (art,) = json.loads(capsys.readouterr().out)["artifacts"]
+    assert art["bounds"]["expected_factor"] == 0.5 and not art["passed"]
+
+
+def test_scaled_bound_is_the_larger_of_factor_and_floor():
+    b = QuantizedBounds(expected_factor=3.0, expected_floor=1e-3, expected_factor_p99=2.0, expected_floor_p99=1e-2)
+    assert b.scaled_kl_bound(0.1, 1.0) == pytest.approx((0.3, 2.0))
+    assert b.scaled_kl_bound(1e-6, 1e-6) == (1e-3, 1e-2)
+
+
+def test_the_rounding_reproduces_both_runtimes_grids():
+    """The expected error's own rounding (written without the exporters' quantizers) lands on
+    onnxruntime's asymmetric blocks and on the symmetric grid of the ``.pte`` token table, up to
+    float32 rounding of the scales (a rare tie may round one code the other way)."""
+    from pit_deploy.export.pte_token_table import dequantize_rows, quantize_rows
+    from pit_deploy.export.quantize_onnx import block_quantize
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    w[:, 3] *= 10.0  # an outlier column
+    for bits in (4, 8):
+        ort = block_quantize(w, bits, 32).dequantize()
+        mine = fake_quantize(torch.from_numpy(w), bits, 32, symmetric=False).numpy()
+        assert (np.abs(ort - mine) > 1e-5).mean() < 1e-2
+        q, scales = quantize_rows(torch.from_numpy(w), 32, bits)
+        mine = fake_quantize(torch.from_numpy(w), bits, 32, symmetric=True).numpy()
+        np.testing.assert_allclose(mine, dequantize_rows(q, scales), atol=1e-5)
+    per_row = fake_quantize(torch.from_numpy(w), 8, None, symmetric=True)
+    steps = torch.from_numpy(np.abs(w).max(1, keepdims=True) / 127)
+    assert float(((per_row - torch.from_numpy(w)).abs() / steps).max()) <= 0.5 + 1e-4
