@@ -110,3 +110,33 @@ def test_the_standalone_decoder_imports_nothing_of_the_package():
             assert node.level == 0 and not (node.module or "").startswith("pit_deploy"), ast.dump(node)
         elif isinstance(node, ast.Import):
             assert not any(a.name.startswith(("pit_deploy", "transformers", "torch")) for a in node.names)
+
+
+def test_a_corrupted_decoder_weight_fails_verify(tmp_path, capsys):
+    """One body weight of the builder's decoder overwritten (digests re-recorded, so only the
+    numbers can give it away): the runtime's logits leave the reference, verify exits 1."""
+    import numpy as np
+    import onnx
+
+    from pit_deploy.targets.onnx_genai import BUILDER_DATA, DECODER_NAME
+    from scramble import rehash
+
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai",
+                 "--mode", "factorized", "--dtype", "float32"]) == 0
+    folder = out / Manifest.read(out).artifacts[0].path
+    graph = onnx.load(str(folder / DECODER_NAME), load_external_data=False).graph
+    body = [i for i in graph.initializer if "layers.0" in i.name and i.data_location == onnx.TensorProto.EXTERNAL
+            and len(i.dims) == 2]
+    assert body, "no external body weight of the first layer"
+    where = {e.key: e.value for e in body[0].external_data}
+    offset, length = int(where["offset"]), int(where["length"])
+    raw = bytearray((folder / BUILDER_DATA).read_bytes())
+    noise = np.random.default_rng(0).standard_normal(length // 4).astype(np.float32)
+    raw[offset:offset + length] = noise.tobytes()
+    (folder / BUILDER_DATA).write_bytes(bytes(raw))
+    rehash(out)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--no-record", "--json"]) == 1
+    (result,) = json.loads(capsys.readouterr().out)["artifacts"]
+    assert not result["passed"] and any("rel_l2" in f for f in result["failures"]), result["failures"]
