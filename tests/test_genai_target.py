@@ -85,7 +85,7 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     (result,) = _verify(out, capsys)["artifacts"]
     assert result["passed"], result["failures"]
     assert result["interface_exact"] is True and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
-    # a bench bundle runs the folder with numpy + onnxruntime only (GenaiDecoder, packed beside the runner)
+    # a bench bundle runs the folder with numpy + onnxruntime only (the bundle's own OrtDecoder)
     bundle = tmp_path / "b.tar.gz"
     assert main(["bench", str(out), "--prompt-len", "6", "--gen-len", "4", "--reps", "1", "--bundle", str(bundle)]) == 0
     with tarfile.open(bundle) as tar:
@@ -97,19 +97,6 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(rows_path.read_text())["rows"]
     assert row["first_divergence"] is None and "pit_deploy" not in row["imported"]
-
-
-def test_the_standalone_decoder_imports_nothing_of_the_package():
-    """``genai_standalone.py`` is packed unchanged into bench bundles."""
-    import ast
-
-    from pit_deploy.runtime import genai_standalone
-
-    for node in ast.walk(ast.parse(Path(genai_standalone.__file__).read_text())):
-        if isinstance(node, ast.ImportFrom):
-            assert node.level == 0 and not (node.module or "").startswith("pit_deploy"), ast.dump(node)
-        elif isinstance(node, ast.Import):
-            assert not any(a.name.startswith(("pit_deploy", "transformers", "torch")) for a in node.names)
 
 
 def test_a_corrupted_decoder_weight_fails_verify(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 Prefill and step run the folder's ``model.onnx`` — the builder's fused decoder that
 ``onnxruntime_genai`` runs — in a plain ``onnxruntime.InferenceSession``
-(:class:`~pit_deploy.runtime.genai_standalone.GenaiDecoder`, which bench bundles carry too): full logits of every
+(:class:`~pit_deploy.runtime.standalone.OrtDecoder`, which bench bundles carry too): full logits of every
 prompt position are needed for verification, and ``onnxruntime_genai``'s generator exposes the
 logits of the last appended tokens only through its own shared-buffer KV cache. The session
 feeds the graph's inputs the way genai does (``input_ids``, ``attention_mask`` of the total
@@ -26,8 +26,7 @@ import torch
 from ..errors import PitError
 from ..targets.onnx_genai import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
 from .base import Driver, loading
-from .genai_standalone import GenaiDecoder
-from .standalone import ort_session_options
+from .standalone import OrtDecoder, ort_session_options
 
 __all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
 
@@ -35,14 +34,14 @@ _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class GenaiDriver(Driver):
-    """The builder's decoder through :class:`GenaiDecoder`; the interface graph through its own session."""
+    """The builder's decoder through :class:`OrtDecoder`; the interface graph through its own session."""
 
     runtime = "onnx-genai"
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
         with loading(self.folder / DECODER_NAME, "onnxruntime"):
-            self.decoder = GenaiDecoder(self.folder / DECODER_NAME, threads)
+            self.decoder = OrtDecoder(self.folder / DECODER_NAME, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))

@@ -58,11 +58,31 @@ def ort_session_options(threads: int | None):
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}
 
 
+#: onnxruntime-genai's config, beside a builder's decoder (the ``onnx-genai`` target's folders)
+GENAI_CONFIG_NAME = "genai_config.json"
+
+
+def _cache_dims(path: Path, heads: Any, head_dim: Any) -> tuple[int, int]:
+    """The KV cache's ``(heads, head_dim)``: from the graph where it declares them, else from the
+    ``genai_config.json`` beside it — the onnxruntime-genai builder declares them symbolically."""
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        return heads, head_dim
+    config = path.parent / GENAI_CONFIG_NAME
+    if not config.is_file():
+        raise ValueError(f"{path}: the KV cache's head count/size are symbolic and there is no {GENAI_CONFIG_NAME} "
+                         "beside it to read them from")
+    decoder = json.loads(config.read_text())["model"]["decoder"]
+    return int(decoder["num_key_value_heads"]), int(decoder["head_size"])
+
+
 class OrtDecoder:
-    """optimum's text-generation-with-past decoder (the ``.onnx`` file at ``path``) driven by a plain
+    """A decoder with a KV cache (the ``.onnx`` file at ``path``) driven by a plain
     ``InferenceSession``: ``input_ids``, ``attention_mask``, optional ``position_ids``, and
     ``past_key_values.N.key/value`` in; ``logits`` and ``present.N.key/value`` out. The cache
-    is held as numpy arrays between calls."""
+    is held as numpy arrays between calls. Two layouts take this form: optimum's
+    text-generation-with-past graph and the onnxruntime-genai builder's (no ``position_ids``:
+    its ``GroupQueryAttention`` derives positions from ``attention_mask``, the way genai feeds it;
+    the cache's dimensions symbolic, read from its ``genai_config.json``)."""
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
         import onnxruntime as ort
@@ -77,6 +97,7 @@ class OrtDecoder:
         for name in self.past_names:
             meta = inputs[name]
             _, heads, _, head_dim = meta.shape
+            heads, head_dim = _cache_dims(Path(path), heads, head_dim)
             self.empty_past[name] = np.zeros((1, heads, 0, head_dim), dtype=_ORT_DTYPES.get(meta.type, np.float32))
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.present_to_past = {n: n.replace("present.", "past_key_values.", 1)

@@ -6,7 +6,8 @@ its external weights), :data:`CONFIG_NAME` (the genai runtime's config), the tok
 builder copies, and :data:`INTERFACE_NAME` (the decoder's own embedding and head nodes, reading
 the decoder's weight bytes, so verification measures the runtime's own ``W_out E``).
 Exporter: :mod:`pit_deploy.export.to_genai`; driver: :mod:`pit_deploy.runtime.genai_driver`; on a
-device: ``GenaiDecoder`` of :mod:`pit_deploy.runtime.genai_standalone` (numpy + onnxruntime only).
+device: ``OrtDecoder`` of :mod:`pit_deploy.runtime.standalone` (numpy + onnxruntime only), which
+reads both ONNX layouts.
 
 Standard library only at import; the hooks import what they call.
 """
@@ -46,7 +47,7 @@ class OnnxGenaiTarget(Target):
     exporter = "pit_deploy.export.to_genai:export_artifact"
     driver = "pit_deploy.runtime.genai_driver:GenaiDriver"
     primary_file = DECODER_NAME
-    standalone = ("pit_deploy.runtime.genai_standalone", "GenaiDecoder")
+    standalone = ("pit_deploy.runtime.standalone", "OrtDecoder")
     bundle_install = "onnxruntime numpy"
     ship_priority = 15
     #: opt-in (``--runtime onnx-genai``): it needs onnxruntime-genai and builds fewer families
