@@ -25,37 +25,28 @@ import torch
 
 from ..errors import PitError
 from ..targets.onnx_genai import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
-from .base import Driver, loading
-from .standalone import OrtDecoder, ort_session_options
+from .base import loading
+from .ort_driver import OnnxDriver
+from .standalone import ort_session_options
 
 __all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
-class GenaiDriver(Driver):
-    """The builder's decoder through :class:`OrtDecoder`; the interface graph through its own session."""
+class GenaiDriver(OnnxDriver):
+    """The builder's decoder through :class:`~pit_deploy.runtime.standalone.OrtDecoder`, as the
+    ``onnx`` target's driver runs optimum's; only the interface graph's batched inputs and output
+    names differ."""
 
     runtime = "onnx-genai"
-
-    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
-        super().__init__(folder, threads)
-        with loading(self.folder / DECODER_NAME, "onnxruntime"):
-            self.decoder = OrtDecoder(self.folder / DECODER_NAME, threads)
-
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.decoder.prefill(ids.numpy()))
-
-    def step(self, token: int, pos: int) -> torch.Tensor:
-        try:
-            return torch.from_numpy(self.decoder.step(token, pos))
-        except ValueError as exc:
-            raise PitError(str(exc)) from None
+    decoder_name = DECODER_NAME
+    interface_name = INTERFACE_NAME
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
 
-        path = self.folder / INTERFACE_NAME
+        path = self.folder / self.interface_name
         with loading(path, "onnxruntime"):
             sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads),
                                         providers=["CPUExecutionProvider"])
@@ -63,9 +54,6 @@ class GenaiDriver(Driver):
         emb, logits = sess.run(["embeddings", "head_logits"], {
             "input_ids": np.arange(vocab, dtype=np.int64)[None], "hidden": np.eye(dim, dtype=io)[None]})
         return torch.from_numpy(emb[0].astype(np.float32)), torch.from_numpy(logits[0].astype(np.float32))
-
-    def close(self) -> None:
-        self.decoder.close()
 
 
 def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str]:

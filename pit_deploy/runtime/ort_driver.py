@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import PitError
 from ..targets.onnx_optimum import DECODER_NAME, INTERFACE_NAME
 from .base import Driver, loading
 from .standalone import OrtDecoder, ort_session_options
@@ -23,24 +24,30 @@ class OnnxDriver(Driver):
     """The decoder through :class:`OrtDecoder`; the interface graph through its own session."""
 
     runtime = "onnx"
+    #: the folder's file names (a subclass for another ONNX target names its own)
+    decoder_name = DECODER_NAME
+    interface_name = INTERFACE_NAME
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        with loading(self.folder / DECODER_NAME, "onnxruntime"):
-            self.decoder = OrtDecoder(self.folder / DECODER_NAME, threads)
+        with loading(self.folder / self.decoder_name, "onnxruntime"):
+            self.decoder = OrtDecoder(self.folder / self.decoder_name, threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
-        return torch.from_numpy(self.decoder.step(token, pos))
+        try:
+            return torch.from_numpy(self.decoder.step(token, pos))
+        except ValueError as exc:  # a step at a position the cache does not hold: the caller's mistake
+            raise PitError(str(exc)) from None
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
 
-        with loading(self.folder / INTERFACE_NAME, "onnxruntime"):
+        with loading(self.folder / self.interface_name, "onnxruntime"):
             sess = ort.InferenceSession(
-                str(self.folder / INTERFACE_NAME), sess_options=ort_session_options(self.threads),
+                str(self.folder / self.interface_name), sess_options=ort_session_options(self.threads),
                 providers=["CPUExecutionProvider"],
             )
         emb, logits = sess.run(
