@@ -10,8 +10,9 @@ Artifacts (each timed in its own child process, so load and peak RSS are its own
 
 * ``builder-int4`` / ``builder-fp32`` — the builder on the source model's plain Hugging Face
   checkpoint (``to_genai.builder_checkpoint``: the checkpoint our exporter gives the builder),
-  with the same extra options our int4 export passed (read from its manifest); cached in
-  ``--work``;
+  with the block size, symmetry and accuracy level our int4 export passed (read from its
+  manifest) and otherwise the builder's defaults (fused q/k/v, every body MatMul at 4 bits);
+  cached in ``--work``;
 * ``ours-factorized-int4`` / ``ours-factorized-fp32`` — ``onnx-genai-factorized[-int4]`` of a
   ``pit-deploy export --runtime onnx-genai --mode factorized --dtype float32,int4`` directory
   (``--ours``; exported into ``--work`` from ``--model`` when not given).
@@ -190,8 +191,11 @@ def main(argv=None) -> int:
                               "--dtype", "float32,int4", "--out", str(ours))
     manifest = json.loads((ours / "manifest.json").read_text())
     ours_int4 = ours / "onnx-genai-factorized-int4"
-    extra = next((a.get("details", {}).get("builder_extra_options") for a in manifest.get("artifacts", [])
-                  if a.get("path") == ours_int4.name), None) or {}
+    ours_extra = next((a.get("details", {}).get("builder_extra_options") for a in manifest.get("artifacts", [])
+                       if a.get("path") == ours_int4.name), None) or {}
+    # the builder as a user runs it: our block size, symmetry and accuracy level, nothing more
+    # (not our fuse_qkv=false and int8 overrides, which keep the scheme's 8-bit layers)
+    extra = {k: v for k, v in ours_extra.items() if k in ("block_size", "accuracy_level", "is_symmetric")}
     builders, build_s, tokenizer, vocab = builder_folders(args.model, work, extra)
     artifacts = {"builder-int4": builders["builder-int4"], "ours-factorized-int4": ours_int4,
                  "builder-fp32": builders["builder-fp32"], "ours-factorized-fp32": ours / "onnx-genai-factorized"}
