@@ -78,8 +78,18 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
                  "--mode", "factorized", "--dtype", "int4"]) == 0
     (art,) = Manifest.read(out).artifacts
     ops = art.details["decoder_ops"]
-    # two layers × (qkv, o, gate, up, down) by the builder, and the head's two table planes
-    assert ops["GatherBlockQuantized"] == 2 and ops["MatMulNBits"] == 2 * 5 + 2 and "GroupQueryAttention" in ops
+    # two layers × (q, k, v, o, gate, up, down) by the builder (q/k/v unfused so that v_proj can
+    # stay at 8 bits), and the head's two table planes
+    assert ops["GatherBlockQuantized"] == 2 and ops["MatMulNBits"] == 2 * 7 + 2 and "GroupQueryAttention" in ops
+    # the scheme's int4_8bit_layers (v_proj, down_proj) are 8-bit in the builder's body
+    import onnx
+
+    decoder = onnx.load(str(out / art.path / "model.onnx"), load_external_data=False)
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in decoder.graph.node
+            if n.op_type == "MatMulNBits" and n.name.startswith("/model/layers.")}
+    assert {n for n, b in bits.items() if b == 8} == {f"/model/layers.{i}/{p}/MatMul_Q8" for i in range(2)
+                                                     for p in ("attn/v_proj", "mlp/down_proj")}
+    assert art.details["builder_int8_layers"] == ["v_proj", "down_proj"]
     assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
     assert art.details["quantization"]["interface_exact"] is True
     (result,) = _verify(out, capsys)["artifacts"]
@@ -127,3 +137,17 @@ def test_a_corrupted_decoder_weight_fails_verify(tmp_path, capsys):
     assert main(["verify", str(out), "--no-record", "--json"]) == 1
     (result,) = json.loads(capsys.readouterr().out)["artifacts"]
     assert not result["passed"] and any("rel_l2" in f for f in result["failures"]), result["failures"]
+
+
+def test_int8_layers_become_exact_builder_overrides():
+    from pit_deploy.errors import PitError
+    from pit_deploy.export.to_genai import int8_overrides
+
+    extra, target = int8_overrides(("v_proj", "down_proj"), 2)
+    assert extra == {"fuse_qkv": "false"}  # fused, v_proj has no node of its own
+    names = [o["match"]["name"] for o in target["quant_config"]["weights"]["overrides"]]
+    assert names == ["/model/layers.0/attn/v_proj/MatMul", "/model/layers.0/mlp/down_proj/MatMul",
+                     "/model/layers.1/attn/v_proj/MatMul", "/model/layers.1/mlp/down_proj/MatMul"]
+    assert int8_overrides(("down_proj",), 1)[0] == {}  # q/k/v stay fused
+    with pytest.raises(PitError, match="no such projection"):
+        int8_overrides(("c_fc",), 1)

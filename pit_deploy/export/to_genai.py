@@ -81,7 +81,7 @@ def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Pat
 
 
 def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
-                extra_options: dict[str, str] | None = None) -> None:
+                extra_options: dict[str, str] | None = None, target_options: dict[str, Any] | None = None) -> None:
     """``python -m onnxruntime_genai.models.builder -i hf_dir -o out_dir -p precision -e cpu``.
 
     Raises:
@@ -91,12 +91,38 @@ def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
            "-e", "cpu", "-c", str(cache_dir)]
     if extra_options:
         cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra_options.items())]
+    if target_options:  # the builder's structured config (version 2): per-node quantization overrides
+        cmd += ["--builder_config_version", "2", "--target_options", json.dumps(target_options)]
     # offline: everything the builder reads is in hf_dir; a hub lookup would only stall
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
         raise PitError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
+
+
+#: the builder's node path of each projection (``/model/layers.{i}/<path>/MatMul``)
+_BUILDER_PROJECTIONS = {**{p: f"attn/{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                        **{p: f"mlp/{p}" for p in ("gate_proj", "up_proj", "down_proj")}}
+
+
+def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tuple[dict[str, str], dict[str, Any]]:
+    """The builder options that keep the linears named in ``layers`` (the int4 scheme's
+    ``int4_8bit_layers``, e.g. ``v_proj``, ``down_proj``) at 8 bits in every layer: exact-name
+    ``int8`` overrides of the builder's structured quantization config, and ``fuse_qkv=false``
+    when a query/key/value projection is among them (fused, it has no node of its own).
+
+    Raises:
+        PitError: a name the builder has no projection node for.
+    """
+    unknown = [name for name in layers if name not in _BUILDER_PROJECTIONS]
+    if unknown:
+        raise PitError(f"int4_8bit_layers {unknown}: the onnxruntime-genai builder has no such projection "
+                       f"(known: {', '.join(_BUILDER_PROJECTIONS)})")
+    overrides = [{"match": {"name": f"/model/layers.{i}/{_BUILDER_PROJECTIONS[name]}/MatMul"}, "type": "int8"}
+                 for i in range(num_layers) for name in layers]
+    extra = {"fuse_qkv": "false"} if any(name in ("q_proj", "k_proj", "v_proj") for name in layers) else {}
+    return extra, ({"quant_config": {"weights": {"overrides": overrides}}} if overrides else {})
 
 
 def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
@@ -233,9 +259,11 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
 
 @torch.no_grad()
 def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, dtype: str = "float32",
-                 group_size: int = 32, table_bits: int | None = None, pit_correction: bool = True) -> dict[str, Any]:
+                 group_size: int = 32, table_bits: int | None = None, pit_correction: bool = True,
+                 int8_layers: tuple[str, ...] = ()) -> dict[str, Any]:
     """Build the genai folder of ``model`` (materialized, or factorized: see the module
-    docstring) into ``out_dir``; returns the manifest details."""
+    docstring) into ``out_dir``; returns the manifest details. ``int8_layers``: at int4, the
+    linears kept at 8 bits (:func:`int8_overrides`)."""
     import onnx
 
     from .passes import FACTORS_ATTR
@@ -250,15 +278,23 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     if dtype != "float32":
         # the builder's defaults, spelled out so the manifest says what was asked
         extra = {"block_size": str(group_size), "accuracy_level": "4", "is_symmetric": "true"}
+    target: dict[str, Any] = {}
+    if dtype == "int4" and int8_layers:
+        more, target = int8_overrides(tuple(int8_layers), int(model.config.num_hidden_layers))
+        extra.update(more)
     with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
-        run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra)
+        run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
     rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
                               pit_correction) if factorized else {}
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
     if extra:
         details["builder_extra_options"] = extra
+    if target:
+        details["builder_int8_layers"] = list(int8_layers)
+        if "quantization" in details:
+            details["quantization"]["body"] += f"; {', '.join(int8_layers)} at 8 bits (the builder's int8 overrides)"
     details.update(write_interface_graph(out_dir))
     decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=False)
     details["decoder_nodes"] = len(decoder.graph.node)
@@ -389,4 +425,5 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = N
                     scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
     """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
     return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size,
-                        table_bits=scheme.table_bits, pit_correction=scheme.pit_correction)
+                        table_bits=scheme.table_bits, pit_correction=scheme.pit_correction,
+                        int8_layers=scheme.int4_8bit_layers if scheme.dtype == "int4" else ())
