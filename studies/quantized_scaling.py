@@ -96,11 +96,11 @@ def family_rows(family: str, work: Path, runtimes: list[str], dtypes: str) -> li
         rows += rows_of(scrambled_onnx_copy(honest, target), family, "scrambled", ["onnx"])
     if "executorch" in runtimes:
         scrambled = work / f"{family}-scrambled-pte"
-        record = work / f"{family}-scrambled-pte.json"  # how many linears each export scrambled
+        record = work / f"{family}-scrambled-pte.txt"  # how many linears each export scrambled (a scratch file)
         with scrambled_pte_linears() as counts:
             if export_once([str(src), "--runtime", "executorch", *common], scrambled):
-                record.write_text(json.dumps(counts))
-        scrambled_counts = json.loads(record.read_text()) if record.is_file() else None  # None: not recorded
+                record.write_text(" ".join(map(str, counts)))
+        scrambled_counts = [int(n) for n in record.read_text().split()] if record.is_file() else None  # None: not recorded
         if scrambled_counts is None or any(scrambled_counts):
             rows += rows_of(scrambled, family, "scrambled")
         else:  # nothing quantized to scramble: GPT-2's Conv1D body stays fp32 on the .pte
