@@ -213,7 +213,11 @@ def bounds_for(name: str, overrides: dict[str, Any] | None = None) -> ParityBoun
 # Default-model measurements behind these values: docs/quantization.md ("Bounds").
 INT4_BOUNDS = QuantizedBounds(kl_mean=0.5, kl_p99=4.0, same_top1=0.6, ppl_ratio=1.6)
 register_scheme(Scheme("float32", "float32", ParityBounds(), "full precision"))
-register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1),
+# int8's scaled factor is 10, not 4: XNNPACK's 8da8w rounds every linear's input to int8 per token,
+# which the expected error leaves out and which dominates when the weights are 8-bit (default
+# model .pte: 4.3× the expected kl_mean); docs/quantization.md, "Scaled to the model".
+register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1,
+                                                       expected_factor=10.0, expected_factor_p99=10.0),
                        "8-bit weights and token tables"))
 register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
                        "4-bit linears in groups of 32, v_proj/down_proj and the token tables at 8 bits",
