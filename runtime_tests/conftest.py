@@ -1,7 +1,8 @@
 """Fixtures of the runtime parity suite.
 
 Tiny random PIT models of every family (with a non-trivial ``T``) are exported once per
-session into a temporary directory (all runtimes × modes, static cache of 64) and verified
+session into a temporary directory (every default runtime × mode, static cache of 64; the
+opt-in ``onnx-genai`` target has its own tests, ``tests/test_genai_target.py``) and verified
 once; each parametrized test then asserts the bounds of one artifact. The real default model
 (SmolLM2-135M-Instruct, converted as the main job converts it: the source-preserving conversion,
 whose ``T = Rᵀ H⁻¹ R`` is dense and far from the identity) is exported once in both modes for both
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from pit_deploy.export.recipes import MODES, Recipe
-from pit_deploy.targets import target_names
+from pit_deploy.targets import default_target_names
 from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
 
 TINY_MAX_SEQ_LEN = 64
@@ -97,7 +98,7 @@ class _Exports:
             out = self.root / f"tiny-{family}"
             # with a tokenizer, so the .pte folders carry one and the stock LLM runner runs them
             loaded = LoadedModel(tiny_pit_model(family), tiny_tokenizer(), {"kind": "tiny", "family": family})
-            recipe = Recipe(runtimes=target_names(), modes=MODES, max_seq_len=TINY_MAX_SEQ_LEN, name="tiny-ci")
+            recipe = Recipe(runtimes=default_target_names(), modes=MODES, max_seq_len=TINY_MAX_SEQ_LEN, name="tiny-ci")
             export_model(loaded, out, recipe)
             self.dirs[family] = out
             self.reports[family] = verify_directory(out)
@@ -110,7 +111,7 @@ class _Exports:
 
             out = self.root / "real-default"
             loaded = load_pit_source("default", REAL_T_INIT)
-            recipe = Recipe(runtimes=target_names(), modes=MODES, max_seq_len=REAL_MAX_SEQ_LEN, name="real-ci")
+            recipe = Recipe(runtimes=default_target_names(), modes=MODES, max_seq_len=REAL_MAX_SEQ_LEN, name="real-ci")
             export_model(loaded, out, recipe)
             self.dirs["real"] = out
             self.reports["real"] = verify_directory(out)
