@@ -53,10 +53,10 @@ class OnnxGenaiTarget(Target):
     #: opt-in (``--runtime onnx-genai``): it needs onnxruntime-genai and builds fewer families
     #: (no GPT-2) than the default targets
     default_export = False
-    #: the builder quantizes the body with the scheme's block size; the token table of a
-    #: factorized artifact is quantized like the ``onnx`` target's (table bits, PIT correction);
-    #: the builder's body has no 8-bit layers of ours
-    scheme_settings = ("group_size", "table_bits", "pit_correction")
+    #: the builder quantizes the body with the scheme's block size and keeps the scheme's 8-bit
+    #: layers through its int8 overrides; the token table of a factorized artifact is quantized
+    #: like the ``onnx`` target's (table bits, PIT correction)
+    scheme_settings = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction")
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse a family the builder cannot build, or a missing builder, before any slow work."""
