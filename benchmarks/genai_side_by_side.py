@@ -13,8 +13,9 @@ Artifacts (each timed in its own child process, so load and peak RSS are its own
   with the block size, symmetry and accuracy level our int4 export passed (read from its
   manifest) and otherwise the builder's defaults (fused q/k/v, every body MatMul at 4 bits);
   cached in ``--work``;
-* ``ours-factorized-int4`` / ``ours-factorized-fp32`` — ``onnx-genai-factorized[-int4]`` of a
-  ``pit-deploy export --runtime onnx-genai --mode factorized --dtype float32,int4`` directory
+* ``ours-factorized-int4`` / ``ours-factorized-int4-compact`` / ``ours-factorized-fp32`` —
+  ``onnx-genai-factorized[-int4[-compact]]`` of a
+  ``pit-deploy export --runtime onnx-genai --mode factorized --dtype float32,int4,int4-compact`` directory
   (``--ours``; exported into ``--work`` from ``--model`` when not given).
 
 Each child: ``og.Config(folder)`` with the overlay
@@ -49,6 +50,9 @@ from pathlib import Path
 from result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
+#: our int4 schemes, each against the builder's int4: ``int4`` (8-bit table and v/down
+#: projections) and ``int4-compact`` (4-bit table, v_proj at 8 bits; pit_deploy/schemes.py)
+OUR_INT4 = ("int4", "int4-compact")
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT_TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed "
                "how books were made, how ideas travelled between cities, and who could afford to read them. ")
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
     export_s = None
     if not (ours / "manifest.json").is_file():
         export_s = pit_deploy("export", args.model, "--runtime", "onnx-genai", "--mode", "factorized",
-                              "--dtype", "float32,int4", "--out", str(ours))
+                              "--dtype", ",".join(("float32", *OUR_INT4)), "--out", str(ours))
     manifest = json.loads((ours / "manifest.json").read_text())
     ours_int4 = ours / "onnx-genai-factorized-int4"
     ours_extra = next((a.get("details", {}).get("builder_extra_options") for a in manifest.get("artifacts", [])
@@ -197,8 +201,11 @@ def main(argv=None) -> int:
     # (not our fuse_qkv=false and int8 overrides, which keep the scheme's 8-bit layers)
     extra = {k: v for k, v in ours_extra.items() if k in ("block_size", "accuracy_level", "is_symmetric")}
     builders, build_s, tokenizer, vocab = builder_folders(args.model, work, extra)
-    artifacts = {"builder-int4": builders["builder-int4"], "ours-factorized-int4": ours_int4,
+    artifacts = {"builder-int4": builders["builder-int4"],
+                 **{f"ours-factorized-{s}": ours / f"onnx-genai-factorized-{s}" for s in OUR_INT4},
                  "builder-fp32": builders["builder-fp32"], "ours-factorized-fp32": ours / "onnx-genai-factorized"}
+    # each of ours against the builder's build of the same precision
+    peers = {name: "builder-fp32" if name.endswith("fp32") else "builder-int4" for name in artifacts}
     for name, folder in artifacts.items():
         if not (folder / "genai_config.json").is_file():
             sys.exit(f"{name}: {folder} is not an onnxruntime-genai folder")
@@ -222,16 +229,16 @@ def main(argv=None) -> int:
             for key in ("prefill_ms", "decode_ms_per_token", "decode_ms_p50", "peak_rss_mb", "load_s"):
                 row[key] = statistics.median(x[key] for x in mine)
             row["decode_tok_s"] = 1e3 / row["decode_ms_per_token"]
-            peer = next(x for x in runs if x["threads"] == t and x["artifact"] == "builder-" + name.rsplit("-", 1)[-1])
+            peer = next(x for x in runs if x["threads"] == t and x["artifact"] == peers[name])
             same = [a == b for a, b in zip(mine[0]["tokens"], peer["tokens"])]
             row["greedy_tokens_equal_to_builder"] = (same.index(False) if False in same else len(same))
             rows.append(row)
     ratios = []
     for t in threads:
-        for dtype in ("int4", "fp32"):
-            ours_row = next(r for r in rows if r["threads"] == t and r["artifact"] == f"ours-factorized-{dtype}")
-            peer = next(r for r in rows if r["threads"] == t and r["artifact"] == f"builder-{dtype}")
-            ratios.append({"dtype": dtype, "threads": t, **{f"ours_over_builder_{k}": ours_row[k] / peer[k] for k in (
+        for name in (n for n in artifacts if n.startswith("ours-")):
+            ours_row = next(r for r in rows if r["threads"] == t and r["artifact"] == name)
+            peer = next(r for r in rows if r["threads"] == t and r["artifact"] == peers[name])
+            ratios.append({"artifact": name, "peer": peers[name], "threads": t, **{f"ours_over_builder_{k}": ours_row[k] / peer[k] for k in (
                 "prefill_ms", "decode_ms_per_token", "peak_rss_mb", "folder_mb", "model_files_mb")}})
     result = {"model": args.model, "ours": str(ours), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
               "rounds": args.rounds, "threads": threads, "builder_extra_options_int4": extra,

@@ -224,5 +224,6 @@ register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
                        int4_8bit_layers=("v_proj", "down_proj")))
 register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the smallest int4 within the int4 bounds: a 4-bit token table stored once, only "
-                       "v_proj at 8 bits (ONNX; on a .pte the same settings measured over the bound)",
-                       table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx",)))
+                       "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
+                       "the bound)",
+                       table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx", "onnx-genai")))

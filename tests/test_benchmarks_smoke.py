@@ -128,15 +128,17 @@ def test_genai_side_by_side(work, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     ours = tmp_path / "ours"
     assert cli(["export", str(work / "pit-src"), "--out", str(ours), "--runtime", "onnx-genai", "--mode", "factorized",
-                "--dtype", "float32,int4"]) == 0
+                "--dtype", "float32,int4,int4-compact"]) == 0
     out = tmp_path / "genai_side_by_side.json"
     assert run_benchmark("genai_side_by_side", ["--model", str(work / "src"), "--ours", str(ours), "--work",
                                                 str(tmp_path / "genai"), "--threads", "1", "--rounds", "1",
                                                 "--prompt-len", "4", "--gen-len", "3", "--out", str(out)]) == 0
     data = well_formed(out, "genai_side_by_side", "rows")
     assert {r["artifact"] for r in data["rows"]} == {"builder-int4", "builder-fp32", "ours-factorized-int4",
-                                                     "ours-factorized-fp32"}
-    assert {r["dtype"] for r in data["ratios"]} == {"int4", "fp32"}
+                                                     "ours-factorized-int4-compact", "ours-factorized-fp32"}
+    assert {(r["artifact"], r["peer"]) for r in data["ratios"]} == {
+        ("ours-factorized-int4", "builder-int4"), ("ours-factorized-int4-compact", "builder-int4"),
+        ("ours-factorized-fp32", "builder-fp32")}
 
 
 def test_export_sizes(tmp_path):

@@ -75,8 +75,8 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     GatherBlockQuantized and MatMulNBits, stored once, with M = (ẐᵀẐ)⁻¹T⁻¹ (W_out E = I)."""
     out = tmp_path / "exp"
     assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai",
-                 "--mode", "factorized", "--dtype", "int4"]) == 0
-    (art,) = Manifest.read(out).artifacts
+                 "--mode", "factorized", "--dtype", "int4,int4-compact"]) == 0
+    art, compact = Manifest.read(out).artifacts
     ops = art.details["decoder_ops"]
     # two layers × (q, k, v, o, gate, up, down) by the builder (q/k/v unfused so that v_proj can
     # stay at 8 bits), and the head's two table planes
@@ -92,9 +92,12 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     assert art.details["builder_int8_layers"] == ["v_proj", "down_proj"]
     assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
     assert art.details["quantization"]["interface_exact"] is True
-    (result,) = _verify(out, capsys)["artifacts"]
-    assert result["passed"], result["failures"]
-    assert result["interface_exact"] is True and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
+    # int4-compact: a 4-bit table (one plane, read whole by the head) and only v_proj at 8 bits
+    assert compact.path == "onnx-genai-factorized-int4-compact" and compact.details["factorized"]["table_byte_ranges"] == 1
+    assert compact.details["builder_int8_layers"] == ["v_proj"] and compact.details["decoder_ops"]["MatMulNBits"] == 2 * 7 + 1
+    for result in _verify(out, capsys)["artifacts"]:
+        assert result["passed"], result["failures"]
+        assert result["interface_exact"] is True and result["delta_ti"] <= 1e-5 and result["weights_shared"] is True
     # a bench bundle runs the folder with numpy + onnxruntime only (the bundle's own OrtDecoder)
     bundle = tmp_path / "b.tar.gz"
     assert main(["bench", str(out), "--prompt-len", "6", "--gen-len", "4", "--reps", "1", "--bundle", str(bundle)]) == 0
@@ -105,8 +108,8 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     proc = subprocess.run([sys.executable, str(tmp_path / "device" / "pit-bench" / "run_bench.py"), "--threads", "1",
                            "--out", str(rows_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(rows_path.read_text())["rows"]
-    assert row["first_divergence"] is None and "pit_deploy" not in row["imported"]
+    rows = json.loads(rows_path.read_text())["rows"]
+    assert len(rows) == 2 and all(r["first_divergence"] is None and "pit_deploy" not in r["imported"] for r in rows)
 
 
 def test_a_corrupted_decoder_weight_fails_verify(tmp_path, capsys):
