@@ -78,6 +78,27 @@ def test_cache_is_built_once_then_reused(tmp_path: Path, monkeypatch) -> None:
     assert not [p for p in first.parent.iterdir() if ".partial" in p.name]
 
 
+def test_an_entry_completed_meanwhile_by_another_process_is_kept(tmp_path: Path, monkeypatch) -> None:
+    """Two commands converting the same file at once (two test workers, two terminals): the one
+    that finishes second keeps the first one's entry, which that process may be reading, and
+    discards its own."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    calls: list[Path] = []
+    inner = _builder(calls)
+
+    def racing(out: Path) -> None:
+        # while this build runs, "another process" completes the entry
+        assert converted_gguf(tmp_path / "m.gguf", "ab" * 32, inner) is not None
+        inner(out)
+
+    folder = converted_gguf(tmp_path / "m.gguf", "ab" * 32, racing)
+    first_inode = (folder / "config.json").stat().st_ino
+    assert len(calls) == 2 and json.loads((folder / "config.json").read_text()) == {"n": 1}, "the first entry stays"
+    assert converted_gguf(tmp_path / "m.gguf", "ab" * 32, inner) == folder and len(calls) == 2
+    assert (folder / "config.json").stat().st_ino == first_inode
+    assert not [p for p in folder.parent.iterdir() if p.name != folder.name], "no partial or old copy left"
+
+
 def test_tampered_or_incomplete_entry_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     calls: list[Path] = []

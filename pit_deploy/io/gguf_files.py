@@ -136,6 +136,10 @@ def _valid(folder: Path, sha256: str) -> bool:
         return False
 
 
+class _BuiltMeanwhile(Exception):
+    """Raised inside the cache entry's write when a concurrent process completed it first."""
+
+
 def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Path | None:
     """A directory holding ``path`` converted to a Hugging Face model (``build(folder)`` writes
     it on a miss), or ``None`` when the cache is off or cannot be written (load the GGUF itself).
@@ -157,6 +161,12 @@ def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Pa
             build(tmp)  # a PitError (say, an unsupported architecture) propagates
             files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             write_json_atomic(tmp / CACHE_META, {"gguf": path.name, "gguf_sha256": sha256, "files": files})
+            if _valid(folder, sha256):
+                # another process converted the same file meanwhile and may be reading its entry:
+                # keep that one (replacing it would pull the files from under that reader)
+                raise _BuiltMeanwhile
+    except _BuiltMeanwhile:
+        return folder
     except OSError as exc:
         log.warning("cannot write the GGUF cache under %s (%s); loading %s directly (set %s to a writable "
                     "directory to speed up later loads)", root, exc, path.name, CACHE_ENV)
