@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     peers = {name: "builder-fp32" if name.endswith("fp32") else "builder-int4" for name in artifacts}
     for name, folder in artifacts.items():
         if not (folder / "genai_config.json").is_file():
-            sys.exit(f"{name}: {folder} is not an onnxruntime-genai folder")
+            sys.exit(f"{name}: {folder} is not an onnxruntime-genai folder; export --ours with `pit-deploy export "
+                     f"MODEL --runtime onnx-genai --mode factorized --dtype {','.join(('float32', *OUR_INT4))}`")
     prompt = prompt_ids(tokenizer, vocab, args.prompt_len)
     threads = [int(t) for t in args.threads.split(",")]
 
