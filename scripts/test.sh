@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist), one per core of the CI machine; a test file, and the runtime suite as
+# a whole, stays on one worker (tests/conftest.py). PIT_TEST_WORKERS=0 runs in this process.
+exec .venv/bin/python -m pytest -n "${PIT_TEST_WORKERS:-2}" --dist loadgroup "$@"

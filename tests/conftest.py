@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from pit_deploy.tiny import FAMILIES, tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Keep what shares an expensive fixture on one pytest-xdist worker.
+
+    ``scripts/test.sh`` runs two workers with ``--dist loadgroup``: every test file is one group
+    (its module fixtures, an export or a pipeline run, are built once), and the whole runtime
+    suite is one group (its session fixture exports every tiny family and the default model
+    once for both of its files). Without xdist the marker does nothing.
+    """
+    for item in items:
+        path = Path(str(item.fspath))
+        group = "runtime_tests" if "runtime_tests" in path.parts else path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(params=FAMILIES)
