@@ -13,7 +13,9 @@ Usage::
     python benchmarks/onnx_decode_profile.py DIR [DIR ...] [--threads 2] [--steps 32]
         [--prompt-len 64] [--out benchmarks/results/onnx_decode_profile.json]
 
-``DIR``: an ONNX artifact folder (e.g. ``EXPORT/onnx-factorized-int4``). Profiling adds its
+``DIR``: an ONNX artifact folder (e.g. ``EXPORT/onnx-factorized-int4``), or an onnxruntime-genai
+folder (``onnx-genai-*``, or the model builder's own output: the same ``model.onnx`` decoder,
+run through the same standalone decoder). Profiling adds its
 own overhead to each node; compare shares, not the step time with a bench row.
 """
 
@@ -34,6 +36,8 @@ from result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MATMULS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm"}
+#: how many of the costliest single nodes a result lists
+TOP_NODES = 8
 
 
 def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict:
@@ -64,12 +68,13 @@ def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict
     events = json.loads(Path(decoder.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"][-steps:]
     first = runs[0]["ts"]
-    total, count = collections.Counter(), collections.Counter()
+    total, count, by_node = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= first:
             op = e["args"].get("op_name", "?")
             total[op] += e["dur"]
             count[op] += 1
+            by_node[e["name"][: -len("_kernel_time")]] += e["dur"]
     kernels = sum(total.values()) / steps / 1e3
     matmul = sum(v for k, v in total.items() if k in MATMULS) / steps / 1e3
     return {
@@ -81,6 +86,8 @@ def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict
         "nodes_per_step": round(sum(count.values()) / steps),
         "by_op": [{"op": op, "ms": round(d / steps / 1e3, 3), "nodes": round(count[op] / steps)}
                   for op, d in total.most_common()],
+        # the single nodes that cost most (a head, a layer kept at 8 bits), by name
+        "top_nodes": [{"node": name, "ms": round(d / steps / 1e3, 3)} for name, d in by_node.most_common(TOP_NODES)],
     }
 
 
