@@ -43,7 +43,7 @@ TOP_NODES = 8
 def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict:
     """Per-op-type kernel time of ``steps`` decode steps of the artifact in ``folder``."""
     from pit_deploy.runtime import standalone
-    from pit_deploy.targets.onnx_optimum import DECODER_NAME
+    from pit_deploy.targets.onnx_optimum import decoder_file
 
     workdir = tempfile.mkdtemp(prefix="ort-profile-")
     plain = standalone.ort_session_options
@@ -56,7 +56,7 @@ def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict
 
     standalone.ort_session_options = profiled
     try:
-        decoder = standalone.OrtDecoder(Path(folder) / DECODER_NAME, threads)
+        decoder = standalone.OrtDecoder(decoder_file(Path(folder)), threads)
     finally:
         standalone.ort_session_options = plain
     ids = np.arange(100, 100 + prompt_len)

@@ -263,6 +263,10 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expect-sha256", default=None, metavar="HASH",
                    help="refuse unless manifest.json, without its recorded results, has this sha256 (pin an "
                    "export you trust: sha256sum of the fresh manifest, or the pin verify prints)")
+    p.add_argument("--web", default=None, metavar="CLIENTS",
+                   help="also run each onnx folder through transformers.js and judge it by the same bounds: "
+                   "comma list of node (onnxruntime-node), chromium (onnxruntime-web in headless Chromium); "
+                   "needs `bash scripts/setup_web.sh` once")
     p.set_defaults(handler=run_verify)
 
 
@@ -271,7 +275,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     stage(f"verifying {args.directory}")
     report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record,
-                              expect_sha256=args.expect_sha256, dtypes=args.dtype)
+                              expect_sha256=args.expect_sha256, dtypes=args.dtype, web=args.web)
     print(report.to_json() if args.json else report)
     return 0 if report.passed else 1
 

@@ -21,8 +21,8 @@ def _count_vd(path, v, d):
 def test_onnx_factorized_keeps_z_once(exports, family):
     out, _ = exports.tiny(family)
     v, d = 512, 64
-    assert len(_count_vd(out / "onnx-factorized" / "model.onnx", v, d)) == 1
-    assert len(_count_vd(out / "onnx-materialized" / "model.onnx", v, d)) == 2
+    assert len(_count_vd(out / "onnx-factorized" / "onnx" / "model.onnx", v, d)) == 1
+    assert len(_count_vd(out / "onnx-materialized" / "onnx" / "model.onnx", v, d)) == 2
 
 
 def test_manifest_records_everything(exports):
@@ -65,7 +65,7 @@ def test_ort_model_generates_like_pytorch(exports, mode):
     from optimum.onnxruntime import ORTModelForCausalLM
 
     out, _ = exports.tiny("granite")
-    ort = ORTModelForCausalLM.from_pretrained(out / f"onnx-{mode}")
+    ort = ORTModelForCausalLM.from_pretrained(out / f"onnx-{mode}", subfolder="onnx")
     ref = load_pit_model(out / "reference")
     ids = torch.tensor([[5, 17, 99, 250, 3, 42]])
     kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)

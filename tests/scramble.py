@@ -24,7 +24,7 @@ import torch
 
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME
-from pit_deploy.targets.onnx_optimum import DECODER_DATA, DECODER_NAME
+from pit_deploy.targets.onnx_optimum import data_name, decoder_file
 
 
 def rehash(directory: Path) -> None:
@@ -43,16 +43,18 @@ def scramble_onnx_body(folder: Path, seed: int = 0) -> int:
     returns how many weights were scrambled."""
     import onnx
 
-    graph = onnx.load(str(folder / DECODER_NAME), load_external_data=False).graph
+    decoder = decoder_file(folder)
+    data = decoder.with_name(data_name(decoder.name))
+    graph = onnx.load(str(decoder), load_external_data=False).graph
     where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
     weights = [n.input[1] for n in graph.node
                if n.op_type == "MatMulNBits" and not n.input[1].startswith("pit_q.")]
     rng = np.random.default_rng(seed)
-    raw = bytearray((folder / DECODER_DATA).read_bytes())
+    raw = bytearray(data.read_bytes())
     for name in weights:
         offset, length = int(where[name]["offset"]), int(where[name]["length"])
         raw[offset:offset + length] = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
-    (folder / DECODER_DATA).write_bytes(bytes(raw))
+    data.write_bytes(bytes(raw))
     return len(weights)
 
 

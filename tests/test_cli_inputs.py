@@ -108,7 +108,7 @@ def test_bundle_of_two_exports_of_one_name_keeps_them_apart(export, tmp_path, ca
     assert all(tarfile.open(bundle).getmember(n).isfile() for n in names)  # files, never links
     labels = [a["artifact"] for a in spec["artifacts"]]
     assert labels == [f"{exp.name}/onnx-factorized", f"{exp.name}-2/onnx-factorized"]
-    assert {f"pit-bench/artifacts/{label}/model.onnx" for label in labels} <= set(names)
+    assert {f"pit-bench/artifacts/{label}/onnx/model.onnx" for label in labels} <= set(names)
     assert set(spec["prompts"]) == {f"{exp.name}:4", f"{exp.name}-2:4"}
 
 
@@ -154,13 +154,13 @@ def test_binary_manifest_is_exit_2(export, tmp_path, capsys):
 def test_an_artifact_changed_after_verification_is_not_verified(export, tmp_path):
     exp = export[0]
     record = json.loads((exp / "manifest.json").read_text())["verification"]["artifacts"][0]
-    assert record["passed"] and record["digests"]["onnx-factorized/model.onnx"] == sha256_file(exp / "onnx-factorized" / "model.onnx")
+    assert record["passed"] and record["digests"]["onnx-factorized/onnx/model.onnx"] == sha256_file(exp / "onnx-factorized" / "onnx" / "model.onnx")
     opts = BenchOptions(prompt_lens=(4,), gen_len=3, reps=1)
     cells, _, warnings = plan_cells([exp], opts)
     assert cells[0]["meta"]["verified"] is True and not warnings
 
     d = _copy(exp, tmp_path / "exp")
-    data = d / "onnx-factorized" / "model.onnx_data"
+    data = d / "onnx-factorized" / "onnx" / "model.onnx_data"
     blob = bytearray(data.read_bytes())
     blob[100] ^= 1
     data.write_bytes(bytes(blob))
@@ -199,7 +199,7 @@ def test_unknown_model_type_is_exit_2_naming_the_families(tmp_path, capsys):
 
 def test_a_truncated_onnx_with_matching_digests_is_exit_2(export, tmp_path, capsys):
     d = _copy(export[0], tmp_path / "exp")
-    model = d / "onnx-factorized" / "model.onnx"
+    model = d / "onnx-factorized" / "onnx" / "model.onnx"
     model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
     _rehash(d)
     assert main(["verify", str(d), "--no-record"]) == 2

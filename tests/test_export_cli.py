@@ -59,21 +59,21 @@ def test_verify_json_passes(onnx_export, capsys):
 
 def test_flipped_byte_fails_digest(onnx_export, tmp_path, capsys):
     d = _copy(onnx_export, tmp_path)
-    target = d / "onnx-factorized" / "model.onnx"
+    target = d / "onnx-factorized" / "onnx" / "model.onnx"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x01
     target.write_bytes(bytes(data))
     assert main(["verify", str(d)]) == 2
     err = capsys.readouterr().err
-    assert "digest" in err and "onnx-factorized/model.onnx" in err and "modified or corrupted" in err
+    assert "digest" in err and "onnx-factorized/onnx/model.onnx" in err and "modified or corrupted" in err
 
 
 def test_deleted_file_fails_digest(onnx_export, tmp_path, capsys):
     d = _copy(onnx_export, tmp_path)
-    (d / "onnx-factorized" / "interface.onnx").unlink()
+    (d / "onnx-factorized" / "onnx" / "interface.onnx").unlink()
     assert main(["verify", str(d)]) == 2
     err = capsys.readouterr().err
-    assert "onnx-factorized/interface.onnx" in err and "missing" in err
+    assert "onnx-factorized/onnx/interface.onnx" in err and "missing" in err
 
 
 def test_failed_bound_exits_1_and_names_it(onnx_export, tmp_path, capsys):

@@ -22,6 +22,7 @@ from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME
 from pit_deploy.model.inspect import find_interface
+from pit_deploy.targets.onnx_optimum import decoder_file
 from pit_deploy.tiny import FAMILIES, tiny_model
 
 QUANTIZED = ("int8", "int4")
@@ -84,7 +85,7 @@ def test_factorized_table_is_stored_once(quantized_export):
     import onnx
 
     for dtype in QUANTIZED:
-        graph = onnx.load(str(quantized_export / f"onnx-factorized-{dtype}" / "model.onnx"),
+        graph = onnx.load(str(decoder_file(quantized_export / f"onnx-factorized-{dtype}")),
                           load_external_data=False).graph
         where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
         heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("pit_q.head.")]
@@ -103,7 +104,7 @@ def test_int4_keeps_v_proj_and_down_proj_at_8_bits(quantized_export):
 
     manifest = json.loads((quantized_export / MANIFEST_NAME).read_text())
     arts = {a["path"]: a for a in manifest["artifacts"]}
-    graph = onnx.load(str(quantized_export / "onnx-factorized-int4" / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(decoder_file(quantized_export / "onnx-factorized-int4")), load_external_data=False).graph
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
             for n in graph.node if n.op_type == "MatMulNBits" and not n.input[1].startswith("pit_q.head.")}
     kept = {name for name in bits if {"v_proj", "down_proj"} & set(name.split("/"))}
@@ -124,7 +125,7 @@ def test_a_corrupted_quantized_weight_fails_verification(quantized_export, tmp_p
     not a tampered file): the KL bounds catch it (exit 1)."""
     d = tmp_path / "copy"
     shutil.copytree(quantized_export, d)
-    data = d / "onnx-materialized-int4" / "model.onnx_data"
+    data = d / "onnx-materialized-int4" / "onnx" / "model_q4.onnx_data"
     raw = np.frombuffer(data.read_bytes(), dtype=np.uint8).copy()
     rng = np.random.default_rng(0)
     raw[rng.choice(raw.size, raw.size // 3, replace=False)] ^= 0x5A
@@ -316,7 +317,7 @@ def test_a_tied_export_stores_its_quantized_table_once(tmp_path):
     assert main(["export", str(src), "--out", str(out), "--runtime", "onnx", "--keep-tying", "--dtype", "int8",
                  "--max-seq-len", "64"]) == 0
     folder = next(p for p in out.iterdir() if p.name.endswith("-int8"))
-    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(decoder_file(folder)), load_external_data=False).graph
     vocab_rows = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and
                   len(i.dims) == 2 and i.dims[0] * i.dims[1] >= 64 * 256]
     assert not vocab_rows, vocab_rows
@@ -442,7 +443,7 @@ def test_int4_compact_recipe_exports_the_smallest_int4_artifacts(tmp_path):
     assert onnx_details["table_bits"] == 4 and onnx_details["table_planes"] == 1
     assert onnx_details["interface_exact"] is True
     assert report.result("onnx", "factorized", "int4-compact").delta_ti <= 1e-4
-    graph = onnx.load(str(out / "onnx-factorized-int4-compact" / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(decoder_file(out / "onnx-factorized-int4-compact")), load_external_data=False).graph
     where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
     (head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("pit_q.head.")]
     (embed,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]

@@ -82,14 +82,14 @@ def test_nan_on_the_runtime_side_fails_verification(onnx_export, tmp_path, capsy
     from onnx import numpy_helper
 
     d = _copy(onnx_export, tmp_path)
-    path = d / "onnx-materialized" / "model.onnx"
+    path = d / "onnx-materialized" / "onnx" / "model.onnx"
     model = onnx.load(str(path), load_external_data=True)
     # the first MLP down-projection (128 × 64 in the tiny Llama): a body weight, not the table
     target = next(i for i in model.graph.initializer if list(i.dims) == [128, 64])
     arr = numpy_helper.to_array(target).copy()
     arr.flat[0] = np.nan
     target.CopyFrom(numpy_helper.from_array(arr, target.name))
-    (d / "onnx-materialized" / "model.onnx_data").unlink()
+    (d / "onnx-materialized" / "onnx" / "model.onnx_data").unlink()
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx_data", size_threshold=1024)
     _rehash(d)

@@ -35,7 +35,7 @@ class CopyTarget(Target):
     dtypes = ("float32", "int4")
     exporter = "pit_deploy.export.to_onnx:export_artifact"
     driver = "pit_deploy.runtime.ort_driver:OnnxDriver"
-    primary_file = "model.onnx"
+    primary_file = "onnx/model.onnx"
     standalone = ("pit_deploy.runtime.standalone", "OrtDecoder")
     bundle_install = "onnxruntime numpy"
     checked: list[str] = []
@@ -84,7 +84,7 @@ def test_a_target_registered_from_outside_exports_verifies_and_benches(copy_targ
         spec = json.loads(tar.extractfile("pit-bench/bundle.json").read())
     (packed,) = spec["artifacts"]
     assert packed["decoder"] == {"module": "pit_bench_runtime", "class": "OrtDecoder"}
-    assert packed["file"] == "model.onnx" and packed["requires"]["module"] == "onnxruntime"
+    assert packed["file"] == "onnx/model.onnx" and packed["requires"]["module"] == "onnxruntime"
 
 
 def test_an_unregistered_runtime_is_exit_2_naming_the_known_ones(pit_source, tmp_path, capsys):

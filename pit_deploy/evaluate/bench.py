@@ -427,7 +427,7 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
             say(f"reference tokens of {prompt}")
             references[prompt] = reference_tokens(Path(cell["reference"]), cell["prompt_ids"], opts.gen_len)
         artifacts.append({"artifact": meta["artifact"], "runtime": cell["runtime"], "prompt": prompt,
-                          "folder": f"artifacts/{cell['label']}", "decoder": decoder, "file": target.primary_file,
+                          "folder": f"artifacts/{cell['label']}", "decoder": decoder, "file": target.primary_path(Path(cell["folder"])),
                           "requires": {"module": target.module, "pip": target.bundle_install or target.package},
                           "meta": {k: v for k, v in meta.items() if k != "threads"}})
     spec = {"name": Path(out).name, "threads": list(opts.threads), "reps": opts.reps, "gen_len": opts.gen_len,

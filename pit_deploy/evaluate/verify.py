@@ -107,6 +107,8 @@ class ArtifactResult:
     nonfinite_outputs: int = 0
     #: ExecuTorch artifacts: the stock LLM runner's greedy texts vs the reference's (:mod:`.stock_runner`)
     stock_runner: dict[str, Any] | None = None
+    #: ``verify --web``: per transformers.js client, its figures and failures (:mod:`.web_check`)
+    web: dict[str, Any] | None = None
     bounds: dict[str, Any] = field(default_factory=dict)
     passed: bool = False
     failures: list[str] = field(default_factory=list)
@@ -136,15 +138,13 @@ class ArtifactResult:
         elif runner.get("identical") is False and not isinstance(bounds, QuantizedBounds):
             fails.append(f"the stock ExecuTorch LLM runner's greedy text differs from PyTorch's on "
                          f"{len(runner.get('mismatches', []))} of {runner.get('prompts')} prompt(s)")
+        for check in (self.web or {}).values():
+            fails += check.get("failures", [])
         self.failures, self.passed = fails, not fails
         return self
 
     def _judge_fp32(self, b: ParityBounds) -> list[str]:
-        fails = []
-        if not self.logits_rel_l2 <= b.logits_rel_l2:
-            fails.append(f"logits_rel_l2 {self.logits_rel_l2:.3e} > {b.logits_rel_l2:g}")
-        if not self.top1_agreement >= b.top1_agreement:
-            fails.append(f"top1_agreement {self.top1_agreement:.4%} < {b.top1_agreement:.0%}")
+        fails = logit_failures(b, self.logits_rel_l2, self.top1_agreement)
         if not self.greedy_match:
             fails.append(f"greedy continuation of {b.greedy_tokens} tokens differs from PyTorch")
         if self.greedy_tokens < b.greedy_tokens:
@@ -161,11 +161,7 @@ class ArtifactResult:
         return fails
 
     def _judge_quantized(self, b: QuantizedBounds) -> list[str]:
-        fails = []
-        if not self.kl_mean <= b.kl_mean:
-            fails.append(f"kl_mean {self.kl_mean:.4g} > {b.kl_mean:g}")
-        if not self.kl_p99 <= b.kl_p99:
-            fails.append(f"kl_p99 {self.kl_p99:.4g} > {b.kl_p99:g}")
+        fails = kl_failures(b, self.kl_mean, self.kl_p99)
         if self.expected_kl_mean is not None and self.expected_kl_p99 is not None:
             mean, p99 = b.scaled_kl_bound(self.expected_kl_mean, self.expected_kl_p99)
             self.scaled_bounds = {"kl_mean": mean, "kl_p99": p99}
@@ -175,15 +171,55 @@ class ArtifactResult:
                 if not value <= allowed:
                     fails.append(f"{name} {value:.4g} > {allowed:.4g} = max({factor:g} × {expected:.4g}, {floor:g}), "
                                  f"the error its weight rounding explains (expected at export)")
-        if not self.same_top1 >= b.same_top1:
-            fails.append(f"same_top1 {self.same_top1:.2%} < {b.same_top1:.0%}")
-        if not self.ppl_ratio <= b.ppl_ratio:
-            fails.append(f"ppl_ratio {self.ppl_ratio:.4f} > {b.ppl_ratio:g}")
+        fails += agreement_failures(b, self.same_top1, self.ppl_ratio)
         if self.interface_exact and not self.delta_ti <= b.delta_ti:
             fails.append(f"delta_ti {self.delta_ti:.3e} > {b.delta_ti:g} (an exact factorized interface)")
         elif not math.isfinite(self.delta_ti):
             fails.append(f"delta_ti is {self.delta_ti}")
         return fails
+
+
+def _web_row(client: str, w: dict[str, Any]) -> str:
+    """One transformers.js client's line under its artifact's row of the table."""
+    label = f"  + transformers.js {client}"
+    if w.get("error"):
+        return f"{label:<30}did not run: {w['error']}"
+    greedy = "-" if w.get("greedy_match") is None else ("yes" if w["greedy_match"] else "NO")
+    rate = w.get("decode_ms_per_token")
+    return (f"{label:<30}{_fmt(w.get('logits_rel_l2'), '.2e'):>9}{_fmt(w.get('top1_agreement'), '.2%'):>8}{greedy:>7}"
+            f"{'-':>7}{_fmt(w.get('kl_mean'), '.4f'):>9}{'-':>7}{_fmt(w.get('kl_p99'), '.3f'):>8}"
+            f"{_fmt(w.get('same_top1'), '.1%'):>7}{_fmt(w.get('ppl_ratio'), '.3f'):>7}{'-':>10}  "
+            + ("pass" if w.get("passed") else "FAIL") + ("" if rate is None else f" (decode {rate:.1f} ms/token)"))
+
+
+def logit_failures(b: ParityBounds, rel_l2: float, top1: float) -> list[str]:
+    """The fp32 logit bounds a figure set misses (NaN misses every bound)."""
+    fails = []
+    if not rel_l2 <= b.logits_rel_l2:
+        fails.append(f"logits_rel_l2 {rel_l2:.3e} > {b.logits_rel_l2:g}")
+    if not top1 >= b.top1_agreement:
+        fails.append(f"top1_agreement {top1:.4%} < {b.top1_agreement:.0%}")
+    return fails
+
+
+def kl_failures(b: QuantizedBounds, kl_mean: float, kl_p99: float) -> list[str]:
+    """The absolute KL bounds a quantized artifact's figures miss."""
+    fails = []
+    if not kl_mean <= b.kl_mean:
+        fails.append(f"kl_mean {kl_mean:.4g} > {b.kl_mean:g}")
+    if not kl_p99 <= b.kl_p99:
+        fails.append(f"kl_p99 {kl_p99:.4g} > {b.kl_p99:g}")
+    return fails
+
+
+def agreement_failures(b: QuantizedBounds, same_top1: float, ppl_ratio: float) -> list[str]:
+    """The top-1 and perplexity-ratio bounds a quantized artifact's figures miss."""
+    fails = []
+    if not same_top1 >= b.same_top1:
+        fails.append(f"same_top1 {same_top1:.2%} < {b.same_top1:.0%}")
+    if not ppl_ratio <= b.ppl_ratio:
+        fails.append(f"ppl_ratio {ppl_ratio:.4f} > {b.ppl_ratio:g}")
+    return fails
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -242,6 +278,8 @@ class VerifyReport:
                 f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
+            for client, w in (a.web or {}).items():
+                rows.append(_web_row(client, w))
         rows.append("all artifacts passed" if self.passed else "verification FAILED")
         if self.manifest_sha256:
             rows.append(f"manifest pin (--expect-sha256): {self.manifest_sha256}")
@@ -453,6 +491,7 @@ def verify_directory(
     record: bool = True,
     expect_sha256: str | None = None,
     dtypes: Sequence[str] | str | None = None,
+    web: Sequence[str] | str | None = None,
 ) -> VerifyReport:
     """Check digests, then verify every (selected) artifact; optionally record the results.
 
@@ -489,11 +528,22 @@ def verify_directory(
     if not selected:
         have = ", ".join(a.key for a in manifest.artifacts) or "none"
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
+    web_clients: tuple[str, ...] = ()
+    if web:
+        from ..runtime.web_clients import CLIENTS, check_setup
+
+        web_clients = tuple(parse_list(web, CLIENTS, "web client"))
+        if not any(get_target(a.runtime).web_ready for a in selected):
+            raise PitError(f"--web runs transformers.js on the onnx target's folders, and none is selected in "
+                           f"{directory}; export with --runtime onnx")
+        for client in web_clients:
+            check_setup(client)  # a client that is not set up: the user's to fix, before any work
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
-    ctx = VerifyContext(directory=directory, reference=reference, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
-                        greedy_tokens=GREEDY_TOKENS, cache={})
     overrides = (manifest.recipe or {}).get("bounds") or {}
+    ctx = VerifyContext(directory=directory, reference=reference, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
+                        greedy_tokens=GREEDY_TOKENS, cache={"ref_runs": ref_runs, "heldout": manifest.heldout},
+                        web_clients=web_clients, bound_overrides=overrides)
     results = []
     for art in selected:
         bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name))

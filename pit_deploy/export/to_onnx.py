@@ -4,9 +4,11 @@ The decoder goes through ``optimum.exporters.onnx.onnx_export_from_model`` with 
 ``text-generation-with-past``: inputs ``input_ids``, ``attention_mask``, ``position_ids`` and
 ``past_key_values.{i}.key/value``, outputs ``logits`` and ``present.{i}.key/value`` — the
 layout ``optimum.onnxruntime.ORTModelForCausalLM`` loads and generates with (optimum-onnx
-docs, "Export a model to ONNX with optimum.exporters.onnx"). torch's ONNX exporter writes
-weights as external data once a model passes the 2 GB protobuf limit, and optimum gathers
-them into one ``model.onnx_data`` file.
+docs, "Export a model to ONNX with optimum.exporters.onnx") and transformers.js runs. The folder
+is laid out as transformers.js loads it with no edit (:mod:`pit_deploy.targets.onnx_optimum`):
+the graphs under ``onnx/``, every large weight in one external-data file named after the graph,
+``config.json`` saying which graph and that it has external data, the chat template also in
+``tokenizer_config.json``.
 
 Beside the decoder we write ``interface.onnx``: a two-output graph
 ``(input_ids[N], hidden[N, d]) -> (embeddings[N, d], logits[N, V])`` built from the same
@@ -29,7 +31,7 @@ from transformers import PreTrainedModel
 from ..io.checkpoint import save_tokenizer
 from ..model.inspect import tying_of
 from ..schemes import Scheme
-from ..targets.onnx_optimum import DECODER_DATA, DECODER_NAME, INTERFACE_NAME
+from ..targets.onnx_optimum import INTERFACE_NAME, WEB_DTYPES, data_name, decoder_name
 from .passes import InterfaceProbe
 
 ONNX_TASK = "text-generation-with-past"
@@ -39,7 +41,7 @@ ONNX_TASK = "text-generation-with-past"
 def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None,
                 dtype: str = "float32", group_size: int = 32, pit_correction: bool = True,
                 table_bits: int | None = None, keep_8bit: tuple[str, ...] = ()) -> dict:
-    """Write ``model.onnx`` (+ config, generation config, tokenizer) and ``interface.onnx``;
+    """Write the decoder (+ config, generation config, tokenizer) and the interface graph;
     for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`).
 
     Returns:
@@ -68,7 +70,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         save_tokenizer(tokenizer, out_dir)
     probe = InterfaceProbe(model).eval()
     v, d = model.config.vocab_size, model.config.hidden_size
-    tmp_interface = out_dir / f".{INTERFACE_NAME}.tmp"
+    tmp_interface = out_dir / ".interface.onnx.tmp"
     torch.onnx.export(
         probe,
         (torch.arange(4, dtype=torch.long), torch.zeros(4, d)),
@@ -82,28 +84,53 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         do_constant_folding=tying_of(model) != "tied",
         dynamo=False,
     )
-    decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=True)
+    exported = out_dir / "model.onnx"  # optimum's name, at the top
+    decoder = onnx.load(str(exported), load_external_data=True)
     interface = onnx.load(str(tmp_interface), load_external_data=True)
     tmp_interface.unlink()
+    exported.unlink()
     for old in out_dir.glob("*.onnx_data"):
         old.unlink()
-    details: dict = {"task": ONNX_TASK, "decoder": DECODER_NAME, "decoder_data": DECODER_DATA,
-                     "interface": INTERFACE_NAME}
+    name = decoder_name(dtype)
+    details: dict = {"task": ONNX_TASK, "decoder": name, "decoder_data": data_name(name),
+                     "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
     if dtype != "float32":
         decoder, details["quantization"] = quantize_graph(decoder, dtype, group_size, v, d, pit_correction,
                                                           body=True, table_bits=table_bits, keep_8bit=keep_8bit)
         interface, _ = quantize_graph(interface, dtype, group_size, v, d, pit_correction, body=False,
                                       table_bits=table_bits)
-    save_deduplicated(decoder, out_dir / DECODER_NAME, DECODER_DATA)
+    (out_dir / name).parent.mkdir(exist_ok=True)
+    save_deduplicated(decoder, out_dir / name, data_name(name))
     del decoder
-    details["interface_tensors_shared"] = share_interface_weights(out_dir, interface, min_elements=d * d)
+    details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d)
+    write_web_config(out_dir, WEB_DTYPES[dtype][0])
     return details
 
 
-def share_interface_weights(out_dir: Path, interface, min_elements: int) -> list[str]:
-    """Write ``interface.onnx`` reading its large weights from the decoder's external data file.
+def write_web_config(out_dir: Path, web_dtype: str) -> None:
+    """Make the folder load in transformers.js as it is: ``config.json`` names the graph's dtype
+    (so the graph under ``onnx/`` is found with no option) and says its weights are external data
+    (else the browser never fetches them); the chat template goes into ``tokenizer_config.json``,
+    the only place transformers.js reads it (transformers also writes it to
+    ``chat_template.jinja``, which stays)."""
+    import json
 
-    The decoder is already saved with its tensors in ``model.onnx_data`` (ONNX external data:
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["transformers.js_config"] = {"dtype": web_dtype, "use_external_data_format": True}
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    template, tok_config_path = out_dir / "chat_template.jinja", out_dir / "tokenizer_config.json"
+    if template.is_file() and tok_config_path.is_file():
+        tok_config = json.loads(tok_config_path.read_text(encoding="utf-8"))
+        tok_config.setdefault("chat_template", template.read_text(encoding="utf-8"))
+        tok_config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def share_interface_weights(decoder_path: Path, interface, min_elements: int) -> list[str]:
+    """Write the interface graph beside ``decoder_path`` reading its large weights from the
+    decoder's external data file.
+
+    The decoder is already saved with its tensors in one external-data file (ONNX external data:
     each initializer records ``location``/``offset``/``length``; see onnx's "External Data"
     docs). Each large initializer of the ``interface`` graph whose bytes equal a decoder
     initializer is pointed at that same byte range, so the interface graph adds no weight bytes
@@ -116,13 +143,14 @@ def share_interface_weights(out_dir: Path, interface, min_elements: int) -> list
     from onnx import numpy_helper
     from onnx.external_data_helper import ExternalDataInfo
 
-    decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=False)
+    decoder = onnx.load(str(decoder_path), load_external_data=False)
+    folder = decoder_path.parent
     ranges: dict[str, dict[str, str]] = {}
     for init in decoder.graph.initializer:
         if init.data_location == onnx.TensorProto.EXTERNAL:
             info = ExternalDataInfo(init)
             ranges[init.name] = {"location": info.location, "offset": str(info.offset), "length": str(info.length)}
-    data = (out_dir / DECODER_DATA).read_bytes() if ranges else b""
+    data = (folder / data_name(decoder_path.name)).read_bytes() if ranges else b""
     by_digest: dict[tuple, dict[str, str]] = {}
     for init in decoder.graph.initializer:
         if init.name in ranges:
@@ -146,7 +174,7 @@ def share_interface_weights(out_dir: Path, interface, min_elements: int) -> list
             entry = init.external_data.add()
             entry.key, entry.value = k, v
         shared.append(init.name)
-    onnx.save_model(interface, str(out_dir / INTERFACE_NAME))
+    onnx.save_model(interface, str(folder / Path(INTERFACE_NAME).name))
     return shared
 
 

@@ -40,13 +40,17 @@ class GenaiDriver(OnnxDriver):
     names differ."""
 
     runtime = "onnx-genai"
-    decoder_name = DECODER_NAME
-    interface_name = INTERFACE_NAME
+
+    def decoder_path(self) -> Path:
+        return self.folder / DECODER_NAME
+
+    def interface_path(self) -> Path:
+        return self.folder / INTERFACE_NAME
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
 
-        path = self.folder / self.interface_name
+        path = self.interface_path()
         with loading(path, "onnxruntime"):
             sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads),
                                         providers=["CPUExecutionProvider"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..targets.onnx_optimum import DECODER_NAME, INTERFACE_NAME
+from ..targets.onnx_optimum import decoder_file, interface_file
 
 
 def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -30,21 +30,21 @@ def shared_weights(artifact_dir: Path, min_elements: int) -> tuple[bool, str]:
     """Are the interface graph's large weights byte-identical to some of the decoder's?
 
     Args:
-        artifact_dir: directory with ``model.onnx`` and ``interface.onnx``.
+        artifact_dir: an ``onnx`` artifact folder (its decoder and interface graphs).
         min_elements: only initializers with at least this many elements are compared (the
             ``V×d`` / ``d×d`` interface constants, not small scalars).
 
     Returns:
         ``(ok, message)``.
     """
-    probe = _initializer_digests(artifact_dir / INTERFACE_NAME, min_elements)
-    decoder = _initializer_digests(artifact_dir / DECODER_NAME, min_elements)
+    probe = _initializer_digests(interface_file(artifact_dir), min_elements)
+    decoder = _initializer_digests(decoder_file(artifact_dir), min_elements)
     have = {digest for digest, _ in decoder.values()}
     missing = [f"{name}{shape}" for name, (digest, shape) in probe.items() if digest not in have]
     if not probe:
         return False, "interface.onnx holds no interface weights to compare"
     if missing:
-        return False, f"interface.onnx weights not found byte-identical in model.onnx: {missing}"
+        return False, f"interface weights not found byte-identical in the decoder: {missing}"
     return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"
 
 

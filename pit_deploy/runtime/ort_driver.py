@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import PitError
-from ..targets.onnx_optimum import DECODER_NAME, INTERFACE_NAME
+from ..targets.onnx_optimum import decoder_file, interface_file
 from .base import Driver, loading
 from .standalone import OrtDecoder, ort_session_options
 
@@ -24,14 +24,20 @@ class OnnxDriver(Driver):
     """The decoder through :class:`OrtDecoder`; the interface graph through its own session."""
 
     runtime = "onnx"
-    #: the folder's file names (a subclass for another ONNX target names its own)
-    decoder_name = DECODER_NAME
-    interface_name = INTERFACE_NAME
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        with loading(self.folder / self.decoder_name, "onnxruntime"):
-            self.decoder = OrtDecoder(self.folder / self.decoder_name, threads)
+        path = self.decoder_path()
+        with loading(path, "onnxruntime"):
+            self.decoder = OrtDecoder(path, threads)
+
+    def decoder_path(self) -> Path:
+        """The folder's decoder graph (a subclass for another ONNX target names its own)."""
+        return decoder_file(self.folder)
+
+    def interface_path(self) -> Path:
+        """The folder's interface graph."""
+        return interface_file(self.folder)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))
@@ -45,9 +51,10 @@ class OnnxDriver(Driver):
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
 
-        with loading(self.folder / self.interface_name, "onnxruntime"):
+        path = self.interface_path()
+        with loading(path, "onnxruntime"):
             sess = ort.InferenceSession(
-                str(self.folder / self.interface_name), sess_options=ort_session_options(self.threads),
+                str(path), sess_options=ort_session_options(self.threads),
                 providers=["CPUExecutionProvider"],
             )
         emb, logits = sess.run(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,6 +66,10 @@ class VerifyContext:
     text_prompts: tuple[str, ...]
     greedy_tokens: int
     cache: dict[str, Any]
+    #: transformers.js clients to run each web-ready artifact in (``verify --web``)
+    web_clients: tuple[str, ...] = ()
+    #: the recipe's bound overrides by scheme (``bounds_for(scheme, overrides.get(scheme))``)
+    bound_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 class Target:
@@ -101,6 +105,8 @@ class Target:
     #: whether an export that names no runtime includes this target (an opt-in target, whose
     #: exporter needs an extra distribution or supports fewer families, says ``False``)
     default_export: bool = True
+    #: whether the artifact folder loads in transformers.js as it is (``verify --web`` runs it there)
+    web_ready: bool = False
     #: which artifact a user ships first when an export holds several (lower first)
     ship_priority: int = 50
     #: the quantization-scheme settings this target's exporter reads (an override of another
@@ -149,6 +155,11 @@ class Target:
             return importlib.util.find_spec(self.module) is not None
         except (ImportError, ValueError):
             return False
+
+    def primary_path(self, folder: Path) -> str:
+        """The file of ``folder`` the standalone decoder opens, relative to it (a target whose
+        file name depends on the artifact's dtype finds it)."""
+        return self.primary_file
 
     def driver_class(self) -> Callable[..., Any]:
         """The driver class.

@@ -1,9 +1,14 @@
 """The ``onnx`` target: optimum's ``text-generation-with-past`` decoder run by onnxruntime.
 
-Artifact layout (``docs/export.md``): :data:`DECODER_NAME` + :data:`DECODER_DATA` (the decoder
-and its external weights, stored once), :data:`INTERFACE_NAME` (``(input_ids, hidden) ->
-(embeddings, logits)``, reading the decoder's very weight bytes, so verification measures the
-runtime's own ``W_out E``). Exporter: :mod:`pit_deploy.export.to_onnx`; quantized graphs:
+Artifact layout (``docs/export.md``): the one transformers.js loads unchanged (the Hugging Face
+hub's ONNX layout): ``config.json`` (with a ``transformers.js_config`` naming the graph's dtype and
+its external data), the tokenizer files (the chat template also inside
+``tokenizer_config.json``, the only place transformers.js reads it), and under ``onnx/`` the
+decoder ``model{suffix}.onnx`` + ``model{suffix}.onnx_data`` (its external weights, stored once;
+the suffix is transformers.js's for the dtype: :func:`decoder_name`) and :data:`INTERFACE_NAME`
+(``(input_ids, hidden) -> (embeddings, logits)``, reading the decoder's very weight bytes, so
+verification measures the runtime's own ``W_out E``). Folders exported before this layout (the
+decoder at the top) still load: :func:`decoder_file`. Exporter: :mod:`pit_deploy.export.to_onnx`; quantized graphs:
 :mod:`pit_deploy.export.quantize_onnx`; driver: :mod:`pit_deploy.runtime.ort_driver`; on a
 device: ``OrtDecoder`` of :mod:`pit_deploy.runtime.standalone` (numpy + onnxruntime only).
 
@@ -15,12 +20,53 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import PitError
 from . import register_target
 from .base import Target, WeightGrid, resolve
 
-DECODER_NAME = "model.onnx"
-DECODER_DATA = "model.onnx_data"
-INTERFACE_NAME = "interface.onnx"
+#: the subfolder transformers.js reads graphs from
+GRAPH_DIR = "onnx"
+#: the fp32 decoder (quantized ones carry transformers.js's suffix: :func:`decoder_name`)
+DECODER_NAME = f"{GRAPH_DIR}/model.onnx"
+INTERFACE_NAME = f"{GRAPH_DIR}/interface.onnx"
+#: transformers.js's dtype name for each of our dtypes: it picks ``onnx/model{suffix}.onnx`` by it
+#: (``DEFAULT_DTYPE_SUFFIX_MAPPING`` of transformers.js 4.x)
+WEB_DTYPES = {"float32": ("fp32", ""), "int8": ("int8", "_int8"), "int4": ("q4", "_q4")}
+#: the layout of folders exported before the web layout
+LEGACY_DECODER, LEGACY_INTERFACE = "model.onnx", "interface.onnx"
+
+
+def decoder_name(dtype: str) -> str:
+    """The decoder's path in the folder for one of our dtypes (``onnx/model_q4.onnx`` for int4)."""
+    return f"{GRAPH_DIR}/model{WEB_DTYPES[dtype][1]}.onnx"
+
+
+def data_name(decoder: str) -> str:
+    """The external-data file name of a decoder: transformers.js fetches ``<graph file>_data`` and
+    hands it to onnxruntime-web under that name, so the graph must point at exactly it."""
+    return Path(decoder).name + "_data"
+
+
+def decoder_file(folder: Path) -> Path:
+    """The decoder graph of an artifact folder, this layout's or the pre-web one's.
+
+    Raises:
+        PitError: no decoder, or more than one, under ``onnx/``.
+    """
+    folder = Path(folder)
+    if (folder / LEGACY_DECODER).is_file():
+        return folder / LEGACY_DECODER
+    found = sorted(p for p in (folder / GRAPH_DIR).glob("model*.onnx") if p.is_file())
+    if len(found) != 1:
+        raise PitError(f"{folder}: expected one decoder graph onnx/model*.onnx, found "
+                       f"{[p.name for p in found] or 'none'}; re-export")
+    return found[0]
+
+
+def interface_file(folder: Path) -> Path:
+    """The interface graph beside :func:`decoder_file`'s decoder."""
+    folder = Path(folder)
+    return folder / (LEGACY_INTERFACE if (folder / LEGACY_DECODER).is_file() else INTERFACE_NAME)
 
 
 class OnnxOptimumTarget(Target):
@@ -35,6 +81,10 @@ class OnnxOptimumTarget(Target):
     bundle_install = "onnxruntime numpy"
     primary_file = DECODER_NAME
     ship_priority = 20
+    web_ready = True
+
+    def primary_path(self, folder: Path) -> str:
+        return decoder_file(folder).relative_to(folder).as_posix()
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe),
@@ -45,6 +95,11 @@ class OnnxOptimumTarget(Target):
         head and the embedding on the ``table_bits`` table (:mod:`pit_deploy.export.quantize_onnx`)."""
         return WeightGrid(symmetric=False, per_channel_8bit=False, head_bits=scheme.table_bits,
                           embed_bits=scheme.table_bits)
+
+    def verify_extras(self, ctx: Any, art: Any, result: Any, quantized: bool) -> None:
+        """``verify --web``: the folder as transformers.js runs it (:mod:`pit_deploy.evaluate.web_check`)."""
+        if ctx.web_clients:
+            resolve("pit_deploy.evaluate.web_check:verify_web")(ctx, art, result)
 
     def interface_checks(self, folder: Path, dim: int) -> tuple[bool | None, list[str]]:
         """The interface graph must read the decoder's weight bytes (else ``delta_ti`` would be
