@@ -14,7 +14,8 @@ What is smoked, and what is left out:
   have their own tests. These two are marked ``slow`` (one to two minutes each on a busy 2-core
   machine, mostly ``verify`` and ``bench`` subprocesses); they still run in CI.
 * ``export_sizes.py`` runs its own stock ONNX export and PIT export (``--runtime onnx``).
-* ``onnx_decode_profile.py`` profiles the tiny ONNX export; ``onnx_head_kernels.py`` and
+* ``onnx_decode_profile.py`` profiles the tiny ONNX export; ``web_decode.py`` runs it in Node,
+  headless Chromium and native onnxruntime; ``onnx_head_kernels.py`` and
   ``pte_head_kernels.py`` run their head-shaped kernels at a tiny shape (``--vocab/--hidden``);
   ``train_pit_vs_tt.py`` trains the tiny model for a few hundred tokens on the default corpus.
 * The scripts run in this process through their ``main(argv)`` (no interpreter start-up each),
@@ -155,6 +156,15 @@ def test_onnx_decode_profile(work, tmp_path):
                                                  "--steps", "2", "--prompt-len", "4", "--out", str(out)]) == 0
     data = well_formed(out, "onnx_decode_profile", "rows")
     assert data["rows"][0]["nodes_per_step"] > 0
+
+
+def test_web_decode(work, tmp_path):
+    out = tmp_path / "web_decode.json"
+    assert run_benchmark("web_decode", [str(work / "bench" / "pit" / "onnx-factorized"), "--rounds", "1",
+                                        "--prompt-len", "4", "--gen-len", "3", "--out", str(out)]) == 0
+    data = well_formed(out, "web_decode", "table")
+    assert {row["engine"] for row in data["table"]} == {"onnxruntime", "node", "chromium"}
+    assert all(row["decode_ms_per_token"] > 0 for row in data["table"])
 
 
 def test_onnx_head_kernels_as_a_script(tmp_path):
