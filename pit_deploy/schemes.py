@@ -99,6 +99,10 @@ class Scheme:
         pit_correction: factorized: ``T⁻¹ → (ẐᵀẐ)⁻¹T⁻¹`` so ``W_out E = I`` holds on the runtime.
         pte_head_bits: quantized factorized ``.pte``: 0 keeps the fp32 head, 4/8 a rotated
             quantized head.
+        fold_at_load: ONNX: store the codes in standard operators that onnxruntime folds back to
+            float32 when the session is created (loads in onnxruntime-web's default build, fp32
+            kernels at run time: a smaller file, not less memory) instead of ``MatMulNBits`` /
+            ``GatherBlockQuantized``.
         runtimes: the targets this scheme is meant for (``None``: every target of its dtype).
     """
 
@@ -111,6 +115,7 @@ class Scheme:
     int4_8bit_layers: tuple[str, ...] = ()
     pit_correction: bool = True
     pte_head_bits: int = 0
+    fold_at_load: bool = False
     runtimes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -129,6 +134,8 @@ class Scheme:
         object.__setattr__(self, "int4_8bit_layers", tuple(layers))
         if not isinstance(self.pit_correction, bool):
             raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
+        if not isinstance(self.fold_at_load, bool):
+            raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
 
     @property
     def quantized(self) -> bool:
@@ -153,6 +160,8 @@ class Scheme:
             out.update(group_size=self.group_size, table_bits=self.table_bits,
                        int4_8bit_layers=list(self.int4_8bit_layers) if self.dtype == "int4" else [],
                        pit_correction=self.pit_correction, pte_head_bits=self.pte_head_bits)
+            if self.fold_at_load:
+                out["fold_at_load"] = True
         return out
 
 
@@ -227,3 +236,17 @@ register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
                        "the bound)",
                        table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx", "onnx-genai")))
+# The web schemes: the same codes as int8/int4 on the onnx target, dequantized by standard operators
+# that onnxruntime folds at load, because onnxruntime-web's default WASM build lacks
+# GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/export.md, "The folder
+# transformers.js loads"). No activation is rounded at run time, so the int8 scheme's factor of 10
+# (for XNNPACK's int8 activations) does not apply: the default factor of 4.
+register_scheme(Scheme("int8-web", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1),
+                       "8-bit codes folded to float32 when the session loads: runs in onnxruntime-web's default "
+                       "WASM build at fp32 speed; a smaller download, not less memory",
+                       fold_at_load=True, runtimes=("onnx",)))
+register_scheme(Scheme("int4-web", "int4", INT4_BOUNDS,
+                       "the int4 scheme's codes (v_proj/down_proj and the token table at 8 bits) folded to "
+                       "float32 when the session loads: runs in onnxruntime-web's default WASM build at fp32 "
+                       "speed; a smaller download, not less memory",
+                       int4_8bit_layers=("v_proj", "down_proj"), fold_at_load=True, runtimes=("onnx",)))

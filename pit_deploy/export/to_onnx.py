@@ -40,9 +40,11 @@ ONNX_TASK = "text-generation-with-past"
 @torch.no_grad()
 def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None,
                 dtype: str = "float32", group_size: int = 32, pit_correction: bool = True,
-                table_bits: int | None = None, keep_8bit: tuple[str, ...] = ()) -> dict:
+                table_bits: int | None = None, keep_8bit: tuple[str, ...] = (),
+                fold_at_load: bool = False) -> dict:
     """Write the decoder (+ config, generation config, tokenizer) and the interface graph;
-    for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`).
+    for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`; with ``fold_at_load``,
+    codes that onnxruntime folds to float32 at load, :mod:`.fold_onnx`).
 
     Returns:
         a dict with the task, the opset, the ONNX file names (and the quantization details).
@@ -50,6 +52,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     import onnx
     from optimum.exporters.onnx import onnx_export_from_model
 
+    from .fold_onnx import fold_graph
     from .quantize_onnx import quantize_graph, save_deduplicated
 
     model.eval()
@@ -95,10 +98,11 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     details: dict = {"task": ONNX_TASK, "decoder": name, "decoder_data": data_name(name),
                      "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
     if dtype != "float32":
-        decoder, details["quantization"] = quantize_graph(decoder, dtype, group_size, v, d, pit_correction,
-                                                          body=True, table_bits=table_bits, keep_8bit=keep_8bit)
-        interface, _ = quantize_graph(interface, dtype, group_size, v, d, pit_correction, body=False,
-                                      table_bits=table_bits)
+        quantize = fold_graph if fold_at_load else quantize_graph
+        decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
+                                                    body=True, table_bits=table_bits, keep_8bit=keep_8bit)
+        interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
+                                table_bits=table_bits)
     (out_dir / name).parent.mkdir(exist_ok=True)
     save_deduplicated(decoder, out_dir / name, data_name(name))
     del decoder
@@ -183,4 +187,4 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
     """The ``onnx`` target's exporter (:mod:`pit_deploy.targets.onnx_optimum`)."""
     return export_onnx(model, out_dir, tokenizer, opset, dtype=scheme.dtype, group_size=scheme.group_size,
                        pit_correction=scheme.pit_correction, table_bits=scheme.table_bits,
-                       keep_8bit=scheme.int4_8bit_layers)
+                       keep_8bit=scheme.int4_8bit_layers, fold_at_load=scheme.fold_at_load)

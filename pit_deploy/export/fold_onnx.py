@@ -1,0 +1,173 @@
+"""Quantized ONNX weights that the runtime turns back into float32 when it loads them (the
+``int8-web`` and ``int4-web`` schemes): the artifact for onnxruntime-web.
+
+Why not the ``onnx`` target's own int8/int4 graphs there: their operators (``MatMulNBits``,
+``GatherBlockQuantized``) are contrib ops. onnxruntime-web's default WASM build has no
+``GatherBlockQuantized`` at all, so the folder does not load in a browser, and its
+``MatMulNBits`` is an order of magnitude slower than an fp32 ``MatMul`` at one token (measured in
+headless Chromium: ``studies/web_int8.py``, ``docs/export.md``, "The folder transformers.js
+loads"). Here every weight matrix is stored as codes with block scales and zero points, and the
+graph dequantizes it with standard operators (``BitShift``, ``Sub``, ``Cast``, ``Mul``,
+``Reshape``, ``Transpose``) whose inputs are all initializers: onnxruntime's constant
+folding computes the fp32 weight once, when the session is created, in native builds and in
+onnxruntime-web alike. The file and the download are those of a quantized model; the session
+holds fp32 weights and runs fp32 kernels (no memory saved, fp32 decode speed).
+
+The codes are the ``onnx`` target's: onnxruntime's asymmetric block quantizer
+(:func:`pit_deploy.export.quantize_onnx.block_quantize`, blocks of ``group_size`` along the input
+dimension), so the expected error recorded at export (the target's weight grid) describes these
+weights too. The token table of a factorized model is stored once — the dequantized ``Zᵀ`` is
+one folded tensor read by both the embedding ``Gather`` and the head ``MatMul`` — and the PIT
+correction replaces ``T⁻¹`` by ``M = (ẐᵀẐ)⁻¹ T⁻¹`` computed from the very codes stored, so
+``W_out E = I`` holds on the runtime to fp32 rounding. ``T`` and ``M`` stay fp32 (d×d).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .quantize_onnx import (
+    BITS,
+    BlockTable,
+    _add,
+    _initializers,
+    _remove_unused_initializers,
+    block_quantize,
+    correction_matrix,
+    find_graph_interface,
+    gemm_to_matmul,
+    layer_matmuls,
+)
+
+STORAGE = ("codes and block scales in standard operators on initializers, folded to float32 by "
+           "onnxruntime when the session is created (fp32 kernels at run time)")
+
+
+def _zero_points(table: BlockTable) -> np.ndarray:
+    """The table's zero points as one uint8 per block ``(rows, blocks)`` (4-bit ones unpacked)."""
+    rows, blocks = table.scales.shape
+    zp = table.zero_points.reshape(rows, -1)
+    if table.bits == 4:
+        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(rows, -1)
+    return np.ascontiguousarray(zp[:, :blocks])
+
+
+def fold_nodes(graph, name: str, table: BlockTable, transpose: bool) -> list:
+    """Initializers for ``table`` and the nodes that compute the float32 tensor ``name`` from
+    them: ``(q − zero point) · scale`` per block, reshaped to ``(rows, K)`` and transposed where
+    the original weight was ``(K, rows)`` (a ``MatMul``'s B). 4-bit codes stay two a byte and are
+    unpacked with ``BitShift``/``Sub``; 8-bit codes are cast as they are."""
+    from onnx import TensorProto, helper
+
+    rows, blocks = table.scales.shape
+    block = table.block
+
+    def node(op: str, inputs: list[str], out: str, **attrs: Any):
+        return helper.make_node(op, inputs, [out], name=out, **attrs)
+
+    data = _add(graph, f"{name}.q{table.bits}", table.packed)  # (rows, blocks, block · bits / 8)
+    scale = _add(graph, f"{name}.scales", table.scales.reshape(rows, blocks, 1))
+    zero = _add(graph, f"{name}.zero_points", _zero_points(table).reshape(rows, blocks, 1))
+    nodes = []
+    codes = data
+    if table.bits == 4:
+        four = _add(graph, f"{name}.four", np.array(4, np.uint8))
+        last = _add(graph, f"{name}.last_axis", np.array([-1], np.int64))
+        shape = _add(graph, f"{name}.blocks_shape", np.array([rows, blocks, block], np.int64))
+        # hi = q >> 4, lo = q − (hi << 4): BitShift and Sub exist from opset 11 (BitwiseAnd only from 18)
+        nodes += [node("BitShift", [data, four], f"{name}.hi", direction="RIGHT"),
+                  node("BitShift", [f"{name}.hi", four], f"{name}.hi_up", direction="LEFT"),
+                  node("Sub", [data, f"{name}.hi_up"], f"{name}.lo"),
+                  node("Unsqueeze", [f"{name}.lo", last], f"{name}.lo1"),
+                  node("Unsqueeze", [f"{name}.hi", last], f"{name}.hi1"),
+                  node("Concat", [f"{name}.lo1", f"{name}.hi1"], f"{name}.pairs", axis=-1),  # low nibble first
+                  node("Reshape", [f"{name}.pairs", shape], f"{name}.codes")]
+        codes = f"{name}.codes"
+    full = _add(graph, f"{name}.shape", np.array([rows, blocks * block], np.int64))
+    nodes += [node("Cast", [codes], f"{name}.codes_f", to=TensorProto.FLOAT),
+              node("Cast", [zero], f"{name}.zero_f", to=TensorProto.FLOAT),
+              node("Sub", [f"{name}.codes_f", f"{name}.zero_f"], f"{name}.centred"),
+              node("Mul", [f"{name}.centred", scale], f"{name}.blocks_f")]
+    if transpose:
+        nodes += [node("Reshape", [f"{name}.blocks_f", full], f"{name}.rows"),
+                  node("Transpose", [f"{name}.rows"], name, perm=[1, 0])]
+    else:
+        nodes.append(node("Reshape", [f"{name}.blocks_f", full], name))
+    return nodes
+
+
+def _fold(graph, name: str, rows: np.ndarray, bits: int, block: int, transpose: bool) -> tuple[BlockTable, list]:
+    """Replace the initializer ``name`` by its quantized codes and folding nodes."""
+    table = block_quantize(rows, bits, block)
+    inits = _initializers(graph)
+    graph.initializer.remove(inits[name])
+    return table, fold_nodes(graph, name, table, transpose)
+
+
+def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool, body: bool,
+               table_bits: int | None = None, keep_8bit: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:
+    """Store ``model``'s token tables (``table_bits``, default the dtype's bits) and, with
+    ``body``, every other constant 2-D ``MatMul`` weight (``BITS[dtype]``; for int4 the linears
+    named by ``keep_8bit`` at 8 bits) as folded codes; in factorized mode with ``correct``,
+    replace ``T⁻¹`` by ``M``. ``T`` and ``T⁻¹`` stay float32.
+
+    Returns:
+        ``(model, details)`` for the manifest.
+    """
+    from onnx import numpy_helper
+
+    graph = model.graph
+    gemm_to_matmul(graph)
+    iface = find_graph_interface(graph, vocab, hidden)
+    bits = table_bits or BITS[dtype]
+    inits = _initializers(graph)
+    gather_table, head_b = iface.gather.input[0], iface.head.input[1]
+    # the tensor each side reads: the factorized Zᵀ (d, V) and a tied E (V, d) are one tensor for both
+    head_source = head_b if head_b in inits else None  # None: a tied head reads Transpose(E)
+    folded: list = []
+    tables: dict[str, BlockTable] = {}
+    gather_transposed = tuple(inits[gather_table].dims) == (hidden, vocab)
+    tables[gather_table], nodes = _fold(graph, gather_table, iface.embed_rows, bits, block, gather_transposed)
+    folded += nodes
+    if head_source is not None and head_source != gather_table:
+        tables[head_source], nodes = _fold(graph, head_source, iface.head_rows, bits, block, transpose=True)
+        folded += nodes
+    shared = head_source is None or head_source == gather_table
+    head_q = tables[gather_table if shared else head_source]
+    details: dict[str, Any] = {"storage": STORAGE, "token_table_shared": bool(shared), "table_bits": bits,
+                               "group_size": block, "head_activations": "float32",
+                               "interface_exact": iface.t_inv_name is not None and correct}
+    if iface.t_inv_name is not None:
+        details["pit_correction"] = bool(correct)
+        if correct:
+            t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
+            m = correction_matrix(head_q.dequantize(), tables[gather_table].dequantize(), t)
+            inits[iface.t_inv_name].CopyFrom(numpy_helper.from_array(m.astype(np.float32), iface.t_inv_name))
+    kept_fp32 = {n for n in (iface.t_name, iface.t_inv_name) if n}
+    counts = {4: 0, 8: 0}
+    if body:
+        eight = set(layer_matmuls(graph, keep_8bit)) if dtype == "int4" else set()
+        inits = _initializers(graph)
+        for node in list(graph.node):
+            weight = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else None
+            if weight is None or weight not in inits or weight in kept_fp32 or weight in tables:
+                continue
+            array = numpy_helper.to_array(inits[weight])
+            if array.ndim != 2:
+                continue
+            width = 8 if node.name in eight else BITS[dtype]
+            tables[weight], nodes = _fold(graph, weight, np.ascontiguousarray(array.T), width, block, transpose=True)
+            folded += nodes
+            counts[width] += 1
+        details["body"] = (f"{counts[BITS[dtype]]} linears at {BITS[dtype]} bits"
+                           + (f", {counts[8]} at 8 bits ({', '.join(keep_8bit)})" if dtype == "int4" else "")
+                           + f", asymmetric blocks of {block}, folded to float32 at load")
+    # the folding nodes read initializers only; put them first so the graph stays topologically sorted
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(folded + rest)
+    _remove_unused_initializers(graph)
+    details["interface_kept_fp32"] = sorted(kept_fp32)
+    return model, details
