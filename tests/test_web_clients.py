@@ -134,6 +134,24 @@ def test_an_operator_the_browser_lacks_fails_verify_with_the_browsers_message(we
     assert any("GatherBlockQuantized" in f for f in art["failures"])
 
 
+def test_the_web_schemes_run_in_the_browser_and_in_node(tmp_path, capsys):
+    """``int8-web`` / ``int4-web``: standard operators only, so onnxruntime-web's default WASM
+    build loads them; both clients stay within the KL bounds and report a decode rate."""
+    tok = tiny_tokenizer()
+    save_model(tiny_pit_model("llama"), tmp_path / "pit", tok)
+    out = tmp_path / "exp"
+    assert main(["export", str(tmp_path / "pit"), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+                 "--dtype", "int8-web,int4-web"]) == 0
+    code, data = _verify(out, capsys, "--web", "node,chromium")
+    assert code == 0, [a["failures"] for a in data["artifacts"]]
+    assert {a["scheme"] for a in data["artifacts"]} == {"int8-web", "int4-web"}
+    for art in data["artifacts"]:
+        assert art["delta_ti"] <= 1e-5
+        for client in ("node", "chromium"):
+            web = art["web"][client]
+            assert web["passed"] and web["kl_mean"] is not None and web["decode_ms_per_token"] > 0
+
+
 def test_a_folder_of_the_layout_before_the_web_one_still_verifies(web_exports, tmp_path, capsys):
     d = _copy(web_exports("llama"), tmp_path / "exp")
     folder = d / "onnx-factorized"
