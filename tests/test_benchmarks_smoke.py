@@ -142,6 +142,19 @@ def test_genai_side_by_side(work, tmp_path):
         ("ours-factorized-fp32", "builder-fp32")}
 
 
+@pytest.mark.slow
+def test_onnx_targets(work, tmp_path):
+    """Both ONNX targets of the tiny PIT model, fp32 and int4, through one bench run."""
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "onnx_targets.json"
+    assert run_benchmark("onnx_targets", ["--model", str(work / "pit-src"), "--work", str(tmp_path / "targets"),
+                                          "--dtype", "float32,int4", "--out", str(out), *BENCH]) == 0
+    data = well_formed(out, "onnx_targets", "rows")
+    assert {(r["scheme"], r["threads"]) for r in data["ratios"]} == {("float32", 1), ("int4", 1)}
+    assert all(r["decode_tok_s"]["genai_over_onnx"] > 0 for r in data["ratios"])
+    assert len(data["verify"]) == 4 and all(v["passed"] for v in data["verify"])
+
+
 def test_export_sizes(tmp_path):
     src, out = tmp_path / "src", tmp_path / "export_sizes.json"
     save_model(tiny_model("llama"), src, tiny_tokenizer())
