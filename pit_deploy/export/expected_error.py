@@ -57,9 +57,12 @@ METHOD = ("fp32 model with its weights rounded in PyTorch to the scheme's grid (
           "manifest's held-out blocks")
 
 
-def fake_quantize(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> torch.Tensor:
+def fake_quantize(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool,
+                  full_range: bool = False) -> torch.Tensor:
     """``weight`` ``(rows, K)`` rounded to ``bits``-bit codes in groups of ``group`` along ``K``
     (``None``: one group a row) and dequantized, in ``weight``'s dtype (computed in float64).
+    ``full_range`` (symmetric only): ``scale = max|w| / 2^(b−1)`` (onnxruntime) instead of
+    ``max|w| / (2^(b−1) − 1)``.
 
     Raises:
         PitError: ``group`` does not divide ``K``.
@@ -72,7 +75,7 @@ def fake_quantize(weight: torch.Tensor, bits: int, group: int | None, symmetric:
     blocks = w.reshape(rows, k // g, g)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scale = blocks.abs().amax(-1, keepdim=True) / qmax
+        scale = blocks.abs().amax(-1, keepdim=True) / (qmax + 1 if full_range else qmax)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         out = torch.round(blocks / scale).clamp(-qmax - 1, qmax) * scale
     else:
@@ -122,7 +125,8 @@ def _round_table(rows: torch.Tensor, bits: int, scheme: Scheme, grid: WeightGrid
     if not bits:
         return rows
     group = _linear_group(bits, scheme, grid) if linear else scheme.group_size
-    return fake_quantize(rows, bits, group, grid.symmetric)
+    symmetric = grid.symmetric if grid.table_symmetric is None else grid.table_symmetric
+    return fake_quantize(rows, bits, group, symmetric, grid.full_range and symmetric)
 
 
 @torch.no_grad()
@@ -148,9 +152,9 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
         group = _linear_group(bits, scheme, grid)
         weight = module.weight  # nn.Linear (out, in); Conv1D (in, out)
         if isinstance(module, Conv1D):
-            weight.copy_(fake_quantize(weight.T, bits, group, grid.symmetric).T)
+            weight.copy_(fake_quantize(weight.T, bits, group, grid.symmetric, grid.full_range).T)
         else:
-            weight.copy_(fake_quantize(weight, bits, group, grid.symmetric))
+            weight.copy_(fake_quantize(weight, bits, group, grid.symmetric, grid.full_range))
     if isinstance(embedding, PITEmbedding) and isinstance(embedding.interface, PITFactors):
         factors = embedding.interface
         z = factors.Zt.T.to(torch.float64)
@@ -189,7 +193,10 @@ def expected_error(prepared: PreTrainedModel, reference: PreTrainedModel, blocks
               "ppl_ratio": figures.ppl_ratio}
     if not all(math.isfinite(v) for v in values.values()):
         return None
-    grid_text = (f"{'symmetric' if grid.symmetric else 'asymmetric, integer zero point'}; groups of "
+    tables = grid.symmetric if grid.table_symmetric is None else grid.table_symmetric
+    grid_text = (f"{'symmetric' if grid.symmetric else 'asymmetric, integer zero point'}"
+                 f"{' (max|w| at 2^(b-1))' if grid.symmetric and grid.full_range else ''}"
+                 f"{'' if tables == grid.symmetric else '; tables ' + ('symmetric' if tables else 'asymmetric')}; groups of "
                  f"{scheme.group_size}{' (8-bit linears per channel)' if grid.per_channel_8bit else ''}; "
                  f"head table {grid.head_bits or 'fp32'} bits, embedding table {grid.embed_bits or 'fp32'} bits")
     return {**{k: float(v) for k, v in values.items()}, "tokens": figures.tokens,

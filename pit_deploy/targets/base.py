@@ -45,6 +45,11 @@ class WeightGrid:
         head_bits: bits of the table the head reads; 0 keeps it float32.
         embed_bits: bits of the table the embedding gathers; 0 keeps it float32.
         conv1d: whether GPT-2's ``Conv1D`` linears are quantized too (or kept float32).
+        full_range: symmetric codes scaled so that ``max|w|`` reaches ``2^(b−1)`` (onnxruntime's
+            symmetric ``MatMulNBits`` blocks, which the onnxruntime-genai builder writes) instead
+            of ``2^(b−1) − 1`` (XNNPACK).
+        table_symmetric: how the token tables are rounded where it differs from the body
+            (``None``: as the body).
     """
 
     symmetric: bool
@@ -52,6 +57,8 @@ class WeightGrid:
     head_bits: int
     embed_bits: int
     conv1d: bool = True
+    full_range: bool = False
+    table_symmetric: bool | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import PitError
 from . import register_target
-from .base import Target, VerifyContext, resolve
+from .base import Target, VerifyContext, WeightGrid, resolve
 
 DECODER_NAME = "model.onnx"
 #: the builder's name for the decoder's external data (not optimum's ``model.onnx_data``)
@@ -57,6 +57,17 @@ class OnnxGenaiTarget(Target):
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
     scheme_settings = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction")
+
+    def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
+        """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
+        (8-bit overrides too). Factorized: our token table, asymmetric at ``table_bits`` as on the
+        ``onnx`` target. Materialized: the builder rounds the head like the body and keeps the
+        embedding float32."""
+        if mode == "factorized":
+            return WeightGrid(symmetric=True, per_channel_8bit=False, head_bits=scheme.table_bits,
+                              embed_bits=scheme.table_bits, full_range=True, table_symmetric=False)
+        return WeightGrid(symmetric=True, per_channel_8bit=False, head_bits=8 if scheme.dtype == "int8" else 4,
+                          embed_bits=0, full_range=True)
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse a family the builder cannot build, or a missing builder, before any slow work."""
