@@ -154,3 +154,37 @@ def test_int8_layers_become_exact_builder_overrides():
     assert int8_overrides(("down_proj",), 1)[0] == {}  # q/k/v stay fused
     with pytest.raises(PitError, match="no such projection"):
         int8_overrides(("c_fc",), 1)
+
+
+def test_quantized_folders_record_their_expected_error_and_a_scrambled_body_fails_the_scaled_bound(tmp_path, capsys):
+    """The builder's body grid (symmetric blocks, ``max|w|`` at 2^(b−1)) and our asymmetric table:
+    an honest int4 folder sits near its expected error; random bytes in every body
+    ``MatMulNBits`` weight (digests re-recorded) fail verify on the scaled bound."""
+    import numpy as np
+    import onnx
+
+    from pit_deploy.targets.onnx_genai import BUILDER_DATA, DECODER_NAME
+    from scramble import rehash
+
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai",
+                 "--mode", "factorized", "--dtype", "int4"]) == 0
+    (art,) = _verify(out, capsys)["artifacts"]
+    assert art["expected_kl_mean"] > 0 and art["kl_mean"] <= 2 * art["expected_kl_mean"], art
+    folder = out / Manifest.read(out).artifacts[0].path
+    graph = onnx.load(str(folder / DECODER_NAME), load_external_data=False).graph
+    where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
+    body = [n.input[1] for n in graph.node if n.op_type == "MatMulNBits" and "layers." in n.name
+            and "offset" in where.get(n.input[1], {})]
+    assert body, "no external body MatMulNBits weight"
+    raw = bytearray((folder / BUILDER_DATA).read_bytes())
+    rng = np.random.default_rng(0)
+    for name in body:
+        offset, length = int(where[name]["offset"]), int(where[name]["length"])
+        raw[offset:offset + length] = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+    (folder / BUILDER_DATA).write_bytes(bytes(raw))
+    rehash(out)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--no-record", "--json"]) == 1
+    (result,) = json.loads(capsys.readouterr().out)["artifacts"]
+    assert any("the error its weight rounding explains" in f for f in result["failures"]), result["failures"]
