@@ -15,29 +15,19 @@ import torch
 
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
-from pit_deploy.convert.conversion import convert_model
 from pit_deploy.evaluate.verify import verify_directory
 from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix, split_nibbles
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME
-from pit_deploy.model.inspect import find_interface
 from pit_deploy.targets.onnx_optimum import decoder_file
 from pit_deploy.tiny import FAMILIES, tiny_model
+from pit_models import dense_t_pit_dir
 
 QUANTIZED = ("int8", "int4")
 
 
-def _pit_dir(family: str, root: Path) -> Path:
-    """A tiny PIT checkpoint with a dense, non-identity ``T``."""
-    model = convert_model(tiny_model(family))
-    it = find_interface(model)
-    with torch.no_grad():
-        it.L_diag.add_(0.3 * torch.randn(it.L_diag.shape, generator=torch.Generator().manual_seed(0)))
-        it.L_offdiag.add_(0.05 * torch.tril(torch.randn(it.L_offdiag.shape, generator=torch.Generator().manual_seed(1)), -1))
-    out = root / f"pit-{family}"
-    save_model(model, out)
-    return out
+_pit_dir = dense_t_pit_dir
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
