@@ -173,7 +173,7 @@ def test_core_math_imports_nothing_of_the_project():
 
 
 def _project_files() -> list[Path]:
-    skip = (".git", ".venv", "__pycache__", "runs", "build")
+    skip = (".git", ".venv", "__pycache__", "runs", "build", "node_modules")  # node_modules: npm's, not ours
     return [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".toml", ".sh", ".ipynb", ".cfg")
             and not any(part in skip or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
 

@@ -136,7 +136,7 @@ def test_an_operator_the_browser_lacks_fails_verify_with_the_browsers_message(we
 
 def test_the_web_schemes_run_in_the_browser_and_in_node(tmp_path, capsys):
     """``int8-web`` / ``int4-web``: standard operators only, so onnxruntime-web's default WASM
-    build loads them; both clients stay within the KL bounds and report a decode rate."""
+    build loads them; both clients stay within the KL bounds."""
     tok = tiny_tokenizer()
     save_model(tiny_pit_model("llama"), tmp_path / "pit", tok)
     out = tmp_path / "exp"
@@ -149,7 +149,8 @@ def test_the_web_schemes_run_in_the_browser_and_in_node(tmp_path, capsys):
         assert art["delta_ti"] <= 1e-5
         for client in ("node", "chromium"):
             web = art["web"][client]
-            assert web["passed"] and web["kl_mean"] is not None and web["decode_ms_per_token"] > 0
+            # (the held-out blocks fill the tiny model's positions: no decode rate to record here)
+            assert web["passed"] and web["kl_mean"] is not None and web["error"] is None
 
 
 def test_a_folder_of_the_layout_before_the_web_one_still_verifies(web_exports, tmp_path, capsys):
