@@ -39,7 +39,7 @@ from transformers import PreTrainedModel, StaticCache
 from ..errors import PitError
 from ..model.families import max_positions
 from ..schemes import Scheme
-from ..targets.executorch_xnnpack import PTE_NAME
+from ..targets.executorch_xnnpack import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 from .passes import InterfaceProbe
 from .pte_head import xnnpack_linear_config
 from .pte_token_table import quantize_token_table
@@ -213,11 +213,12 @@ def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, us
     d = model.config.hidden_size
     prompt_len = min(8, max_seq_len - 1)
     seq = torch.export.Dim("seq", min=1, max=max_seq_len - 1)
-    # Upper bounds matter: memory planning sizes the output buffers for them (an unbounded
-    # head of N×V floats would not even load). verify needs N = V ids and N = d basis vectors.
+    # Upper bounds matter: memory planning sizes the buffers for them and the runtime allocates
+    # them at load (an unbounded head of N×V floats would not even load); verify feeds V ids and
+    # d basis vectors in chunks of at most INTERFACE_IDS / INTERFACE_HIDDEN_ROWS.
     v = model.config.vocab_size
-    ids_dim = torch.export.Dim("ids", min=1, max=v)
-    rows = torch.export.Dim("rows", min=1, max=d)
+    ids_dim = torch.export.Dim("ids", min=1, max=max(2, min(v, INTERFACE_IDS)))
+    rows = torch.export.Dim("rows", min=1, max=max(2, min(d, INTERFACE_HIDDEN_ROWS)))
     _, head_dim = _kv_geometry(model.config)
     with xnnpack_friendly(decoder, model, head_dim) if rewrites else contextlib.nullcontext():
         forward = torch.export.export(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..targets.executorch_xnnpack import PTE_NAME
+from ..targets.executorch_xnnpack import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 from .base import Driver, loading
 from .standalone import PteDecoder
 
@@ -37,10 +37,16 @@ class ExecuTorchDriver(Driver):
         return self.decoder.step(token, pos)
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``E`` (all ``vocab`` ids) and ``W_out``ᵀ (the head on the ``dim`` basis vectors) from
+        the program's ``embed`` and ``head`` methods, fed in chunks no larger than the methods
+        were exported for (``INTERFACE_IDS``, ``INTERFACE_HIDDEN_ROWS``; programs exported before
+        the limit take any)."""
         program = self.decoder.program
-        emb = program.load_method("embed").execute([torch.arange(vocab, dtype=torch.long)])[0]
-        head = program.load_method("head").execute([torch.eye(dim, dtype=torch.float32)])[0]
-        return emb.clone(), head.clone()
+        embed, head = program.load_method("embed"), program.load_method("head")
+        ids, basis = torch.arange(vocab, dtype=torch.long), torch.eye(dim, dtype=torch.float32)
+        emb = torch.cat([embed.execute([chunk])[0].clone() for chunk in ids.split(INTERFACE_IDS)])
+        out = torch.cat([head.execute([chunk])[0].clone() for chunk in basis.split(INTERFACE_HIDDEN_ROWS)])
+        return emb, out
 
     def close(self) -> None:
         self.decoder.close()

@@ -23,6 +23,13 @@ from . import register_target
 from .base import Target, VerifyContext, WeightGrid, resolve
 
 PTE_NAME = "model.pte"
+#: the most token ids one call of the program's ``embed`` interface method takes, and the most
+#: hidden vectors one call of its ``head`` takes; verification calls them in chunks. Memory
+#: planning sizes each method's buffers for its largest call, and the runtime allocates them when
+#: the program is loaded: with all ``V`` ids at once the default model's ``embed`` planned 216 MiB
+#: that every process loading the program held (``docs/export.md``, "Where a `.pte`'s memory goes").
+INTERFACE_IDS = 1024
+INTERFACE_HIDDEN_ROWS = 64
 #: the ``variant`` of the benchmark cells timed through the stock runner
 RUNNER_VARIANT = "stock runner"
 
