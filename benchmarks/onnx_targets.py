@@ -42,8 +42,7 @@ TARGETS = ("onnx", "onnx-genai")
 def ratios(rows: list[dict]) -> list[dict]:
     """``onnx-genai`` over ``onnx`` for each scheme and thread count measured on both."""
     out = []
-    by_key = {(r["runtime"], r.get("scheme") or r["dtype"], r["threads"]): r for r in rows
-              if r.get("variant") in (None, "")}
+    by_key = {(r["runtime"], r.get("scheme") or r["dtype"], r["threads"]): r for r in rows}
     for (runtime, scheme, threads), genai in sorted(by_key.items()):
         base = by_key.get(("onnx", scheme, threads))
         if runtime != "onnx-genai" or base is None:

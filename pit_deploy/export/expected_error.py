@@ -125,8 +125,7 @@ def _round_table(rows: torch.Tensor, bits: int, scheme: Scheme, grid: WeightGrid
     if not bits:
         return rows
     group = _linear_group(bits, scheme, grid) if linear else scheme.group_size
-    symmetric = grid.symmetric if grid.table_symmetric is None else grid.table_symmetric
-    return fake_quantize(rows, bits, group, symmetric, grid.full_range and symmetric)
+    return fake_quantize(rows, bits, group, grid.tables_symmetric, grid.full_range)
 
 
 @torch.no_grad()
@@ -193,7 +192,7 @@ def expected_error(prepared: PreTrainedModel, reference: PreTrainedModel, blocks
               "ppl_ratio": figures.ppl_ratio}
     if not all(math.isfinite(v) for v in values.values()):
         return None
-    tables = grid.symmetric if grid.table_symmetric is None else grid.table_symmetric
+    tables = grid.tables_symmetric
     grid_text = (f"{'symmetric' if grid.symmetric else 'asymmetric, integer zero point'}"
                  f"{' (max|w| at 2^(b-1))' if grid.symmetric and grid.full_range else ''}"
                  f"{'' if tables == grid.symmetric else '; tables ' + ('symmetric' if tables else 'asymmetric')}; groups of "

@@ -32,6 +32,7 @@ from .quantize_onnx import (
     BITS,
     BlockTable,
     _add,
+    _gather_axis,
     _initializers,
     _remove_unused_initializers,
     block_quantize,
@@ -98,12 +99,11 @@ def fold_nodes(graph, name: str, table: BlockTable, transpose: bool) -> list:
     return nodes
 
 
-def _fold(graph, name: str, rows: np.ndarray, bits: int, block: int, transpose: bool) -> tuple[BlockTable, list]:
-    """Replace the initializer ``name`` by its quantized codes and folding nodes."""
+def _fold(graph, init, rows: np.ndarray, bits: int, block: int, transpose: bool) -> tuple[BlockTable, list]:
+    """Replace the initializer ``init`` by its quantized codes and folding nodes."""
     table = block_quantize(rows, bits, block)
-    inits = _initializers(graph)
-    graph.initializer.remove(inits[name])
-    return table, fold_nodes(graph, name, table, transpose)
+    graph.initializer.remove(init)
+    return table, fold_nodes(graph, init.name, table, transpose)
 
 
 def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool, body: bool,
@@ -128,11 +128,12 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     head_source = head_b if head_b in inits else None  # None: a tied head reads Transpose(E)
     folded: list = []
     tables: dict[str, BlockTable] = {}
-    gather_transposed = tuple(inits[gather_table].dims) == (hidden, vocab)
-    tables[gather_table], nodes = _fold(graph, gather_table, iface.embed_rows, bits, block, gather_transposed)
+    # Gather(Zᵀ, axis=1) reads the table as (d, V): fold it back to that shape
+    tables[gather_table], nodes = _fold(graph, inits[gather_table], iface.embed_rows, bits, block,
+                                        transpose=_gather_axis(iface.gather) == 1)
     folded += nodes
     if head_source is not None and head_source != gather_table:
-        tables[head_source], nodes = _fold(graph, head_source, iface.head_rows, bits, block, transpose=True)
+        tables[head_source], nodes = _fold(graph, inits[head_source], iface.head_rows, bits, block, transpose=True)
         folded += nodes
     shared = head_source is None or head_source == gather_table
     head_q = tables[gather_table if shared else head_source]
@@ -149,7 +150,6 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     counts = {4: 0, 8: 0}
     if body:
         eight = set(layer_matmuls(graph, keep_8bit)) if dtype == "int4" else set()
-        inits = _initializers(graph)
         for node in list(graph.node):
             weight = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else None
             if weight is None or weight not in inits or weight in kept_fp32 or weight in tables:
@@ -158,7 +158,8 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
             if array.ndim != 2:
                 continue
             width = 8 if node.name in eight else BITS[dtype]
-            tables[weight], nodes = _fold(graph, weight, np.ascontiguousarray(array.T), width, block, transpose=True)
+            tables[weight], nodes = _fold(graph, inits[weight], np.ascontiguousarray(array.T), width, block,
+                                          transpose=True)
             folded += nodes
             counts[width] += 1
         details["body"] = (f"{counts[BITS[dtype]]} linears at {BITS[dtype]} bits"

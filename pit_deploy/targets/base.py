@@ -60,6 +60,11 @@ class WeightGrid:
     full_range: bool = False
     table_symmetric: bool | None = None
 
+    @property
+    def tables_symmetric(self) -> bool:
+        """How the token tables are rounded (``table_symmetric``, or as the body)."""
+        return self.symmetric if self.table_symmetric is None else self.table_symmetric
+
 
 @dataclass
 class VerifyContext:
