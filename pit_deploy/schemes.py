@@ -99,6 +99,9 @@ class Scheme:
         pit_correction: factorized: ``T⁻¹ → (ẐᵀẐ)⁻¹T⁻¹`` so ``W_out E = I`` holds on the runtime.
         pte_head_bits: quantized factorized ``.pte``: 0 keeps the fp32 head, 4/8 a rotated
             quantized head.
+        pte_shared_table: quantized factorized ``.pte`` with a quantized head: the gather reads the
+            head's own codes, and the program's constants go to ``model.ptd``, where the one table
+            is stored once (needs ``pte_head_bits == table_bits``).
         fold_at_load: ONNX: store the codes in standard operators that onnxruntime folds back to
             float32 when the session is created (loads in onnxruntime-web's default build, fp32
             kernels at run time: a smaller file, not less memory) instead of ``MatMulNBits`` /
@@ -115,6 +118,7 @@ class Scheme:
     int4_8bit_layers: tuple[str, ...] = ()
     pit_correction: bool = True
     pte_head_bits: int = 0
+    pte_shared_table: bool = False
     fold_at_load: bool = False
     runtimes: tuple[str, ...] | None = None
 
@@ -134,6 +138,11 @@ class Scheme:
         object.__setattr__(self, "int4_8bit_layers", tuple(layers))
         if not isinstance(self.pit_correction, bool):
             raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
+        if not isinstance(self.pte_shared_table, bool):
+            raise PitError(f"pte_shared_table must be true or false, got {self.pte_shared_table!r}")
+        if self.pte_shared_table and self.pte_head_bits != self.table_bits:
+            raise PitError(f"scheme {self.name}: a shared token table needs pte_head_bits equal to table_bits "
+                           f"(the head and the gather read one table), got {self.pte_head_bits} and {self.table_bits}")
         if not isinstance(self.fold_at_load, bool):
             raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
 
@@ -162,6 +171,8 @@ class Scheme:
                        pit_correction=self.pit_correction, pte_head_bits=self.pte_head_bits)
             if self.fold_at_load:
                 out["fold_at_load"] = True
+            if self.pte_shared_table:
+                out["pte_shared_table"] = True
         return out
 
 
@@ -236,6 +247,14 @@ register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
                        "the bound)",
                        table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx", "onnx-genai")))
+# One 4-bit token table for the .pte's gather and head (docs/quantization.md, "One token table"):
+# the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes, stored once
+# in model.ptd.
+register_scheme(Scheme("int4-shared", "int4", INT4_BOUNDS,
+                       "the int4 scheme's body with one 4-bit token table that the .pte's gather and its "
+                       "quantized head both read, stored once (model.ptd beside model.pte)",
+                       table_bits=4, int4_8bit_layers=("v_proj", "down_proj"), pte_head_bits=4,
+                       pte_shared_table=True, runtimes=("executorch",)))
 # The web schemes: the same codes as int8/int4 on the onnx target, dequantized by standard operators
 # that onnxruntime folds at load, because onnxruntime-web's default WASM build lacks
 # GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/export.md, "The folder

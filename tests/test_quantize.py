@@ -316,10 +316,11 @@ def test_a_tied_export_stores_its_quantized_table_once(tmp_path):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
-    """``pte_head_bits``: the factorized head becomes ``(h · T R) Ẑ_Rᵀ`` with ``Ẑ_R`` the torchao-
-    quantized ``Z R``. The logits stay close to the fp32 model's (``Z R`` is orthonormal, so the
-    rotation changes nothing but the rounding), the weights keep ``W_out E = I`` exactly, and only
-    the head's per-token rounding of its input is left on basis vectors (not claimed exact)."""
+    """``pte_head_bits``: the factorized head becomes ``(h · S) Ŷᵀ`` with ``S`` the rows of ``T R``
+    on the int8 grid and ``Ŷ`` the torchao-quantized ``Z T S⁻ᵀ ≈ Z R``. The logits stay close to
+    the fp32 model's (the rotation changes nothing but the rounding), the weights keep
+    ``W_out E = I`` exactly, and so does the head on basis vectors: its per-token rounding leaves
+    the grid rows of ``S`` unchanged."""
     from pit_deploy.export.passes import FACTORS_ATTR, InterfaceProbe, prepare
     from pit_deploy.export.pte_head import random_rotation
     from pit_deploy.export.pte_token_table import dequantize_rows, quantize_token_table
@@ -328,7 +329,7 @@ def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
     fp32 = prepare(load_pit_model(_pit_dir("llama", tmp_path)), "factorized")
     model = prepare(load_pit_model(_pit_dir("llama", tmp_path / "again")), "factorized")
     details = quantize_token_table(model, 32, correct=True, head_bits=bits)
-    assert details["head_bits"] == bits and details["interface_exact"] is False
+    assert details["head_bits"] == bits and details["interface_exact"] is True
     assert ("8da8w" if bits == 8 else "8da4w") in details["token_table"]
     assert not hasattr(model, FACTORS_ATTR)  # the fp32 table is gone from the program
     head = model.pit_quantized_head
@@ -337,24 +338,26 @@ def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
     probe = InterfaceProbe(model)
     v, d = model.config.vocab_size, model.config.hidden_size
     m = probe.embedding.M.to(torch.float64)
-    weights = torch.from_numpy(head.transform() @ head.dequantized_rows().T)  # (T R) Ẑ_hᵀ: d×V
+    weights = torch.from_numpy(head.transform() @ head.dequantized_rows().T)  # S Ŷᵀ: d×V
     e = torch.from_numpy(dequantize_rows(probe.embedding.q, probe.embedding.scales)) @ m  # V×d, in float64
     assert e.shape == (v, d)
     identity = weights @ e
     assert float((identity - torch.eye(d, dtype=torch.float64)).abs().max()) < 1e-5  # M's float32 rounding
     with torch.no_grad():
-        on_basis = probe.head_logits(torch.eye(d)).to(torch.float64)  # rounds its input per row
+        on_basis = probe.head_logits(torch.eye(d)).to(torch.float64)  # rows of S: nothing to round
         measured = float((on_basis @ e - torch.eye(d, dtype=torch.float64)).norm())
         ids = torch.randint(0, v, (1, 16), generator=torch.Generator().manual_seed(0))
         ref, got = fp32(input_ids=ids).logits, model(input_ids=ids).logits
-    assert 0 < measured < 0.5, measured
+    # torchao's eager 8da4w picks its int8 activation grid unlike XNNPACK (measured 7.7e-3 here);
+    # the lowered program, which verify measures, is exact: tests/test_pte_shared_table.py
+    assert measured < (1e-4 if bits == 8 else 0.05), measured
     assert float((got - ref).norm() / ref.norm()) < (0.05 if bits == 8 else 0.2)
 
 
 def test_executorch_rotated_quantized_head_exports_and_verifies(tmp_path):
     """``--pte-head-bits 8`` on a factorized int8 ``.pte``: it verifies within the int8 bounds,
-    is smaller than the program with the fp32 head, and its ``delta_ti`` is reported, not
-    bounded (the manifest says the interface is not exact)."""
+    is smaller than the program with the fp32 head, and keeps ``delta_ti ≤ 1e-4`` on the runtime
+    like the fp32 head (the grid-exact ``S``, :mod:`pit_deploy.export.pte_head`)."""
     src = _pit_dir("qwen3", tmp_path)
     sizes = {}
     for bits in (0, 8):
@@ -364,8 +367,8 @@ def test_executorch_rotated_quantized_head_exports_and_verifies(tmp_path):
         report = verify_directory(out, record=False)
         assert report.passed, str(report)
         result = report.result("executorch", "factorized", "int8")
-        assert result.interface_exact is (bits == 0)
-        assert (result.delta_ti <= 1e-4) if bits == 0 else (1e-4 < result.delta_ti < 1.0), result.delta_ti
+        assert result.interface_exact is True
+        assert result.delta_ti <= 1e-4, (bits, result.delta_ti)
         sizes[bits] = (out / "executorch-factorized-int8" / "model.pte").stat().st_size
         manifest = json.loads((out / MANIFEST_NAME).read_text())
         assert manifest["artifacts"][0]["details"]["quantization"]["head_bits"] == bits

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
 from ..runtime.llm_runner import pass_figures, stats_problem
-from ..runtime.standalone import _mean_std, _percentile
+from ..runtime.standalone import _mean_std, _percentile, pte_data_file
 from ..targets import get_target
 from ..targets.executorch_xnnpack import PTE_NAME
 from .bench import BenchOptions, BenchResult, prompt_text
@@ -198,6 +198,8 @@ class PhoneArtifact:
     meta: dict[str, Any]
     vocab: int
     context: int | None
+    #: the program's named data file (``model.ptd``: constants kept outside the ``.pte``), if any
+    data: Path | None = None
 
 
 def find_tokenizer(folder: Path, reference: Path) -> Path | None:
@@ -241,6 +243,7 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
             verified = verification_state(manifest, art, label, directory, warnings)
             found.append(PhoneArtifact(
                 label=label, directory=directory, export=name, pte=pte, tokenizer=tokenizer,
+                data=pte_data_file(pte),
                 vocab=int(art.shapes.get("vocab_size") or 1), context=art.shapes.get("max_seq_len"),
                 meta={"artifact": label, "runtime": RUNTIME, "mode": art.mode, "dtype": art.dtype,
                       "tying": getattr(art, "tying", "pit"), "gen_len": opts.gen_len,
@@ -268,13 +271,15 @@ def load_tokenizer(art: PhoneArtifact) -> Any:
 
 
 def runner_command(device_dir: str, runner: str, pte: str, tokenizer: str, prompt: str, seq_len: int,
-                   threads: int, log: str, time_wrapper: bool) -> str:
+                   threads: int, log: str, time_wrapper: bool, data: str | None = None) -> str:
     """One device shell command line: the runner's flags (``examples/models/llama/main.cpp`` in
     ExecuTorch), each argument quoted for the device's ``sh`` (the prompt holds spaces, quotes
     and newlines), stdout and stderr into ``log``, then the exit status after a marker."""
     argv = ([DEVICE_TIME, "-v"] if time_wrapper else []) + [
         runner, f"--model_path={pte}", f"--tokenizer_path={tokenizer}", f"--prompt={prompt}",
         f"--seq_len={seq_len}", "--temperature=0", f"--cpu_threads={threads}"]
+    if data:
+        argv.append(f"--data_paths={data}")
     return (f"cd {shlex.quote(device_dir)} && {shlex.join(argv)} > {shlex.quote(log)} 2>&1; "
             f"echo {EXIT_MARKER}$?")
 
@@ -376,6 +381,10 @@ def bench_adb(directories: Sequence[str | Path], opts: BenchOptions, adb_opts: A
             say(f"pushing {art.label} ({art.meta['size_mb']:.1f} MB) and {art.tokenizer.name}")
             adb.push(art.pte, remote_pte)
             adb.push(art.tokenizer, remote_tok)
+            remote_data = None
+            if art.data is not None:
+                remote_data = f"{folder}/{art.data.name}"
+                adb.push(art.data, remote_data)
             for p in opts.prompt_lens:
                 key = f"{art.export}:{p}"
                 for t in opts.threads:
@@ -387,7 +396,7 @@ def bench_adb(directories: Sequence[str | Path], opts: BenchOptions, adb_opts: A
                     for rep in range(opts.reps + 1):  # invocation 0 is the warm-up
                         output = _invoke(adb, local, runner_command(
                             device_dir, remote_runner, remote_pte, remote_tok, texts[key], seq_len, t,
-                            f"{device_dir}/run.log", time_wrapper), f"{device_dir}/run.log", art.label, t)
+                            f"{device_dir}/run.log", time_wrapper, remote_data), f"{device_dir}/run.log", art.label, t)
                         if rep:
                             passes.append(pass_figures(parse_stats(output)))
                             rss.append(parse_peak_rss_kib(output))

@@ -22,10 +22,22 @@ embedding reads, so a rotation has to turn the whole residual stream (QuaRot fol
 rotates every layer); in the factorized PIT head it is local: only ``T`` and ``Z`` change.
 
 The interface identity then holds for the *weights*: with ``Ẑ_h`` the head's dequantized rows,
-``Ẑ_e`` the embedding's 8-bit rows and ``M = (Ẑ_hᵀ Ẑ_e)⁻¹ (T R)⁻¹`` on the input side,
-``(T R) Ẑ_hᵀ Ẑ_e M = I`` (:func:`pit_deploy.export.quantize_onnx.correction_matrix`). The runtime's
-head is no longer a linear map — it rounds its input — so the ``delta_ti`` that ``verify``
-measures on basis vectors includes that rounding; the manifest says the interface is not exact.
+``Ẑ_e`` the embedding's rows and ``M = (Ẑ_hᵀ Ẑ_e)⁻¹ (T R)⁻¹`` on the input side,
+``(T R) Ẑ_hᵀ Ẑ_e M = I`` (:func:`pit_deploy.export.quantize_onnx.correction_matrix`).
+
+It holds on the runtime too, because the ``d×d`` matrix is not exactly ``T R``. Any invertible
+``S`` works in its place — ``h T Zᵀ = (h S)(Z T S⁻ᵀ)ᵀ`` — so ``S`` is ``T R`` with each row moved
+onto the grid XNNPACK's dynamic quantization puts it on (:func:`int8_grid_rows`: ``c · n`` with
+integers ``n`` spanning exactly 255 steps and including 0). XNNPACK quantizes each input row
+asymmetrically over its range (``[min(x, 0), max(x, 0)]`` in 255 steps, an integer zero point), so
+a row of ``S`` passes through that rounding unchanged: the head applied to a basis vector — what
+``verify`` measures ``W_out`` with — is exactly ``S Ŷᵀ`` (measured 6e-8 relative through the
+lowered linear), and ``W_out E = I`` holds on the runtime to float32 rounding. The table is
+``Y = Z T S⁻ᵀ``, which is ``Z R`` up to that snapping (still well conditioned; ``T`` itself has a
+large condition number, which is why the table cannot be ``Z T``: its rounding would erase the
+directions ``T⁻¹`` amplifies). On a general hidden state the head still rounds ``h S`` per token:
+that is a quantization error of the logits, measured by ``verify``'s KL figures, not of the
+interface.
 """
 
 from __future__ import annotations
@@ -38,6 +50,24 @@ from torch import nn
 ROTATION_SEED = 0
 
 
+def int8_grid_rows(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (float64, ``n×d``) with each row moved to the nearest point ``c · k`` (``k`` integers)
+    of the grid XNNPACK's asymmetric per-row int8 quantization represents exactly.
+
+    XNNPACK quantizes a row ``x`` over ``[min(x, 0), max(x, 0)]`` in 255 steps with an integer zero
+    point. With ``c`` that range over 255 and ``k = round(x / c)``, the row's extremes land on
+    integers exactly 255 apart (``round(u) − round(u − 255) = 255``), 0 stays on the grid, and
+    every entry moves by at most ``c / 2``: the quantizer's step is ``c`` again and its codes are
+    ``k``, so nothing is rounded."""
+    out = torch.zeros_like(a, dtype=torch.float64)
+    for i, row in enumerate(a.to(torch.float64)):
+        lo, hi = min(float(row.min()), 0.0), max(float(row.max()), 0.0)
+        if hi > lo:  # a zero row stays zero (its scale is 1 by XNNPACK's convention)
+            step = (hi - lo) / 255
+            out[i] = torch.round(row / step) * step
+    return out
+
+
 def random_rotation(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
     """A Haar-random orthogonal ``d×d`` matrix in float64 (QR of a seeded Gaussian, signs fixed
     by the diagonal of ``R`` so the draw is uniform; Mezzadri 2007)."""
@@ -47,8 +77,9 @@ def random_rotation(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
 
 
 class RotatedQuantizedHead(nn.Module):
-    """``h ↦ (h · T R) Ẑ_Rᵀ``: an fp32 ``d×d`` matmul, then a torchao-quantized ``nn.Linear``
-    whose weight is ``Z R`` (``V×d``), which XNNPACK runs with int8 dynamic activations.
+    """``h ↦ (h · S) Yᵀ``: an fp32 ``d×d`` matmul by ``S`` (``T R`` on XNNPACK's int8 grid,
+    :func:`int8_grid_rows`), then a torchao-quantized ``nn.Linear`` whose weight is
+    ``Y = Z T S⁻ᵀ ≈ Z R`` (``V×d``), which XNNPACK runs with int8 dynamic activations.
 
     Implements the token-interface protocol's ``logits`` (the head side only: the embedding of a
     quantized program is :class:`pit_deploy.export.pte_token_table.QuantizedRows`).
@@ -63,8 +94,11 @@ class RotatedQuantizedHead(nn.Module):
         d, v = zt.shape
         rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
         self.bits, self.group_size, self.seed = int(bits), int(group_size), seed
-        self.rotation = rotation  # d×d float64, a plain attribute: not part of the program
-        self.register_buffer("TR", (t.to(torch.float64) @ rotation).to(torch.float32))
+        s = int8_grid_rows(t.to(torch.float64) @ rotation)
+        # the table's map from Z: T S⁻ᵀ (= R when S = T R exactly); a plain attribute, not part
+        # of the program
+        self.rotation = torch.linalg.solve(s, t.to(torch.float64)).T
+        self.register_buffer("TR", s.to(torch.float32))
         self.linear = nn.Linear(d, v, bias=False)
         with torch.no_grad():
             self.linear.weight.copy_(self.rotated_rows(zt).to(torch.float32))
@@ -79,9 +113,9 @@ class RotatedQuantizedHead(nn.Module):
         return self.linear.weight.shape[0]
 
     def rotated_rows(self, zt: torch.Tensor) -> torch.Tensor:
-        """``Z R`` ``(V, d)`` in float64 from ``Zᵀ`` ``(d, V)``: the table the head quantizes (and
-        the embedding's, so both sides read the same rotated rows). Computed when asked, not
-        kept: a ``V×d`` float64 table, twice the size of the fp32 ``Zᵀ``."""
+        """``Y = Z T S⁻ᵀ`` ``(V, d)`` in float64 from ``Zᵀ`` ``(d, V)``: the table the head
+        quantizes (and the embedding's, so both sides read the same rows). Computed when asked,
+        not kept: a ``V×d`` float64 table, twice the size of the fp32 ``Zᵀ``."""
         return zt.to(torch.float64).T @ self.rotation
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -100,14 +134,15 @@ class RotatedQuantizedHead(nn.Module):
         return (q.reshape(v, scale.shape[1], -1) * scale[..., None]).reshape(v, d).numpy()
 
     def transform(self) -> np.ndarray:
-        """``T R`` as the program stores it (float32 values, in float64)."""
+        """``S`` as the program stores it (float32 values, in float64)."""
         return self.TR.to(torch.float64).numpy()
 
     def describe(self) -> str:
         weights = ("per-channel int8 weights (8da8w)" if self.bits == 8 else
                    f"symmetric int4 weights in groups of {self.group_size}, HQQ scale-only scales (8da4w)")
         rotation = "R = I (no rotation)" if self.seed is None else f"R a seeded random rotation (seed {self.seed})"
-        return f"Z R through a quantized linear: {weights}, int8 dynamic activations per token; {rotation}, T R float32"
+        return (f"Y = Z T S⁻ᵀ through a quantized linear: {weights}, int8 dynamic activations per token; "
+                f"S = T R on the int8 grid of its rows, float32; {rotation}")
 
 
 def xnnpack_linear_config(bits: int, group_size: int):

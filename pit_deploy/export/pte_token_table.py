@@ -71,6 +71,20 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (biased[:, 0::2] * 16 + biased[:, 1::2]).contiguous()
 
 
+def nibble_pair_swap(d: int) -> torch.Tensor:
+    """The column order ``1, 0, 3, 2, …`` of a ``d``-wide table (``d`` even).
+
+    XNNPACK serializes 4-bit weights with the *odd* column of each pair in the high nibble
+    (``backends/xnnpack/operators/node_visitor.py``, ``convert_to_qc4w``), ``embedding_4bit`` reads
+    the *even* one there (:func:`pack_nibbles`). A gather over the head's codes in this column order
+    therefore stores the very bytes the head's linear stores — which ExecuTorch's named data store
+    keeps once — and returns the head's rows with each pair swapped, which the correction matrix
+    after the gather undoes (it is computed from the swapped rows)."""
+    if d % 2:
+        raise PitError(f"a shared 4-bit token table needs an even hidden size, got {d}")
+    return torch.arange(d).view(-1, 2).flip(1).reshape(-1)
+
+
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """``q · s`` in float64, the kernel's numbers before its float32 rounding."""
     v, d = q.shape
@@ -119,7 +133,8 @@ class QuantizedRows(nn.Module):
 
 @torch.no_grad()
 def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True, *,
-                         table_bits: int = 8, head_bits: int = 0, rotate: bool = True) -> dict[str, Any]:
+                         table_bits: int = 8, head_bits: int = 0, rotate: bool = True,
+                         shared: bool = False) -> dict[str, Any]:
     """Give ``model`` (a quantized twin, changed in place) a ``table_bits``-bit (8 or 4) input
     embedding.
 
@@ -131,6 +146,11 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     table itself, the ``lm_head`` stays fp32 (``head_bits`` applies to factorized programs). Any
     other embedding module (one that computes more than a lookup) stays float32. ``rotate=False``
     (``R = I``) is for measuring what the rotation buys.
+
+    ``shared`` (factorized, ``head_bits == table_bits``): the gather reads the head's own codes and
+    scales (:func:`shared_rows`) instead of a table rounded on its own, so the program holds one
+    token table (stored once when its constants go to a named data file:
+    :func:`pit_deploy.export.to_executorch.export_pte`).
 
     Returns:
         details for the manifest: the table's scheme and whether the interface stays exact.
@@ -149,7 +169,15 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
             rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
             head_rows = rows.numpy()
             head_text = "head: float32 Zᵀ"
-        q, scales = quantize_rows(rows, group_size, table_bits)
+        if shared and head_bits:
+            if head_bits != table_bits:
+                raise PitError(f"a shared token table needs the head and the gather at the same bits, got "
+                               f"pte_head_bits {head_bits} and table_bits {table_bits}")
+            q, scales = shared_rows(head)
+            scheme = (f"the head's own {table_bits}-bit codes and scales, one table for the gather and the head "
+                      f"(quantized_decomposed::{TABLE_OPS[table_bits]})")
+        else:
+            q, scales = quantize_rows(rows, group_size, table_bits)
         if correct:
             matrix = correction_matrix(head_rows, dequantize_rows(q, scales), t)
         else:
@@ -157,16 +185,36 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         module = QuantizedRows(q, scales, torch.from_numpy(matrix).to(factors.T.dtype), embedding.multiplier,
                                table_bits)
         model.set_input_embeddings(module)
+        # a quantized head's matrix S makes its basis-vector outputs exact (:mod:`.pte_head`)
         return {"token_table": f"embedding: {scheme}; {head_text}", "head_bits": int(head_bits),
-                "pit_correction": bool(correct), "interface_exact": bool(correct) and not head_bits}
+                "shared_table": bool(shared and head_bits), "pit_correction": bool(correct),
+                "interface_exact": bool(correct)}
     if type(embedding) is nn.Embedding:  # a subclass may scale its output (Gemma): left alone
         q, scales = quantize_rows(embedding.weight, group_size, table_bits)
         model.set_input_embeddings(QuantizedRows(q, scales, bits=table_bits))
         return {"token_table": f"embedding: {scheme}; head: the float32 lm_head linear"
-                               + (" (head_bits applies to factorized programs)" if head_bits else ""),
-                "interface_exact": False}
+                               + (" (head_bits and a shared table apply to factorized programs)"
+                                  if head_bits or shared else ""),
+                "shared_table": False, "interface_exact": False}
     return {"token_table": f"float32 (a {type(embedding).__name__} embedding is not quantized)",
-            "interface_exact": False}
+            "shared_table": False, "interface_exact": False}
+
+
+def shared_rows(head: RotatedQuantizedHead) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gather's codes and scales read from the quantized head's weight: ``(q int8 (V, d),
+    scales float32 (V, groups))``, whose dequantized rows are the head's (as XNNPACK computes them).
+
+    4 bits: the codes in :func:`nibble_pair_swap` order (byte-identical to XNNPACK's packing) and
+    the grouped scales XNNPACK stores in bfloat16, as float32 values (the runtime's
+    ``embedding_4bit`` reads float32 scales only; the bfloat16 values convert exactly). 8 bits:
+    the per-channel codes as they are and one scale a row (a group of ``d``), the bytes XNNPACK
+    stores for a per-channel int8 weight."""
+    weight = head.linear.weight
+    q = weight.qdata.to(torch.int8)
+    if head.bits == 4:
+        swap = nibble_pair_swap(q.shape[1])
+        return q[:, swap].contiguous(), weight.scale.to(torch.bfloat16).to(torch.float32).contiguous()
+    return q.contiguous(), weight.scale.to(torch.float32).reshape(-1, 1).contiguous()
 
 
 def install_quantized_head(model: PreTrainedModel, factors: PITFactors, bits: int,

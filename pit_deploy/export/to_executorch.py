@@ -39,7 +39,7 @@ from transformers import PreTrainedModel, StaticCache
 from ..errors import PitError
 from ..model.families import max_positions
 from ..schemes import Scheme
-from ..targets.executorch_xnnpack import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
+from ..targets.executorch_xnnpack import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 from .passes import InterfaceProbe
 from .pte_head import xnnpack_linear_config
 from .pte_token_table import quantize_token_table
@@ -161,31 +161,61 @@ def metadata_methods(config, max_seq_len: int) -> dict[str, object]:
 
 
 @torch.no_grad()
-def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_methods: bool = True) -> dict:
+def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_methods: bool = True,
+               external_data: bool = False) -> dict:
     """Lower ``model`` (already materialized or factorized) to ``out_dir/model.pte``.
 
     With ``interface_methods=False`` only ``forward`` and the metadata methods are written
     (what a stock export holds; used for the size baseline of a plain tied model).
 
+    ``external_data``: every constant — the XNNPACK delegate's weights and the program's own
+    (the gather's table) — goes to ``out_dir/model.ptd`` (ExecuTorch's program-data separation;
+    the runtime and the stock runner take it as their data path). One named data file is what
+    lets a gather and a linear share a table: ExecuTorch's named data store keeps byte-identical
+    blobs once, but only within one file, and a program's own constants reach that store only
+    as external data (:func:`pit_deploy.export.pte_token_table.shared_rows`).
+
     Returns:
-        a dict with the method names, the metadata values, ``max_seq_len`` and the attention used.
+        a dict with the method names, the metadata values, ``max_seq_len``, the attention used
+        and, with ``external_data``, the data file's name.
     """
-    edge, use_llm_ops = lower_to_edge(model, max_seq_len, interface_methods)
-    lowered = edge.to_executorch()
+    from executorch.exir import ExecutorchBackendConfig
+
+    edge, use_llm_ops = lower_to_edge(model, max_seq_len, interface_methods, external_data=external_data)
+    config = ExecutorchBackendConfig(external_constants=(lambda _node: DATA_TAG) if external_data else False)
+    lowered = edge.to_executorch(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PTE_NAME
     with open(path, "wb") as fh:
         lowered.write_to_file(fh)
+    data = {}
+    if external_data:
+        lowered.write_tensor_data_to_file(str(out_dir))
+        data = {"data_file": f"{DATA_TAG}.ptd"}
     meta = metadata_methods(model.config, max_seq_len)
     return {"methods": sorted(edge.methods) + sorted(meta), "metadata": meta, "max_seq_len": int(max_seq_len),
-            "attention": "llama::custom_sdpa + llama::update_cache" if use_llm_ops else "transformers StaticCache + SDPA"}
+            "attention": "llama::custom_sdpa + llama::update_cache" if use_llm_ops else "transformers StaticCache + SDPA",
+            **data}
+
+
+def tag_external_data(graph_module: torch.fx.GraphModule):
+    """Edge transform pass: tag every node for the named data file (``DATA_TAG``), so that the
+    XNNPACK delegate writes the weights it serializes (quantized weights are serialized from the
+    node that dequantizes them, not from the placeholder) there instead of into the ``.pte``."""
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    for node in graph_module.graph.nodes:
+        if node.op in ("placeholder", "call_function", "get_attr"):
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = DATA_TAG
+    return PassResult(graph_module, True)
 
 
 @torch.no_grad()
 def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: bool = True,
-                  rewrites: bool = True):
+                  rewrites: bool = True, external_data: bool = False):
     """``torch.export`` the methods of ``model`` and lower them for XNNPACK; ``rewrites=False``
-    skips :mod:`.xnnpack_rewrites` (for measuring what they change).
+    skips :mod:`.xnnpack_rewrites` (for measuring what they change); ``external_data`` tags the
+    delegate's weights for the named data file (:func:`export_pte`).
 
     Returns:
         ``(EdgeProgramManager, whether the LLM custom ops were used)``; the model is unchanged.
@@ -198,13 +228,13 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
     if use_llm_ops:
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
-        return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites), use_llm_ops
+        return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites, external_data), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn
 
 
 def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, use_llm_ops: bool,
-           rewrites: bool):
+           rewrites: bool, external_data: bool = False):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
@@ -245,7 +275,8 @@ def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, us
     # lowering); ExecuTorch's own LLM export builder turns it off too. `verify` checks the numbers.
     return to_edge_transform_and_lower(
         programs, partitioner=[XnnpackPartitioner()], constant_methods=meta,
-        transform_passes=[inferred_view_sizes] if rewrites else None,
+        transform_passes=[*([inferred_view_sizes] if rewrites else []),
+                          *([tag_external_data] if external_data else [])] or None,
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
     )
 
@@ -315,6 +346,8 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
         # (not an nn.Linear) and the correction keeps W_out E = I exact, unless pte_head_bits
         # asks for a rotated quantized head (:mod:`.pte_token_table`, :mod:`.pte_head`)
         details.update(quantize_token_table(quantized, scheme.group_size, scheme.pit_correction,
-                                            table_bits=scheme.table_bits, head_bits=scheme.pte_head_bits))
-        written = {**export_pte(quantized, out_dir, recipe.max_seq_len), "quantization": details}
+                                            table_bits=scheme.table_bits, head_bits=scheme.pte_head_bits,
+                                            shared=scheme.pte_shared_table))
+        written = {**export_pte(quantized, out_dir, recipe.max_seq_len, external_data=details["shared_table"]),
+                   "quantization": details}
     return {**written, **write_runner_tokenizer(tokenizer, out_dir)}

@@ -127,11 +127,12 @@ def generate_in_process(pte: str, tokenizer: str, prompts: Sequence[str], max_ne
     """
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    from pit_deploy.runtime.standalone import load_llm_custom_ops, set_executorch_threads
+    from pit_deploy.runtime.standalone import load_llm_custom_ops, pte_data_file, set_executorch_threads
 
     load_llm_custom_ops()  # the decoders of Llama-style families call llama::update_cache/custom_sdpa
     set_executorch_threads(threads)
-    runner = TextLLMRunner(pte, tokenizer)
+    data = pte_data_file(pte)  # model.ptd beside model.pte: a program whose constants live outside it
+    runner = TextLLMRunner(pte, tokenizer, None if data is None else str(data))
     results = []
     for prompt in prompts:
         pieces: list[str] = []

@@ -160,6 +160,13 @@ def load_llm_custom_ops() -> bool:
     return loaded
 
 
+def pte_data_file(pte: str | Path) -> Path | None:
+    """The named data file beside a ``.pte`` (``model.pte`` → ``model.ptd``): a program that keeps
+    its constants outside the ``.pte`` (a shared token table) loads only with it."""
+    data = Path(pte).with_suffix(".ptd")
+    return data if data.is_file() else None
+
+
 class PteDecoder:
     """A ``.pte`` program's ``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over the
     static KV cache in the program's mutable buffers (the ExecuTorch LLM runner's convention)."""
@@ -169,7 +176,8 @@ class PteDecoder:
 
         set_executorch_threads(threads)
         have_ops = load_llm_custom_ops()
-        self.program = Runtime.get().load_program(str(path))
+        data = pte_data_file(path)
+        self.program = Runtime.get().load_program(str(path), data_path=None if data is None else str(data))
         try:
             self.forward = self.program.load_method("forward")
         except RuntimeError as exc:

@@ -23,6 +23,10 @@ from . import register_target
 from .base import Target, VerifyContext, WeightGrid, resolve
 
 PTE_NAME = "model.pte"
+#: the tag of a program's external constants: they go to ``DATA_TAG + ".ptd"`` beside the ``.pte``
+#: (a shared token table: :func:`pit_deploy.export.to_executorch.export_pte`)
+DATA_TAG = "model"
+PTD_NAME = DATA_TAG + ".ptd"
 #: the most token ids one call of the program's ``embed`` interface method takes, and the most
 #: hidden vectors one call of its ``head`` takes; verification calls them in chunks. Memory
 #: planning sizes each method's buffers for its largest call, and the runtime allocates them when
