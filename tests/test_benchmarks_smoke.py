@@ -123,6 +123,25 @@ def test_quantization(work, tmp_path):
 
 
 @pytest.mark.slow
+def test_pte_anchors(work, tmp_path):
+    """The tiny PIT model's int4-shared ``.pte`` in the stock runner against the builder's int4 of
+    the tiny source, one round, one thread; the llama.cpp anchor has no GGUF of a tiny source and
+    must be reported missing, not silently dropped."""
+    pytest.importorskip("onnxruntime_genai")
+    ours = tmp_path / "ours"
+    assert cli(["export", str(work / "pit-src"), "--out", str(ours), "--runtime", "executorch", "--mode", "factorized",
+                "--dtype", "int4-shared", "--max-seq-len", "64"]) == 0
+    out = tmp_path / "pte_anchors.json"
+    assert run_benchmark("pte_anchors", ["--model", str(work / "src"), "--ours", str(ours), "--schemes", "int4-shared",
+                                         "--work", str(tmp_path / "anchors"), "--threads", "1", "--rounds", "1",
+                                         "--prompt-len", "4", "--gen-len", "3", "--out", str(out)]) == 0
+    data = well_formed(out, "pte_anchors", "rows")
+    assert {r["artifact"] for r in data["rows"]} == {"ours-pte-int4-shared", "genai-builder-int4"}
+    assert data["peers_missing"] and "llama.cpp" in data["peers_missing"][0]
+    assert {(r["artifact"], r["peer"]) for r in data["ratios"]} == {("ours-pte-int4-shared", "genai-builder-int4")}
+
+
+@pytest.mark.slow
 def test_genai_side_by_side(work, tmp_path):
     """The tiny source through the builder (int4, fp32) against the tiny PIT model's factorized
     onnx-genai folders, one round, one thread."""
