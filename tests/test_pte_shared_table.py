@@ -81,7 +81,7 @@ def shared_export(tmp_path_factory) -> Path:
     return out
 
 
-def _table_bytes(directory: Path) -> bytes:
+def _table_bytes(directory: Path, bits: int = 4) -> bytes:
     """The shared table's packed codes, rebuilt from the reference checkpoint as the exporter builds
     them (the same deterministic quantization)."""
     from pit_deploy.export.passes import prepare
@@ -91,7 +91,7 @@ def _table_bytes(directory: Path) -> bytes:
 
     model, _ = quantize_linears(prepare(load_pit_model(directory / "reference"), "factorized"), "int4", 32,
                                 ("v_proj", "down_proj"))
-    quantize_token_table(model, 32, True, table_bits=4, head_bits=4, shared=True)
+    quantize_token_table(model, 32, True, table_bits=bits, head_bits=bits, shared=True)
     return model.get_input_embeddings().packed.numpy().tobytes()
 
 
@@ -115,6 +115,21 @@ def test_shared_table_is_stored_once_and_keeps_the_interface_exact(shared_export
     details = json.loads((shared_export / MANIFEST_NAME).read_text())
     quant = {a["path"]: a["details"]["quantization"] for a in details["artifacts"]}
     assert quant[ART]["shared_table"] is True and quant["executorch-factorized-int4"]["shared_table"] is False
+
+
+def test_an_8bit_shared_table_is_stored_once_too(tmp_path):
+    """``--table-bits 8 --pte-head-bits 8``: per-channel int8 codes, which XNNPACK stores as they
+    are and ``embedding_byte`` reads with one scale a row — one blob again, exact interface."""
+    out = tmp_path / "exp"
+    assert main(["export", str(dense_t_pit_dir("qwen3", tmp_path)), "--out", str(out), "--runtime", "executorch",
+                 "--mode", "factorized", "--dtype", "int4-shared", "--max-seq-len", "64", "--table-bits", "8",
+                 "--pte-head-bits", "8"]) == 0
+    table = _table_bytes(out, bits=8)
+    ptd, pte = (out / ART / PTD_NAME).read_bytes(), (out / ART / PTE_NAME).read_bytes()
+    assert ptd.count(table) == 1 and pte.count(table) == 0
+    report = verify_directory(out, record=False)
+    assert report.passed, str(report)
+    assert report.result("executorch", "factorized", "int4-shared").delta_ti <= 1e-4
 
 
 def test_corrupting_the_shared_table_fails_verify(shared_export, tmp_path):
