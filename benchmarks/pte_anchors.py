@@ -22,7 +22,8 @@ interleaved; medians):
 
 Usage::
 
-    python benchmarks/pte_anchors.py --ours EXPORT_DIR [--schemes int4-shared,int4] [--model default]
+    python benchmarks/pte_anchors.py --ours EXPORT_DIR [--schemes int4-shared,int4] [--pte LABEL=FOLDER ...]
+        [--model default]
         [--work bench_work/pte_anchors] [--threads 1,2] [--rounds 3] [--prompt-len 64] [--gen-len 128]
         [--out benchmarks/results/pte_anchors.json]
 
@@ -136,6 +137,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ours", help="a pit-deploy export directory with executorch-factorized-<scheme> folders")
     parser.add_argument("--schemes", default="int4-shared,int4")
+    parser.add_argument("--pte", action="append", default=[], metavar="LABEL=FOLDER",
+                        help="one more .pte folder to time, under the row name ours-pte-LABEL (repeatable): e.g. an "
+                             "export made with other settings")
     parser.add_argument("--model", default="default")
     parser.add_argument("--gguf", help="the source as a GGUF file for the llama.cpp anchor (default: the default "
                                        "model's own file when --model is default)")
@@ -162,7 +166,12 @@ def main(argv=None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     ours = Path(args.ours)
-    pte_folders = {f"ours-pte-{s}": ours / f"executorch-factorized-{s}" for s in args.schemes.split(",")}
+    pte_folders = {f"ours-pte-{s}": ours / f"executorch-factorized-{s}" for s in args.schemes.split(",") if s}
+    for item in args.pte:
+        label, _, folder = item.partition("=")
+        if not label or not folder:
+            parser.error(f"--pte takes LABEL=FOLDER, got {item!r}")
+        pte_folders[f"ours-pte-{label}"] = Path(folder)
     for name, folder in pte_folders.items():
         if not (folder / "model.pte").is_file():
             sys.exit(f"{name}: no {folder / 'model.pte'}; export it with `pit-deploy export MODEL --runtime executorch "

@@ -179,14 +179,14 @@ class ArtifactResult:
         return fails
 
 
-def _web_row(client: str, w: dict[str, Any]) -> str:
+def _web_row(client: str, w: dict[str, Any], width: int = 30) -> str:
     """One transformers.js client's line under its artifact's row of the table."""
     label = f"  + transformers.js {client}"
     if w.get("error"):
-        return f"{label:<30}did not run: {w['error']}"
+        return f"{label:<{width}}did not run: {w['error']}"
     greedy = "-" if w.get("greedy_match") is None else ("yes" if w["greedy_match"] else "NO")
     rate = w.get("decode_ms_per_token")
-    return (f"{label:<30}{_fmt(w.get('logits_rel_l2'), '.2e'):>9}{_fmt(w.get('top1_agreement'), '.2%'):>8}{greedy:>7}"
+    return (f"{label:<{width}}{_fmt(w.get('logits_rel_l2'), '.2e'):>9}{_fmt(w.get('top1_agreement'), '.2%'):>8}{greedy:>7}"
             f"{'-':>7}{_fmt(w.get('kl_mean'), '.4f'):>9}{'-':>7}{_fmt(w.get('kl_p99'), '.3f'):>8}"
             f"{_fmt(w.get('same_top1'), '.1%'):>7}{_fmt(w.get('ppl_ratio'), '.3f'):>7}{'-':>10}  "
             + ("pass" if w.get("passed") else "FAIL") + ("" if rate is None else f" (decode {rate:.1f} ms/token)"))
@@ -264,7 +264,8 @@ class VerifyReport:
         return json_text(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        head = (f"{'artifact':<30}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'x_exp':>7}{'kl_p99':>8}"
+        width = max([30, *(len(a.key) + 1 for a in self.artifacts)])  # the longest artifact name fits
+        head = (f"{'artifact':<{width}}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'x_exp':>7}{'kl_p99':>8}"
                 f"{'same1':>7}{'ppl_x':>7}{'delta_ti':>10}  result")
         rows = [head]
         for a in self.artifacts:
@@ -272,14 +273,14 @@ class VerifyReport:
             same = (a.stock_runner or {}).get("identical")
             runner = "-" if same is None else ("yes" if same else "NO")
             rows.append(
-                f"{a.key:<30}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
+                f"{a.key:<{width}}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
                 f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(_ratio(a.kl_mean, a.expected_kl_mean), '.1f'):>7}"
                 f"{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
                 f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
             for client, w in (a.web or {}).items():
-                rows.append(_web_row(client, w))
+                rows.append(_web_row(client, w, width))
         rows.append("all artifacts passed" if self.passed else "verification FAILED")
         if self.manifest_sha256:
             rows.append(f"manifest pin (--expect-sha256): {self.manifest_sha256}")
