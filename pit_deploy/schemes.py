@@ -99,9 +99,10 @@ class Scheme:
         pit_correction: factorized: ``T⁻¹ → (ẐᵀẐ)⁻¹T⁻¹`` so ``W_out E = I`` holds on the runtime.
         pte_head_bits: quantized factorized ``.pte``: 0 keeps the fp32 head, 4/8 a rotated
             quantized head.
-        pte_shared_table: quantized factorized ``.pte`` with a quantized head: the gather reads the
-            head's own codes, and the program's constants go to ``model.ptd``, where the one table
-            is stored once (needs ``pte_head_bits == table_bits``).
+        pte_shared_table: quantized factorized ``.pte``: the head is a quantized linear at
+            ``table_bits`` whose codes the gather reads too, and the program's constants go to
+            ``model.ptd``, where the one table is stored once (``pte_head_bits`` must then be 0
+            or ``table_bits``).
         fold_at_load: ONNX: store the codes in standard operators that onnxruntime folds back to
             float32 when the session is created (loads in onnxruntime-web's default build, fp32
             kernels at run time: a smaller file, not less memory) instead of ``MatMulNBits`` /
@@ -140,15 +141,22 @@ class Scheme:
             raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
         if not isinstance(self.pte_shared_table, bool):
             raise PitError(f"pte_shared_table must be true or false, got {self.pte_shared_table!r}")
-        if self.pte_shared_table and self.pte_head_bits != self.table_bits:
+        if self.pte_shared_table and self.pte_head_bits not in (0, self.table_bits):
             raise PitError(f"scheme {self.name}: a shared token table needs pte_head_bits equal to table_bits "
-                           f"(the head and the gather read one table), got {self.pte_head_bits} and {self.table_bits}")
+                           f"(the head and the gather read one table), got {self.pte_head_bits} and {self.table_bits}; "
+                           "pass --no-pte-shared-table for a head of its own")
         if not isinstance(self.fold_at_load, bool):
             raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
 
     @property
     def quantized(self) -> bool:
         return self.dtype != "float32"
+
+    @property
+    def pte_quantized_head_bits(self) -> int:
+        """Bits of a factorized ``.pte``'s quantized head: the table's when it is shared, else
+        ``pte_head_bits`` (0: a float32 head)."""
+        return self.table_bits if self.pte_shared_table else self.pte_head_bits
 
     def artifact_suffix(self) -> str:
         """``""`` for float32, ``-<name>`` otherwise (``onnx-factorized-int4-compact``)."""
@@ -168,7 +176,7 @@ class Scheme:
         if self.quantized:
             out.update(group_size=self.group_size, table_bits=self.table_bits,
                        int4_8bit_layers=list(self.int4_8bit_layers) if self.dtype == "int4" else [],
-                       pit_correction=self.pit_correction, pte_head_bits=self.pte_head_bits)
+                       pit_correction=self.pit_correction, pte_head_bits=self.pte_quantized_head_bits)
             if self.fold_at_load:
                 out["fold_at_load"] = True
             if self.pte_shared_table:
@@ -239,22 +247,25 @@ register_scheme(Scheme("float32", "float32", ParityBounds(), "full precision"))
 register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1,
                                                        expected_factor=10.0, expected_factor_p99=10.0),
                        "8-bit weights and token tables"))
+# int4's .pte: the head an 8-bit linear over the gather's own 8-bit table, stored once (model.ptd);
+# measured on the default model: the fp32 head's KL at 104.6 MB instead of 222.9 (docs/quantization.md).
 register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
-                       "4-bit linears in groups of 32, v_proj/down_proj and the token tables at 8 bits",
-                       int4_8bit_layers=("v_proj", "down_proj")))
+                       "4-bit linears in groups of 32, v_proj/down_proj and the token tables at 8 bits (a .pte's "
+                       "head and gather read one 8-bit table)",
+                       int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True))
 register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the smallest int4 within the int4 bounds: a 4-bit token table stored once, only "
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
                        "the bound)",
                        table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx", "onnx-genai")))
-# One 4-bit token table for the .pte's gather and head (docs/quantization.md, "One token table"):
-# the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes, stored once
-# in model.ptd.
+# int4 with one 4-bit token table for the .pte's gather and head (docs/quantization.md, "One token
+# table"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
+# stored once in model.ptd; smaller than int4's .pte, at a higher KL.
 register_scheme(Scheme("int4-shared", "int4", INT4_BOUNDS,
                        "the int4 scheme's body with one 4-bit token table that the .pte's gather and its "
                        "quantized head both read, stored once (model.ptd beside model.pte)",
-                       table_bits=4, int4_8bit_layers=("v_proj", "down_proj"), pte_head_bits=4,
-                       pte_shared_table=True, runtimes=("executorch",)))
+                       table_bits=4, int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True,
+                       runtimes=("executorch",)))
 # The web schemes: the same codes as int8/int4 on the onnx target, dequantized by standard operators
 # that onnxruntime folds at load, because onnxruntime-web's default WASM build lacks
 # GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/export.md, "The folder

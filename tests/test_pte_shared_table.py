@@ -73,12 +73,15 @@ def test_grid_rows_pass_xnnpack_dynamic_quantization_unchanged():
 
 @pytest.fixture(scope="module")
 def shared_export(tmp_path_factory) -> Path:
+    """``int4-shared`` in ``exp/``, and beside it in ``unshared/`` the same program with the table
+    twice (``--no-pte-shared-table``: the gather's own 4-bit table, the same 4-bit head)."""
     root = tmp_path_factory.mktemp("shared")
-    out = root / "exp"
-    assert main(["export", str(dense_t_pit_dir("llama", root)), "--out", str(out), "--runtime", "executorch",
-                 "--mode", "factorized", "--dtype", "int4,int4-shared", "--max-seq-len", "64",
-                 "--table-bits", "4", "--pte-head-bits", "4"]) == 0
-    return out
+    src = dense_t_pit_dir("llama", root)
+    common = ["--runtime", "executorch", "--mode", "factorized", "--max-seq-len", "64"]
+    assert main(["export", str(src), "--out", str(root / "exp"), "--dtype", "int4-shared", *common]) == 0
+    assert main(["export", str(src), "--out", str(root / "unshared"), "--dtype", "int4-shared", "--table-bits", "4",
+                 "--pte-head-bits", "4", "--no-pte-shared-table", *common]) == 0
+    return root / "exp"
 
 
 def _table_bytes(directory: Path, bits: int = 4) -> bytes:
@@ -99,7 +102,7 @@ def test_shared_table_is_stored_once_and_keeps_the_interface_exact(shared_export
     """The packed table occurs once in ``model.ptd`` and nowhere in ``model.pte``; the pair is
     smaller than the unshared program with the same 4-bit head and table (which stores it twice) by
     about one table; verify passes with ``delta_ti ≤ 1e-4`` measured on the runtime."""
-    folder, plain = shared_export / ART, shared_export / "executorch-factorized-int4"
+    folder, plain = shared_export / ART, shared_export.parent / "unshared" / ART
     table = _table_bytes(shared_export)
     ptd, pte = (folder / PTD_NAME).read_bytes(), (folder / PTE_NAME).read_bytes()
     assert len(table) > 1000 and ptd.count(table) == 1 and pte.count(table) == 0
@@ -107,29 +110,29 @@ def test_shared_table_is_stored_once_and_keeps_the_interface_exact(shared_export
     assert not (plain / PTD_NAME).exists()
     saved = unshared - (len(ptd) + len(pte))
     assert 0.8 * len(table) < saved, (unshared, len(ptd), len(pte), len(table))
-    report = verify_directory(shared_export, record=False)
-    assert report.passed, str(report)
-    for dtype in ("int4", "int4-shared"):
-        result = report.result("executorch", "factorized", dtype)
-        assert result.interface_exact is True and result.delta_ti <= 1e-4, (dtype, result.delta_ti)
-    details = json.loads((shared_export / MANIFEST_NAME).read_text())
-    quant = {a["path"]: a["details"]["quantization"] for a in details["artifacts"]}
-    assert quant[ART]["shared_table"] is True and quant["executorch-factorized-int4"]["shared_table"] is False
+    for directory, shared in ((shared_export, True), (shared_export.parent / "unshared", False)):
+        report = verify_directory(directory, record=False)
+        assert report.passed, str(report)
+        result = report.result("executorch", "factorized", "int4-shared")
+        assert result.interface_exact is True and result.delta_ti <= 1e-4, (directory.name, result.delta_ti)
+        (art,) = json.loads((directory / MANIFEST_NAME).read_text())["artifacts"]
+        assert art["details"]["quantization"]["shared_table"] is shared
 
 
-def test_an_8bit_shared_table_is_stored_once_too(tmp_path):
-    """``--table-bits 8 --pte-head-bits 8``: per-channel int8 codes, which XNNPACK stores as they
-    are and ``embedding_byte`` reads with one scale a row — one blob again, exact interface."""
+def test_int4_shares_an_8bit_table(tmp_path):
+    """The ``int4`` scheme's ``.pte``: per-channel int8 codes of the head, which XNNPACK stores as
+    they are and ``embedding_byte`` reads with one scale a row — one blob again, exact interface."""
     out = tmp_path / "exp"
     assert main(["export", str(dense_t_pit_dir("qwen3", tmp_path)), "--out", str(out), "--runtime", "executorch",
-                 "--mode", "factorized", "--dtype", "int4-shared", "--max-seq-len", "64", "--table-bits", "8",
-                 "--pte-head-bits", "8"]) == 0
+                 "--mode", "factorized", "--dtype", "int4", "--max-seq-len", "64"]) == 0
+    art = "executorch-factorized-int4"
     table = _table_bytes(out, bits=8)
-    ptd, pte = (out / ART / PTD_NAME).read_bytes(), (out / ART / PTE_NAME).read_bytes()
+    ptd, pte = (out / art / PTD_NAME).read_bytes(), (out / art / PTE_NAME).read_bytes()
     assert ptd.count(table) == 1 and pte.count(table) == 0
     report = verify_directory(out, record=False)
     assert report.passed, str(report)
-    assert report.result("executorch", "factorized", "int4-shared").delta_ti <= 1e-4
+    result = report.result("executorch", "factorized", "int4")
+    assert result.interface_exact is True and result.delta_ti <= 1e-4, result.delta_ti
 
 
 def test_corrupting_the_shared_table_fails_verify(shared_export, tmp_path):
@@ -149,10 +152,6 @@ def test_corrupting_the_shared_table_fails_verify(shared_export, tmp_path):
     quarter = len(table) // 4
     raw[start:start + quarter] = torch.randint(0, 256, (quarter,), generator=gen, dtype=torch.uint8).numpy().tobytes()
     data.write_bytes(bytes(raw))
-    manifest = json.loads((copy / MANIFEST_NAME).read_text())
-    manifest["artifacts"] = [a for a in manifest["artifacts"] if a["path"] == ART]
-    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
-    shutil.rmtree(copy / "executorch-factorized-int4")
     rehash(copy)
     assert main(["verify", str(copy)]) == 1
     result = verify_directory(copy, record=False).result("executorch", "factorized", "int4-shared")
@@ -163,5 +162,7 @@ def test_shared_table_needs_equal_head_and_table_bits():
     from pit_deploy.schemes import get_scheme
 
     with pytest.raises(PitError, match="shared token table needs pte_head_bits equal to table_bits"):
-        get_scheme("int4-shared").with_settings(table_bits=8)
-    assert get_scheme("int4-shared").with_settings(group_size=64).pte_shared_table is True
+        get_scheme("int4-shared").with_settings(pte_head_bits=8)
+    assert get_scheme("int4").pte_quantized_head_bits == 8 and get_scheme("int4-shared").pte_quantized_head_bits == 4
+    assert get_scheme("int4").with_settings(pte_shared_table=False).pte_quantized_head_bits == 0
+    assert get_scheme("int8").pte_quantized_head_bits == 0

@@ -12,6 +12,7 @@ export, and may override a quantized scheme's settings and bounds::
     table_bits = 8
     int4_8bit_layers = ["v_proj", "down_proj"]
     pte_head_bits = 0
+    pte_shared_table = true
     [bounds.int4]                           # overrides the scheme's bounds
     kl_mean = 0.5
 
@@ -42,7 +43,8 @@ MODES: tuple[str, ...] = ("materialized", "factorized")
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 #: scheme settings a recipe may override (``None``: each scheme's own)
-SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits")
+SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits",
+                   "pte_shared_table")
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,12 @@ class Recipe:
                                  choices=(4, 8))
     int4_8bit_layers: tuple[str, ...] | None = opt(
         None, "int4: comma list of linears kept at 8 bits (default: the scheme's)", group="quantization")
-    pte_head_bits: int | None = opt(None, "quantized factorized .pte: 0 keeps the fp32 head and an exact W_out E = I "
-                                    "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; the head "
-                                    "rounds its input)", group="quantization", choices=(0, 4, 8))
+    pte_head_bits: int | None = opt(None, "quantized factorized .pte with a head of its own: 0 keeps the fp32 head "
+                                    "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; W_out E = I "
+                                    "still holds on the runtime)", group="quantization", choices=(0, 4, 8))
+    pte_shared_table: bool | None = opt(None, "quantized factorized .pte: a head of its own (fp32 or --pte-head-bits) "
+                                        "instead of one quantized table that the head and the gather share (int4's "
+                                        "default)", flag="--no-pte-shared-table", group="quantization")
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:
@@ -88,14 +93,15 @@ class Recipe:
         if not isinstance(self.bounds, dict) or any(k not in self.dtype or not isinstance(v, dict)
                                                    for k, v in self.bounds.items()):
             raise PitError(f"bounds must be a table per exported scheme ({', '.join(self.dtype)}), got {self.bounds!r}")
-        get_scheme("int4").with_settings(**self.overrides())  # the overrides' values, whatever the schemes
-        schemes = self.schemes()  # validates the settings and the bounds
+        # the overrides' values, whatever the schemes (on a scheme whose settings cannot conflict with them)
+        get_scheme("int4").with_settings(pte_shared_table=False).with_settings(**self.overrides())
         read = {k for r in self.runtimes for k in get_target(r).scheme_settings}
         ignored = [k for k in self.overrides() if k not in read]
         if ignored:
             readers = [t for t in target_names() if ignored[0] in get_target(t).scheme_settings]
             raise PitError(f"{ignored[0]} applies to the {', '.join(readers) or 'no'} runtime(s) only, and this export "
                            f"has {', '.join(self.runtimes)}; drop it or add the runtime")
+        schemes = self.schemes()  # validates the settings together and the bounds
         static = [r for r in self.runtimes if get_target(r).static_cache]
         for scheme in (s for s in schemes if not s.quantized and static):
             # fp32 verification greedily decodes greedy_tokens after a prompt of at least one token

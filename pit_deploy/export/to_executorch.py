@@ -346,7 +346,7 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
         # (not an nn.Linear) and the correction keeps W_out E = I exact, unless pte_head_bits
         # asks for a rotated quantized head (:mod:`.pte_token_table`, :mod:`.pte_head`)
         details.update(quantize_token_table(quantized, scheme.group_size, scheme.pit_correction,
-                                            table_bits=scheme.table_bits, head_bits=scheme.pte_head_bits,
+                                            table_bits=scheme.table_bits, head_bits=scheme.pte_quantized_head_bits,
                                             shared=scheme.pte_shared_table))
         written = {**export_pte(quantized, out_dir, recipe.max_seq_len, external_data=details["shared_table"]),
                    "quantization": details}

@@ -52,7 +52,7 @@ class ExecuTorchXnnpackTarget(Target):
     primary_file = PTE_NAME
     phone = True
     ship_priority = 10
-    scheme_settings = Target.scheme_settings + ("pte_head_bits",)
+    scheme_settings = Target.scheme_settings + ("pte_head_bits", "pte_shared_table")
 
     def precheck(self, config: Any, recipe: Any) -> None:
         resolve("pit_deploy.export.to_executorch:precheck")(config, recipe)
@@ -63,7 +63,7 @@ class ExecuTorchXnnpackTarget(Target):
         asks for ``pte_head_bits``; torchao quantizes ``nn.Linear`` only, so GPT-2's ``Conv1D``
         body stays float32 (:mod:`pit_deploy.export.to_executorch`)."""
         return WeightGrid(symmetric=True, per_channel_8bit=True,
-                          head_bits=scheme.pte_head_bits if mode == "factorized" else 0,
+                          head_bits=scheme.pte_quantized_head_bits if mode == "factorized" else 0,
                           embed_bits=scheme.table_bits, conv1d=False)
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
