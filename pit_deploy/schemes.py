@@ -259,7 +259,7 @@ register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the bound)",
                        table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx", "onnx-genai")))
 # int4 with one 4-bit token table for the .pte's gather and head (docs/quantization.md, "One token
-# table"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
+# table for the gather and the head"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
 # stored once in model.ptd; smaller than int4's .pte, at a higher KL.
 register_scheme(Scheme("int4-shared", "int4", INT4_BOUNDS,
                        "the int4 scheme's body with one 4-bit token table that the .pte's gather and its "
