@@ -250,3 +250,15 @@ register_scheme(Scheme("int4-web", "int4", INT4_BOUNDS,
                        "float32 when the session loads: runs in onnxruntime-web's default WASM build at fp32 "
                        "speed; a smaller download, not less memory",
                        int4_8bit_layers=("v_proj", "down_proj"), fold_at_load=True, runtimes=("onnx",)))
+# llama.cpp's own file types (the gguf target, docs/llama_cpp.md): the codes are llama.cpp's, not the
+# int8/int4 grids above, so they are schemes of their own. Bounds set from the default model's
+# measurements in llama.cpp with a stated margin (docs/llama_cpp.md, "Bounds").
+register_scheme(Scheme("q8_0", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1),
+                       "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale (every linear, both token tables)",
+                       runtimes=("gguf",)))
+register_scheme(Scheme("q4_0", "int4", INT4_BOUNDS,
+                       "llama.cpp Q4_0 by its own quantizer: 4-bit blocks of 32 with one f16 scale; the head "
+                       "at Q6_K (llama.cpp's choice)", runtimes=("gguf",)))
+register_scheme(Scheme("q4_k_m", "int4", INT4_BOUNDS,
+                       "llama.cpp Q4_K_M by its own quantizer: 4-bit k-quant super-blocks, some layers at Q6_K, "
+                       "the head at Q6_K", runtimes=("gguf",)))
