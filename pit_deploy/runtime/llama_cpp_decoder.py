@@ -39,17 +39,19 @@ class LlamaCppDecoder:
     """``llama_cpp.Llama`` with ``logits_all`` (every position's logits kept) and the recorded
     KV-cache type; ``prefill`` restarts the cache, ``step`` appends one token."""
 
-    def __init__(self, path: str | Path, threads: int | None = None, context: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None, context: int | None = None,
+                 kv_cache_type: str | None = None) -> None:
+        """``kv_cache_type`` overrides the recorded one (``f32``/``f16``; a study compares them)."""
         from llama_cpp import Llama
 
         path = Path(path)
         spec = read_spec(path)
-        kv = KV_TYPES[spec.get("kv_cache_type", "f16")]
+        self.kv_cache_type = kv_cache_type or spec.get("kv_cache_type", "f16")
+        kv = KV_TYPES[self.kv_cache_type]
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         self.llm = Llama(model_path=str(path), n_ctx=context or int(spec.get("context_length", DEFAULT_CONTEXT)), n_batch=512, n_threads=threads,
                          n_threads_batch=threads, logits_all=True, type_k=kv, type_v=kv, flash_attn=False,
                          verbose=False)
-        self.kv_cache_type = spec.get("kv_cache_type", "f16")
         self.vocab = self.llm.n_vocab()
 
     def prefill(self, ids: Any) -> np.ndarray:
