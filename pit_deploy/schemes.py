@@ -251,18 +251,15 @@ register_scheme(Scheme("int4-web", "int4", INT4_BOUNDS,
                        "speed; a smaller download, not less memory",
                        int4_8bit_layers=("v_proj", "down_proj"), fold_at_load=True, runtimes=("onnx",)))
 # llama.cpp's own file types (the gguf target, docs/llama_cpp.md): the codes are llama.cpp's, not the
-# int8/int4 grids above, so they are schemes of their own. Bounds set from the default model's
-# measurements in llama.cpp (docs/llama_cpp.md, "Bounds": q8_0 0.065 / 0.49 / 88 % / 1.07, q4_0
-# 0.54 / 2.77 / 68 % / 1.63, q4_k_m 0.155 / 0.88 / 80 % / 1.14) with a margin of about 1.5× on the
-# KL means. llama.cpp rounds the head's input to 8 bits per block of 32 for a quantized head, which
-# this PIT model's final-norm gains make costly (the Q8_0 figure; docs/llama_cpp.md).
+# int8/int4 grids above, so they are schemes of their own; the head is BF16 in all three (the gguf
+# target's HEAD_TYPE). Bounds set from the default model's measurements in llama.cpp
+# (docs/llama_cpp.md, "Bounds") with a margin of about 1.5x on the KL means.
 register_scheme(Scheme("q8_0", "int8", QuantizedBounds(kl_mean=0.1, kl_p99=1.0, same_top1=0.8, ppl_ratio=1.15),
-                       "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale (every linear and the head)",
+                       "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale for every body linear, the head BF16",
                        runtimes=("gguf",)))
 register_scheme(Scheme("q4_0", "int4", QuantizedBounds(kl_mean=0.8, kl_p99=4.0, same_top1=0.6, ppl_ratio=2.0),
-                       "llama.cpp Q4_0 by its own quantizer: 4-bit blocks of 32 with one f16 scale; the head at "
-                       "Q6_K, or Q8_0 where rows are not a multiple of 256 (llama.cpp's choice)", runtimes=("gguf",)))
+                       "llama.cpp Q4_0 by its own quantizer: 4-bit blocks of 32 with one f16 scale, the head BF16",
+                       runtimes=("gguf",)))
 register_scheme(Scheme("q4_k_m", "int4", QuantizedBounds(kl_mean=0.3, kl_p99=2.0, same_top1=0.7, ppl_ratio=1.3),
                        "llama.cpp Q4_K_M by its own quantizer: 4-bit k-quant super-blocks of 256, some layers at "
-                       "Q6_K, the head at Q6_K (fallbacks to Q5_0/Q8_0 where rows are not a multiple of 256)",
-                       runtimes=("gguf",)))
+                       "Q6_K (Q5_0/Q8_0 where rows are not a multiple of 256), the head BF16", runtimes=("gguf",)))

@@ -15,10 +15,12 @@ The file is written here with gguf-py's ``GGUFWriter``:
 
 Quantized schemes and the token interface (``docs/llama_cpp.md``):
 
-* ``q8_0``: every 2-D weight rounded by gguf-py's Q8_0 quantizer (the same rounding as ggml's
+* ``q8_0``: every body weight rounded by gguf-py's Q8_0 quantizer (the same rounding as ggml's
   reference ``quantize_row_q8_0``).
 * ``q4_0``/``q4_k_m``: llama.cpp's own quantizer (``llama_model_quantize`` of llama-cpp-python),
-  run on the F32 file; it picks its own types per tensor (the head at Q6_K).
+  run on the F32 file; it picks its own types per body tensor.
+* the head (a tied model's table) at :data:`HEAD_TYPE` in every quantized file, not llama.cpp's
+  Q6_K/Q8_0 (why: at the constant).
 * the PIT correction: the head is quantized first; the stored token table is then the
   pseudo-inverse of the *dequantized* head, ``E = Ŵ (ŴᵀŴ)⁻¹`` in float64, stored in float32, so
   ``W_out E = I`` holds for what llama.cpp computes up to float32 rounding. Rounding that table
@@ -55,6 +57,13 @@ from ..targets.llama_cpp import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_V
 #: which llama.cpp's default f16 cache misses on the default model (docs/llama_cpp.md);
 #: quantized files use llama.cpp's default, as the apps that run them do
 KV_CACHE_TYPES = {"F32": "f32", "Q8_0": "f16", "Q4_0": "f16", "Q4_K_M": "f16"}
+
+#: the head's type in every quantized file. llama.cpp's own choice (Q6_K, or Q8_0 where a row is not a
+#: multiple of 256) makes its matmul round the head's *input* to 8 bits per block of 32, and the final
+#: norm's gains of a ``preserve`` conversion (up to 1.2e5 on the default model) put a few channels far
+#: above the rest of their block: Q8_0 head 0.065 mean KL, BF16 head 0.0033 (body Q8_0 both; F32 head
+#: 0.0033 at twice BF16's bytes; F16 overflows). docs/llama_cpp.md, "The head's type".
+HEAD_TYPE = "BF16"
 
 #: llama.cpp's ``llama_ftype`` of the types its quantizer makes here (llama.h)
 _LLAMA_FTYPES = {"Q4_0": 2, "Q4_K_M": 15}
@@ -251,10 +260,11 @@ def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict
     writer.close()
 
 
-def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = None) -> None:
+def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = None,
+                   head_type: int | None = None) -> None:
     """Quantize the GGUF file ``src`` to ``kind`` (``Q4_0``/``Q4_K_M``) with llama.cpp's own
-    quantizer into ``dst``; ``table_type`` (a ggml type id) overrides the type it gives the token
-    table.
+    quantizer into ``dst``; ``table_type`` and ``head_type`` (ggml type ids) override the types it
+    gives the token table and the head (``output.weight``, or a tied model's table).
 
     Raises:
         PitError: llama-cpp-python is missing, or the quantizer failed.
@@ -269,6 +279,8 @@ def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = Non
     params.nthread = os.cpu_count() or 1
     if table_type is not None:
         params.token_embedding_type = table_type
+    if head_type is not None:
+        params.output_tensor_type = head_type
     # llama.cpp logs every tensor it quantizes (and its fallbacks for short rows) through
     # llama-cpp-python's logger; the manifest records the types it chose
     chatter = logging.getLogger("llama-cpp-python")
@@ -305,30 +317,39 @@ def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | 
 
 def _q8_0(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
           correction: bool) -> dict[str, Any]:
-    """Q8_0 by gguf-py: every 2-D weight rounded; with ``correction`` the table is the float32
-    pseudo-inverse of the rounded head instead."""
+    """Q8_0 by gguf-py: every body weight rounded to Q8_0, the head to :data:`HEAD_TYPE`; the
+    table Q8_0, or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied
+    model's table is its head, so it gets the head's type."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    qtype = gguf.GGMLQuantizationType.Q8_0
-    codes = {name: (quantize(a, qtype), qtype) for name, a in tensors.items() if a.ndim == 2}
-    info: dict[str, Any] = {"head_type": "Q8_0" if HEAD in codes else None, "table_type": "Q8_0"}
-    if HEAD in codes:
-        head = dequantize(codes[HEAD][0], qtype)
-        info.update(_table_figures(head, dequantize(codes[EMBED][0], qtype), "Q8_0"))
+    q8, head_t = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType[HEAD_TYPE]
+    codes = {name: (quantize(a, q8), q8) for name, a in tensors.items() if a.ndim == 2 and name not in (EMBED, HEAD)}
+    info: dict[str, Any] = {"head_type": HEAD_TYPE, "table_type": HEAD_TYPE}
+    if HEAD not in tensors:  # tied
+        codes[EMBED] = (quantize(tensors[EMBED], head_t), head_t)
+    else:
+        codes[HEAD] = (quantize(tensors[HEAD], head_t), head_t)
+        head = dequantize(codes[HEAD][0], head_t)
+        plain = quantize(tensors[EMBED], q8)
+        info.update(table_type="Q8_0", **_table_figures(head, dequantize(plain, q8), "Q8_0"))
         if correction:
-            del codes[EMBED]
             tensors = {**tensors, EMBED: corrected_table(head).astype(np.float32)}
             info["table_type"] = "F32"
             info["delta_ti_corrected"] = delta_ti(tensors[EMBED], head)
+        else:
+            codes[EMBED] = (plain, q8)
     write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType.MOSTLY_Q8_0)
     return info
 
 
 def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
                      kind: str, correction: bool) -> dict[str, Any]:
-    """Q4_0/Q4_K_M by llama.cpp's quantizer, with the two-run correction (module docstring)."""
+    """Q4_0/Q4_K_M by llama.cpp's quantizer, the head (a tied model's table) at
+    :data:`HEAD_TYPE`, with the two-run correction (module docstring)."""
     import gguf
+
+    head_t = int(gguf.GGMLQuantizationType[HEAD_TYPE])
 
     def types(file: Path) -> dict[str, str]:
         return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors if t.name in (EMBED, HEAD)}
@@ -336,17 +357,17 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
     with tempfile.TemporaryDirectory(prefix=".pit-gguf-", dir=path.parent) as tmp:
         f32, first = Path(tmp) / "f32.gguf", Path(tmp) / "first.gguf"
         write_gguf(f32, model, tokenizer, tensors)
-        llama_quantize(f32, first, kind)
+        llama_quantize(f32, first, kind, head_type=head_t)
         read = read_gguf_tensors(first, (EMBED, HEAD))
         chosen = types(first)
-        info: dict[str, Any] = {"head_type": chosen.get(HEAD), "table_type": chosen.get(EMBED)}
+        info: dict[str, Any] = {"head_type": chosen.get(HEAD, chosen.get(EMBED)), "table_type": chosen.get(EMBED)}
         if HEAD in read:  # (tied: llama.cpp's head is its table; nothing to correct)
             info.update(_table_figures(read[HEAD], read[EMBED], chosen.get(EMBED)))
         if HEAD not in read or not correction:
             first.replace(path)
             return info
         write_gguf(f32, model, tokenizer, {**tensors, EMBED: corrected_table(read[HEAD]).astype(np.float32)})
-        llama_quantize(f32, path, kind, table_type=0)  # GGML_TYPE_F32: the table as computed
+        llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
         if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
             raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
                            "corrected table would not match it")
