@@ -16,7 +16,7 @@ Usage::
     pit-deploy export PIT_MODEL --out EXPORT --runtime gguf --mode materialized --dtype float32,q8_0,q4_0,q4_k_m
     pit-deploy export SOURCE --keep-tying --out TT_EXPORT --runtime gguf --dtype float32
     python studies/gguf_llama_cpp.py --export EXPORT [--tt TT_EXPORT] [--threads 2] \
-        [--out studies/results/gguf_llama_cpp.json]
+        [--no-kv-cache] [--out studies/results/gguf_llama_cpp.json]
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--tt", default=None, help="a --keep-tying gguf export of the source (baseline)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--no-kv-cache", action="store_true", help="skip point 1 (the slowest)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     directory = Path(args.export)
@@ -122,9 +123,9 @@ def main() -> None:
         path = directory / art.path / art.details["file"]
         if art.runtime != "gguf":
             continue
-        if art.dtype == "float32":
+        if art.dtype == "float32" and not args.no_kv_cache:
             result["kv_cache"] = kv_cache_figures(path, reference, tokenizer, art.shapes["vocab_size"], args.threads)
-        else:
+        elif art.dtype != "float32":
             result["interface"][art.key] = interface_figures(path, art.details)
         result["answers"][art.key] = chat_answer(path, args.threads)
     if args.tt:
