@@ -130,7 +130,10 @@ def test_quantized_files_pass_kl_and_the_correction_restores_the_identity(tmp_pa
         quant = art.details["quantization"]
         result = results[art.scheme_name]
         assert result["passed"], result["failures"]
-        assert quant["pit_correction"] and quant["table_type"] == "F32"
+        assert quant["pit_correction"] and quant["table_type"] == "F32" and quant["head_type"] == "BF16"
+        tensors = _tensors(out / art.path / art.details["file"])
+        assert tensors["output.weight"].tensor_type.name == "BF16" and tensors["token_embd.weight"].tensor_type.name == "F32"
+        assert tensors["blk.0.ffn_up.weight"].tensor_type.name == art.details["file_type"]  # the body is the scheme's
         assert result["delta_ti"] <= 1e-5 < quant["delta_ti_uncorrected"]
         assert abs(result["delta_ti"] - quant["delta_ti_corrected"]) <= 1e-6
         assert result["kl_mean"] <= 0.05
