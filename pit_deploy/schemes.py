@@ -280,3 +280,18 @@ register_scheme(Scheme("int4-web", "int4", INT4_BOUNDS,
                        "float32 when the session loads: runs in onnxruntime-web's default WASM build at fp32 "
                        "speed; a smaller download, not less memory",
                        int4_8bit_layers=("v_proj", "down_proj"), fold_at_load=True, runtimes=("onnx",)))
+# llama.cpp's own file types (the gguf target, docs/llama_cpp.md): the codes are llama.cpp's, not the
+# int8/int4 grids above, so they are schemes of their own; the head is BF16 in all three (the gguf
+# target's HEAD_TYPE). Bounds set from the default model's measurements in llama.cpp
+# (docs/llama_cpp.md, "Bounds") with a margin of about 1.5x on the KL means.
+# Measured (corrected table; uncorrected within 4 %): q8_0 0.0033 / 0.021 / 96.8 % / 1.0003, q4_0 0.47 / 2.62 /
+# 68 % / 1.55, q4_k_m 0.080 / 0.46 / 85.5 % / 1.05 (kl_mean / kl_p99 / same top-1 / ppl ratio).
+register_scheme(Scheme("q8_0", "int8", QuantizedBounds(kl_mean=0.005, kl_p99=0.035, same_top1=0.93, ppl_ratio=1.01),
+                       "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale for every body linear, the head BF16",
+                       runtimes=("gguf",)))
+register_scheme(Scheme("q4_0", "int4", QuantizedBounds(kl_mean=0.7, kl_p99=4.0, same_top1=0.6, ppl_ratio=1.8),
+                       "llama.cpp Q4_0 by its own quantizer: 4-bit blocks of 32 with one f16 scale, the head BF16",
+                       runtimes=("gguf",)))
+register_scheme(Scheme("q4_k_m", "int4", QuantizedBounds(kl_mean=0.12, kl_p99=0.7, same_top1=0.8, ppl_ratio=1.1),
+                       "llama.cpp Q4_K_M by its own quantizer: 4-bit k-quant super-blocks of 256, some layers at "
+                       "Q6_K (Q5_0/Q8_0 where rows are not a multiple of 256), the head BF16", runtimes=("gguf",)))

@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # the transformers.js checks' npm packages (pinned in web/) and Debian's chromium; the main job needs neither
 bash scripts/setup_web.sh
+# llama-cpp-python for the gguf target, built once from its sdist into a wheel cache (minutes on 2 cores)
+bash scripts/setup_llama_cpp.sh
 export HF_HUB_OFFLINE=1
 # Two workers (pytest-xdist), one per core of the CI machine; a test file, and the runtime suite as
 # a whole, stays on one worker (tests/conftest.py). PIT_TEST_WORKERS=0 runs in this process.

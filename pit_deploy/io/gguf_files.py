@@ -172,3 +172,48 @@ def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Pa
                     "directory to speed up later loads)", root, exc, path.name, CACHE_ENV)
         return None
     return folder
+
+
+def read_gguf_tensors(path: str | Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """The tensors ``names`` of the GGUF file ``path`` as float32 NumPy arrays in PyTorch's
+    ``(out, in)`` layout, dequantized by gguf-py (``gguf.quants.dequantize``, the same block
+    formulas as ggml's ``dequantize_row_*``); a name the file lacks is absent from the result.
+
+    Why read the file: llama.cpp's API exposes logits and final hidden states, not the rows its
+    embedding gathers nor its head applied to chosen vectors, so the effective ``E`` and
+    ``W_out`` that ``delta_ti`` needs are the file's stored tables, dequantized exactly as
+    llama.cpp dequantizes them (``docs/llama_cpp.md``).
+
+    Raises:
+        GGUFFormatError: the file cannot be parsed.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 — gguf-py raises ValueError, struct.error, IndexError…
+        raise GGUFFormatError(f"{path}: {exc}") from None
+    out: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        if tensor.name in names:
+            rows = [int(n) for n in reversed(tensor.shape.tolist())]  # ggml's ne is (in, out)
+            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            out[tensor.name] = np.asarray(values, dtype=np.float32).reshape(rows)
+    return out
+
+
+def gguf_raw_tensor(path: str | Path, name: str) -> tuple[int, bytes]:
+    """``(ggml type, stored bytes)`` of tensor ``name`` in the GGUF file ``path``: what two files
+    must share for their tensor to be the very same codes.
+
+    Raises:
+        KeyError: the file has no such tensor.
+    """
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(str(path)).tensors:
+        if tensor.name == name:
+            return int(tensor.tensor_type), bytes(tensor.data.tobytes())
+    raise KeyError(f"{path} has no tensor {name}")

@@ -1,7 +1,7 @@
 """The target registry: runtime name → :class:`~pit_deploy.targets.base.Target`.
 
 Each built-in target lives in one module of this package (``onnx_optimum``,
-``executorch_xnnpack``, ``onnx_genai``) that registers itself when imported; the registry imports them on first
+``executorch_xnnpack``, ``onnx_genai``, ``llama_cpp``) that registers itself when imported; the registry imports them on first
 use, by name, so nothing here imports a runtime. A new target is one module that defines a
 ``Target`` subclass and calls :func:`register_target` (``docs/design.md``, "Adding a target");
 code outside the package can register one the same way (a test does, for the proof).
@@ -21,6 +21,7 @@ BUILTIN: dict[str, str] = {
     "onnx": "pit_deploy.targets.onnx_optimum",
     "executorch": "pit_deploy.targets.executorch_xnnpack",
     "onnx-genai": "pit_deploy.targets.onnx_genai",
+    "gguf": "pit_deploy.targets.llama_cpp",
 }
 
 _TARGETS: dict[str, Target] = {}

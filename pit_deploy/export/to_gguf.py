@@ -1,0 +1,422 @@
+"""Export a prepared (materialized or tied) Llama/Qwen3 model as one GGUF file for llama.cpp.
+
+The file is written here with gguf-py's ``GGUFWriter``:
+
+* tensors under llama.cpp's names (``token_embd``, ``blk.N.attn_q`` …, ``output_norm``,
+  ``output``), in PyTorch's ``(out, in)`` layout, which the writer stores as ggml's ``(in, out)``;
+* for the ``llama`` architecture the rows of ``q_proj``/``k_proj`` are reordered per head: Hugging
+  Face rotates the two halves of a head (``rotate_half``), llama.cpp's ``llama`` rotary rotates
+  adjacent pairs, so row ``h·D + s·D/2 + j`` moves to ``h·D + 2j + s``. ``qwen3`` is a NeoX-rotary
+  architecture in llama.cpp (halves, as Hugging Face), so its rows stay;
+* ``output.weight`` untied (a materialized PIT head); a tied baseline omits it, which is how
+  llama.cpp ties;
+* the tokenizer (byte-level BPE: tokens, types, merges, special ids, chat template) and the
+  hyper-parameters llama.cpp reads.
+
+Quantized schemes and the token interface (``docs/llama_cpp.md``):
+
+* ``q8_0``: every body weight rounded by gguf-py's Q8_0 quantizer (the same rounding as ggml's
+  reference ``quantize_row_q8_0``).
+* ``q4_0``/``q4_k_m``: llama.cpp's own quantizer (``llama_model_quantize`` of llama-cpp-python),
+  run on the F32 file; it picks its own types per body tensor.
+* an untied head at :data:`HEAD_TYPE` in every quantized file, not llama.cpp's Q6_K/Q8_0 (why: at
+  the constant). A tied baseline keeps llama.cpp's own types: its table is its head, and llama.cpp
+  0.3.36 decodes a tied BF16 table about 20× slower than an untied BF16 head (2.3 s against 0.11 s
+  a token on the default model, measured on a loaded machine), and the source model has no gains
+  that would make its Q8_0 head costly (Q8_0 file: mean KL 0.0041).
+* the PIT correction: the head is quantized first; the stored token table is then the
+  pseudo-inverse of the *dequantized* head, ``E = Ŵ (ŴᵀŴ)⁻¹`` in float64, stored in float32, so
+  ``W_out E = I`` holds for what llama.cpp computes up to float32 rounding. Rounding that table
+  to the file's type would undo most of it (``delta_ti_corrected_table_rounded``, recorded where
+  gguf-py can round the type), which is why it costs ``V·d`` float32s of file. For llama.cpp's
+  quantizer this takes two runs: the first gives the head's codes; the second quantizes the file
+  whose table is the corrected one (kept F32 by ``token_embedding_type``), and its head's codes
+  must be byte-identical to the first run's (checked). ``delta_ti`` of the exported pair is
+  recorded with and without the correction; ``--no-pit-correction`` keeps the quantized table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import PitError
+from ..io.gguf_files import gguf_raw_tensor, read_gguf_tensors
+from ..runtime.llama_cpp_decoder import DEFAULT_CONTEXT
+from ..schemes import Scheme
+from ..targets.llama_cpp import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
+
+#: the KV-cache type recorded per file type: float32 files are verified against the fp32 bounds,
+#: which llama.cpp's default f16 cache misses on the default model (docs/llama_cpp.md);
+#: quantized files use llama.cpp's default, as the apps that run them do
+KV_CACHE_TYPES = {"F32": "f32", "Q8_0": "f16", "Q4_0": "f16", "Q4_K_M": "f16"}
+
+#: the head's type in every quantized file. llama.cpp's own choice (Q6_K, or Q8_0 where a row is not a
+#: multiple of 256) makes its matmul round the head's *input* to 8 bits per block of 32, and the final
+#: norm's gains of a ``preserve`` conversion (up to 1.2e5 on the default model) put a few channels far
+#: above the rest of their block: Q8_0 head 0.065 mean KL, BF16 head 0.0033 (body Q8_0 both; F32 head
+#: 0.0033 at twice BF16's bytes; F16 overflows). docs/llama_cpp.md, "The head's type".
+HEAD_TYPE = "BF16"
+
+#: llama.cpp's ``llama_ftype`` of the types its quantizer makes here (llama.h)
+_LLAMA_FTYPES = {"Q4_0": 2, "Q4_K_M": 15}
+
+#: Hugging Face module path inside a decoder layer → llama.cpp tensor name inside ``blk.N``
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+EMBED, HEAD = "token_embd.weight", "output.weight"
+
+
+# --------------------------------------------------------------------------------------
+# tensors
+# --------------------------------------------------------------------------------------
+
+
+def rotary_pairs(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of a q/k projection from Hugging Face's half-split rotary order to llama.cpp's
+    adjacent-pair order, per head (module docstring)."""
+    rows, cols = weight.shape
+    half = rows // heads // 2
+    return weight.reshape(heads, 2, half, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def is_tied(model: PreTrainedModel) -> bool:
+    """Whether the head reads the embedding's very tensor (the transpose-tied baseline)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+@torch.no_grad()
+def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
+    """Every weight of ``model`` as float32 under its llama.cpp name.
+
+    Raises:
+        PitError: a factorized model, a weight llama.cpp's architecture has no place for (a bias,
+            a rotary-scaling table), or a family without an architecture here.
+    """
+    from .passes import FACTORS_ATTR
+
+    config = model.config
+    if getattr(model, FACTORS_ATTR, None) is not None:
+        raise PitError("the gguf runtime cannot hold a factorized PIT model (llama.cpp has no architecture for "
+                       "it); export it with --mode materialized")
+    arch = ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise PitError(f"the gguf runtime writes {', '.join(ARCHITECTURES)} models, not {config.model_type!r}")
+    if (config.rope_scaling or {}).get("rope_type", "default") != "default":
+        raise PitError(f"rope_scaling {config.rope_scaling} is not written to GGUF here; only the default rotary")
+    tied = is_tied(model)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    out: dict[str, np.ndarray] = {}
+    unplaced = []
+    for name, value in model.state_dict().items():
+        array = value.detach().to(torch.float32).cpu().numpy()
+        if name == "model.embed_tokens.weight":
+            out[EMBED] = array
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = array
+        elif name == "lm_head.weight":
+            if not tied:
+                out[HEAD] = array
+        elif name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if module not in _LAYER_NAMES or kind != "weight":
+                unplaced.append(name)
+                continue
+            if arch == "llama" and module == "self_attn.q_proj":
+                array = rotary_pairs(array, heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                array = rotary_pairs(array, kv_heads)
+            out[f"blk.{index}.{_LAYER_NAMES[module]}.weight"] = array
+        else:
+            unplaced.append(name)
+    if unplaced:
+        raise PitError(f"the {arch} GGUF architecture has no place for {', '.join(unplaced[:4])}"
+                       f"{' …' if len(unplaced) > 4 else ''}")
+    return out
+
+
+def delta_ti(table: np.ndarray, head: np.ndarray) -> float:
+    """``‖W_out E − I‖_F`` in float64 of a table ``E (V, d)`` and a head weight ``(V, d)``
+    stored as PyTorch stores it (``logits = h @ head.T``, so ``W_out = headᵀ``)."""
+    e, w = table.astype(np.float64), head.astype(np.float64)
+    return float(np.linalg.norm(w.T @ e - np.eye(e.shape[1])))
+
+
+def corrected_table(head: np.ndarray) -> np.ndarray:
+    """The pseudo-inverse of the (dequantized) head as a token table: ``E = Ŵ (ŴᵀŴ)⁻¹``, in
+    float64 by a Cholesky solve, so ``Ŵᵀ E = I_d`` (``head``: ``(V, d)``, full column rank)."""
+    w = head.astype(np.float64)
+    gram = w.T @ w
+    try:
+        chol = np.linalg.cholesky(gram)
+    except np.linalg.LinAlgError:
+        raise PitError("the quantized head is rank-deficient: no token table can make W_out E = I") from None
+    inv = np.linalg.solve(chol.T, np.linalg.solve(chol, np.eye(gram.shape[0])))
+    return w @ inv
+
+
+# --------------------------------------------------------------------------------------
+# the file
+# --------------------------------------------------------------------------------------
+
+
+def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for the pre-tokenizer of a ``tokenizer.json``: the
+    name whose split rules are the same as the Hugging Face tokenizer's.
+
+    Raises:
+        PitError: a pre-tokenizer whose llama.cpp counterpart was not checked here.
+    """
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"  # byte-level with the GPT-2 split regex
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "smollm"  # digits one by one, then the GPT-2 regex
+    raise PitError(f"the tokenizer's pre-tokenizer {kinds or pre.get('type')} has no llama.cpp counterpart checked "
+                   "here (byte-level BPE with the GPT-2 split, optionally single digits first)")
+
+
+def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_size: int) -> None:
+    """Tokens, token types, merges, special ids and the chat template of ``tokenizer``."""
+    import gguf
+
+    with tempfile.TemporaryDirectory(prefix="pit-gguf-tok-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        data = json.loads((Path(tmp) / "tokenizer.json").read_text(encoding="utf-8"))
+        if (data.get("model") or {}).get("type") != "BPE":
+            raise PitError("the gguf runtime writes byte-level BPE tokenizers only")
+        pre = pre_tokenizer_name(data)
+        by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+        specials = {int(a["id"]) for a in data.get("added_tokens", []) if a.get("special")}
+        added = {int(a["id"]) for a in data.get("added_tokens", [])}
+        tokens, types = [], []
+        for i in range(vocab_size):
+            if i not in by_id:  # a padded row of the embedding: no token of the tokenizer
+                tokens.append(f"[PAD{i}]")
+                types.append(gguf.TokenType.UNUSED)
+            else:
+                tokens.append(by_id[i])
+                types.append(gguf.TokenType.CONTROL if i in specials else
+                             gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        gguf.SpecialVocab(tmp, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+
+
+def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray],
+               quantized: dict[str, tuple[np.ndarray, Any]] | None = None, file_type: int = 0) -> None:
+    """Write ``tensors`` (float32, llama.cpp names) and the model's metadata to ``path``;
+    ``quantized`` holds ``name → (codes, ggml type)`` written instead of their float32 twin."""
+    import gguf
+
+    config = model.config
+    arch = ARCHITECTURES[config.model_type]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(str(getattr(config, "_name_or_path", "") or "pit-model"))
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(int(config.num_attention_heads))
+    writer.add_head_count_kv(int(config.num_key_value_heads))
+    writer.add_key_length(int(head_dim))
+    writer.add_value_length(int(head_dim))
+    writer.add_rope_dimension_count(int(head_dim))
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(int(config.vocab_size))
+    writer.add_file_type(file_type)
+    if tokenizer is None:
+        raise PitError("a GGUF file needs the tokenizer (llama.cpp reads it from the file); the source has none")
+    _tokenizer_metadata(writer, tokenizer, int(config.vocab_size))
+    quantized = quantized or {}
+    for name, array in tensors.items():
+        if name in quantized:
+            codes, qtype = quantized[name]
+            writer.add_tensor(name, codes, raw_shape=codes.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = None,
+                   head_type: int | None = None) -> None:
+    """Quantize the GGUF file ``src`` to ``kind`` (``Q4_0``/``Q4_K_M``) with llama.cpp's own
+    quantizer into ``dst``; ``table_type`` and ``head_type`` (ggml type ids) override the types it
+    gives the token table and the head (``output.weight``, or a tied model's table).
+
+    Raises:
+        PitError: llama-cpp-python is missing, or the quantizer failed.
+    """
+    try:
+        import llama_cpp
+    except ImportError:
+        raise PitError(f"{kind} GGUF files are made by llama.cpp's quantizer; install llama-cpp-python with "
+                       f"`bash scripts/setup_llama_cpp.sh` (pins {PACKAGE_VERSION})") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = _LLAMA_FTYPES[kind]
+    params.nthread = os.cpu_count() or 1
+    if table_type is not None:
+        params.token_embedding_type = table_type
+    if head_type is not None:
+        params.output_tensor_type = head_type
+    # llama.cpp logs every tensor it quantizes (and its fallbacks for short rows) through
+    # llama-cpp-python's logger; the manifest records the types it chose
+    chatter = logging.getLogger("llama-cpp-python")
+    level = chatter.level
+    chatter.setLevel(logging.CRITICAL)  # (its level table is off by one: warnings arrive as errors)
+    try:
+        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    finally:
+        chatter.setLevel(level)
+    if status != 0 or not dst.is_file():
+        raise PitError(f"llama.cpp's quantizer failed on {src.name} ({kind}, status {status})")
+
+
+# --------------------------------------------------------------------------------------
+# the target's exporter
+# --------------------------------------------------------------------------------------
+
+
+def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | None) -> dict[str, Any]:
+    """``delta_ti`` of the dequantized ``head`` with the table quantized as the source
+    (``plain_table``, dequantized), and — where gguf-py can round the table's type — with the
+    corrected table rounded to that type: what storing the correction at the file's precision
+    would leave (the reason it is stored in float32)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    out = {"delta_ti_uncorrected": delta_ti(plain_table, head)}
+    qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
+    if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+        rounded = dequantize(quantize(corrected_table(head).astype(np.float32), qtype), qtype)
+        out["delta_ti_corrected_table_rounded"] = delta_ti(rounded, head)
+    return out
+
+
+def _q8_0(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
+          correction: bool) -> dict[str, Any]:
+    """Q8_0 by gguf-py: every body weight rounded to Q8_0, the head to :data:`HEAD_TYPE`; the
+    table Q8_0, or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied
+    model (the baseline) is all Q8_0, as llama.cpp makes it."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    q8, head_t = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType[HEAD_TYPE]
+    codes = {name: (quantize(a, q8), q8) for name, a in tensors.items() if a.ndim == 2 and name not in (EMBED, HEAD)}
+    info: dict[str, Any] = {"head_type": "Q8_0", "table_type": "Q8_0"}
+    if HEAD not in tensors:  # tied: llama.cpp's own choice (module docstring)
+        codes[EMBED] = (quantize(tensors[EMBED], q8), q8)
+    else:
+        info["head_type"] = HEAD_TYPE
+        codes[HEAD] = (quantize(tensors[HEAD], head_t), head_t)
+        head = dequantize(codes[HEAD][0], head_t)
+        plain = quantize(tensors[EMBED], q8)
+        info.update(table_type="Q8_0", **_table_figures(head, dequantize(plain, q8), "Q8_0"))
+        if correction:
+            tensors = {**tensors, EMBED: corrected_table(head).astype(np.float32)}
+            info["table_type"] = "F32"
+            info["delta_ti_corrected"] = delta_ti(tensors[EMBED], head)
+        else:
+            codes[EMBED] = (plain, q8)
+    write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType.MOSTLY_Q8_0)
+    return info
+
+
+def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
+                     kind: str, correction: bool) -> dict[str, Any]:
+    """Q4_0/Q4_K_M by llama.cpp's quantizer, an untied head at :data:`HEAD_TYPE`, with the
+    two-run correction (module docstring); a tied model (the baseline) as llama.cpp makes it."""
+    import gguf
+
+    head_t = int(gguf.GGMLQuantizationType[HEAD_TYPE]) if HEAD in tensors else None
+
+    def types(file: Path) -> dict[str, str]:
+        return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors if t.name in (EMBED, HEAD)}
+
+    with tempfile.TemporaryDirectory(prefix=".pit-gguf-", dir=path.parent) as tmp:
+        f32, first = Path(tmp) / "f32.gguf", Path(tmp) / "first.gguf"
+        write_gguf(f32, model, tokenizer, tensors)
+        llama_quantize(f32, first, kind, head_type=head_t)
+        read = read_gguf_tensors(first, (EMBED, HEAD))
+        chosen = types(first)
+        info: dict[str, Any] = {"head_type": chosen.get(HEAD, chosen.get(EMBED)), "table_type": chosen.get(EMBED)}
+        if HEAD in read:  # (tied: llama.cpp's head is its table; nothing to correct)
+            info.update(_table_figures(read[HEAD], read[EMBED], chosen.get(EMBED)))
+        if HEAD not in read or not correction:
+            first.replace(path)
+            return info
+        write_gguf(f32, model, tokenizer, {**tensors, EMBED: corrected_table(read[HEAD]).astype(np.float32)})
+        llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
+        if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
+            raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
+                           "corrected table would not match it")
+        final = read_gguf_tensors(path, (EMBED, HEAD))
+        info["table_type"] = types(path).get(EMBED)
+        info["delta_ti_corrected"] = delta_ti(final[EMBED], final[HEAD])
+    return info
+
+
+@torch.no_grad()
+def export_gguf(model: PreTrainedModel, out_dir: Path, tokenizer: Any, scheme: Scheme) -> dict[str, Any]:
+    """Write ``model`` as the GGUF file of ``scheme`` and its :data:`SPEC_NAME` into ``out_dir``;
+    returns the manifest details."""
+    import gguf
+
+    if scheme.name not in FILE_TYPES:
+        raise PitError(f"the gguf runtime writes {', '.join(FILE_TYPES)}, not {scheme.name}")
+    kind = FILE_TYPES[scheme.name]
+    tensors = gguf_tensors(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / FILE_NAMES[scheme.name]
+    details: dict[str, Any] = {"file": path.name, "file_type": kind, "architecture": ARCHITECTURES[model.config.model_type],
+                               "kv_cache_type": KV_CACHE_TYPES[kind], "tied": HEAD not in tensors,
+                               "context_length": min(int(model.config.max_position_embeddings), DEFAULT_CONTEXT),
+                               "gguf_writer": f"gguf {version('gguf')}"}
+    if kind == "F32":
+        write_gguf(path, model, tokenizer, tensors, file_type=gguf.LlamaFileType.ALL_F32)
+    else:
+        correction = bool(scheme.pit_correction) and HEAD in tensors
+        if kind == "Q8_0":
+            quant = _q8_0(model, tokenizer, tensors, path, correction)
+            quant["quantizer"] = "gguf-py Q8_0"
+        else:
+            quant = _llama_quantized(model, tokenizer, tensors, path, kind, correction)
+            quant["quantizer"] = f"llama.cpp llama_model_quantize (llama-cpp-python {PACKAGE_VERSION})"
+        # corrected: the table is float32, so W_out E = I up to float32 rounding (verify bounds delta_ti)
+        quant.update(pit_correction=correction, interface_exact=correction)
+        details["quantization"] = quant
+    spec = {"file": path.name, "kv_cache_type": details["kv_cache_type"], "context_length": details["context_length"],
+            "llama_cpp_python": PACKAGE_VERSION}
+    (out_dir / SPEC_NAME).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+    return details
+
+
+def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
+                    scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
+    """The ``gguf`` target's exporter (:mod:`pit_deploy.targets.llama_cpp`)."""
+    return export_gguf(model, out_dir, tokenizer, scheme)

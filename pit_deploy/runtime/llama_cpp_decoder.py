@@ -1,0 +1,74 @@
+"""A GGUF file run by llama.cpp through llama-cpp-python: prefill and one-token steps with the
+full logits of every position, for verification, benchmarks and bench bundles.
+
+This module imports nothing of ``pit_deploy`` (numpy and ``llama_cpp`` only): ``pit-deploy bench
+--bundle`` packs it beside ``pit_bench_runtime.py`` for devices without this package, and the
+``gguf`` target's driver (:mod:`pit_deploy.runtime.llama_cpp_driver`) decodes through it, so
+verification and devices run the same code.
+
+The KV-cache type comes from ``llama_cpp.json`` beside the file (written at export): ``f32`` for
+float32 files, whose fp32 parity llama.cpp's default f16 cache does not reach, ``f16`` (llama.cpp's
+default) for quantized ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: the JSON beside the GGUF file (the ``gguf`` target's ``SPEC_NAME``)
+SPEC_NAME = "llama_cpp.json"
+#: ggml type ids of the KV-cache types an export may record (ggml.h)
+KV_TYPES = {"f32": 0, "f16": 1}
+#: positions a context holds unless told otherwise: verification prompts, held-out blocks and bench
+#: prompts plus their continuations fit
+DEFAULT_CONTEXT = 2048
+
+
+def read_spec(path: Path) -> dict[str, Any]:
+    """The export's ``llama_cpp.json`` beside ``path`` (``{}`` when there is none: llama.cpp's defaults)."""
+    spec = path.parent / SPEC_NAME
+    return json.loads(spec.read_text(encoding="utf-8")) if spec.is_file() else {}
+
+
+class LlamaCppDecoder:
+    """``llama_cpp.Llama`` with ``logits_all`` (every position's logits kept) and the recorded
+    KV-cache type; ``prefill`` restarts the cache, ``step`` appends one token."""
+
+    def __init__(self, path: str | Path, threads: int | None = None, context: int | None = None,
+                 kv_cache_type: str | None = None) -> None:
+        """``kv_cache_type`` overrides the recorded one (``f32``/``f16``; a study compares them)."""
+        from llama_cpp import Llama
+
+        path = Path(path)
+        spec = read_spec(path)
+        self.kv_cache_type = kv_cache_type or spec.get("kv_cache_type", "f16")
+        kv = KV_TYPES[self.kv_cache_type]
+        threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        self.llm = Llama(model_path=str(path), n_ctx=context or int(spec.get("context_length", DEFAULT_CONTEXT)), n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, logits_all=True, type_k=kv, type_v=kv, flash_attn=False,
+                         verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def prefill(self, ids: Any) -> np.ndarray:
+        """Logits ``(S, V)`` of ``ids`` from an empty cache."""
+        tokens = [int(i) for i in ids]
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def step(self, token: int, pos: int) -> np.ndarray:
+        """Logits ``(V,)`` of ``token`` at ``pos`` (the tokens already cached)."""
+        if pos != self.llm.n_tokens:
+            raise ValueError(f"step at position {pos}, but {self.llm.n_tokens} tokens are cached")
+        self.llm.eval([int(token)])
+        return np.array(self.llm.scores[pos], dtype=np.float32)
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            self.llm.close()
+            self.llm = None

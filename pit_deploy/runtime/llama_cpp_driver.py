@@ -1,0 +1,66 @@
+"""Driver of the ``gguf`` target (:mod:`pit_deploy.targets.llama_cpp`).
+
+Prefill and step run the folder's GGUF file in llama.cpp through
+:class:`~pit_deploy.runtime.llama_cpp_decoder.LlamaCppDecoder` (the code bench bundles carry), with
+the KV-cache type the export recorded.
+
+``interface()`` returns the file's own token table and head, dequantized the way llama.cpp
+dequantizes them (:func:`pit_deploy.io.gguf_files.read_gguf_tensors`): llama.cpp's API gives
+logits and final hidden states, not the rows its embedding gathers or its head applied to chosen
+vectors. A tied file has no ``output.weight``; llama.cpp's head is then its table, and so is ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import PitError
+from ..io.gguf_files import read_gguf_tensors
+from ..targets.llama_cpp import SPEC_NAME
+from .base import Driver, loading
+from .llama_cpp_decoder import LlamaCppDecoder
+
+__all__ = ["LlamaCppDriver"]
+
+EMBED, HEAD = "token_embd.weight", "output.weight"
+
+
+class LlamaCppDriver(Driver):
+    """The GGUF file in llama.cpp for prefill/decode; the file's tables for the interface."""
+
+    runtime = "gguf"
+
+    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+        super().__init__(folder, threads)
+        from ..targets import get_target
+
+        self.path = self.folder / get_target(self.runtime).primary_path(self.folder)
+        if not self.path.is_file():
+            raise PitError(f"{self.path} is missing (named by {self.folder / SPEC_NAME}); re-export")
+        with loading(self.path, "llama.cpp"):
+            self.decoder = LlamaCppDecoder(self.path, threads)
+        self.kv_cache_type = self.decoder.kv_cache_type
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.decoder.prefill(ids.tolist()))
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        try:
+            return torch.from_numpy(self.decoder.step(token, pos))
+        except ValueError as exc:  # a step at a position the cache does not hold: the caller's mistake
+            raise PitError(str(exc)) from None
+
+    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with loading(self.path, "gguf-py"):
+            tables = read_gguf_tensors(self.path, (EMBED, HEAD))
+        table = tables[EMBED]
+        head = tables.get(HEAD, table)
+        if table.shape != (vocab, dim) or head.shape != (vocab, dim):
+            raise PitError(f"{self.path}: token table {table.shape} / head {head.shape}, expected {(vocab, dim)}; "
+                           "the file does not match its manifest — re-export")
+        return torch.from_numpy(table), torch.from_numpy(head.T.copy())
+
+    def close(self) -> None:
+        self.decoder.close()
