@@ -67,7 +67,7 @@ def compare(pit: Path, tt: Path, ids: list[int], threads: int, rounds: int, gen_
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pit", required=True)
     parser.add_argument("--tt", required=True)
@@ -77,7 +77,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/gguf_pit_vs_tt.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     pit_dir, tt_dir = Path(args.pit), Path(args.tt)
     pit, tt = gguf_files(pit_dir), gguf_files(tt_dir)
     heldout = Manifest.read(pit_dir).heldout or Manifest.read(tt_dir).heldout
@@ -92,7 +92,7 @@ def main() -> int:
         print(f"{scheme}: decode {figures['decode_ms']['pit']:.2f} / {figures['decode_ms']['tt']:.2f} ms/token, "
               f"PIT/TT {figures['decode_ratio']:.3f}; prefill PIT/TT {figures['prefill_ratio']:.3f}")
         result["schemes"][scheme] = figures
-    return write_result(args.out, result, __file__)
+    return write_result(args.out, result, __file__, argv)
 
 
 if __name__ == "__main__":

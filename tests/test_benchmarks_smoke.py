@@ -123,6 +123,21 @@ def test_quantization(work, tmp_path):
 
 
 @pytest.mark.slow
+def test_gguf_pit_vs_tt(work, tmp_path):
+    """The tiny PIT model and the tiny tied source as q8_0 GGUF files, one interleaved round."""
+    pytest.importorskip("llama_cpp")
+    pit, tt = tmp_path / "pit", tmp_path / "tt"
+    assert cli(["export", str(work / "pit-src"), "--out", str(pit), "--runtime", "gguf", "--mode", "materialized",
+                "--dtype", "q8_0"]) == 0
+    assert cli(["export", str(work / "src"), "--out", str(tt), "--runtime", "gguf", "--keep-tying", "--dtype", "q8_0"]) == 0
+    out = tmp_path / "gguf_pit_vs_tt.json"
+    assert run_benchmark("gguf_pit_vs_tt", ["--pit", str(pit), "--tt", str(tt), "--schemes", "q8_0", "--threads", "1",
+                                            "--rounds", "1", "--prompt-len", "4", "--gen-len", "3", "--out", str(out)]) == 0
+    data = well_formed(out, "gguf_pit_vs_tt", "schemes")
+    assert set(data["schemes"]) == {"q8_0"} and data["schemes"]["q8_0"]["decode_ratio"] > 0
+
+
+@pytest.mark.slow
 def test_pte_anchors(work, tmp_path):
     """The tiny PIT model's int4-shared ``.pte`` in the stock runner against the builder's int4 of
     the tiny source, one round, one thread; the llama.cpp anchor has no GGUF of a tiny source and
