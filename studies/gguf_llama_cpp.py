@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
 
 from pit_deploy.evaluate.verify import GREEDY_TOKENS, load_reference, make_prompts, reference_run
 from pit_deploy.export.to_gguf import EMBED, HEAD, corrected_table, delta_ti
@@ -105,14 +109,14 @@ def interface_figures(path: Path, details: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--export", required=True, help="a gguf export directory (float32 and quantized)")
     parser.add_argument("--tt", default=None, help="a --keep-tying gguf export of the source (baseline)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--out", default="studies/results/gguf_llama_cpp.json")
     parser.add_argument("--no-kv-cache", action="store_true", help="skip point 1 (the slowest)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     directory = Path(args.export)
     manifest = Manifest.read(directory)
@@ -135,11 +139,9 @@ def main() -> None:
         table = read_gguf_tensors(path, (EMBED,))[EMBED]
         result["interface"]["tt-baseline (f32, tied)"] = {"delta_ti_exported": delta_ti(table, table)}
         result["answers"]["tt-baseline gguf"] = chat_answer(path, args.threads)
-    text = json.dumps(result, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(json.dumps(result, indent=1, default=str))
+    return write_result(args.out, result, __file__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
