@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bundle_device import run_bundle
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.bench import ROW_FIELDS, BenchOptions, bench_directories
@@ -150,38 +151,17 @@ def test_first_divergence():
         BenchOptions(gen_len=1)
 
 
-# A stand-in for this package and transformers that fails on import: a bundle must need neither.
-_BLOCKERS = {name: f"raise ImportError('the bundle imported {name}')\n" for name in ("pit_deploy", "transformers")}
-
-
 def test_bundle_runs_without_the_package_and_its_rows_ingest(exports, tmp_path, capsys):
     """--bundle packs a standalone run_bench.py; run in a subprocess where importing
     pit_deploy or transformers fails, it measures every artifact (rows with every field, the
     reference's greedy tokens reproduced) and reports from each cell's own sys.modules that it
     loaded neither; --ingest reads its rows back into the same table."""
-    import os
-    import subprocess
-    import sys
-    import tarfile
-
     pit, tt = exports
     bundle = tmp_path / "edge.tar.gz"
     assert main(["bench", str(pit), str(tt), "--bundle", str(bundle), "--prompt-len", "8", "--gen-len", "6",
                  "--reps", "2"]) == 0
-    device = tmp_path / "device"
-    with tarfile.open(bundle) as tar:
-        tar.extractall(device, filter="data")
-    blockers = tmp_path / "blockers"
-    blockers.mkdir()
-    for name, text in _BLOCKERS.items():
-        (blockers / f"{name}.py").write_text(text)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(blockers)
+    rows = run_bundle(bundle, tmp_path, threads="1,2")
     rows_path = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(device / "pit-bench" / "run_bench.py"), "--threads", "1,2",
-                           "--out", str(rows_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(rows_path.read_text())["rows"]
     assert len(rows) == 2 * 2 and {r["tying"] for r in rows} == {"pit", "tied"}
     for r in rows:
         assert all(k in r for k in ROW_FIELDS)

@@ -5,10 +5,6 @@ llama-cpp-python and verified there through the generic commands (``pit-deploy e
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +12,7 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (bash scripts/setup_llama_cpp.sh)")
 
+from bundle_device import run_bundle  # noqa: E402
 from pit_deploy.cli import main  # noqa: E402
 from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.io.manifest import Manifest  # noqa: E402
@@ -168,7 +165,6 @@ def test_chat_completion_runs_on_the_file(tmp_path):
     assert reply["usage"]["prompt_tokens"] > 2
 
 
-_BLOCKERS = {name: f"raise ImportError('the bundle imported {name}')\n" for name in ("pit_deploy", "transformers")}
 
 
 def test_bench_bundle_runs_the_gguf_with_llama_cpp_only(tmp_path, capsys):
@@ -177,20 +173,7 @@ def test_bench_bundle_runs_the_gguf_with_llama_cpp_only(tmp_path, capsys):
     out = _export(tmp_path, "llama", "float32")
     bundle = tmp_path / "edge.tar.gz"
     assert main(["bench", str(out), "--bundle", str(bundle), "--prompt-len", "8", "--gen-len", "6", "--reps", "1"]) == 0
-    device = tmp_path / "device"
-    with tarfile.open(bundle) as tar:
-        tar.extractall(device, filter="data")
-    blockers = tmp_path / "blockers"
-    blockers.mkdir()
-    for name, text in _BLOCKERS.items():
-        (blockers / f"{name}.py").write_text(text)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(blockers)
-    rows_path = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(device / "pit-bench" / "run_bench.py"), "--threads", "1",
-                           "--out", str(rows_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(rows_path.read_text())["rows"]
+    (row,) = run_bundle(bundle, tmp_path)
     assert row["runtime"] == "gguf" and row["first_divergence"] is None and row["decode_tok_s"] > 0
     assert not {"pit_deploy", "transformers"} & set(row["imported"])
 

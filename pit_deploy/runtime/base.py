@@ -38,6 +38,18 @@ def loading(path: str | Path, runtime: str) -> Iterator[None]:
                        "this export — re-export") from None
 
 
+def numpy_step(decoder: Any, token: int, pos: int) -> Any:
+    """``decoder.step(token, pos)`` of a numpy-based standalone decoder as a tensor. A step at a
+    position the decoder's cache does not hold (its ``ValueError``) is the caller's mistake: a
+    :class:`PitError` with the decoder's message."""
+    import torch
+
+    try:
+        return torch.from_numpy(decoder.step(token, pos))
+    except ValueError as exc:
+        raise PitError(str(exc)) from None
+
+
 class Driver(ABC):
     """One loaded artifact on one runtime (see the module docstring for the contract)."""
 

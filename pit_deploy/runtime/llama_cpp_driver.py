@@ -19,7 +19,7 @@ import torch
 from ..errors import PitError
 from ..io.gguf_files import read_gguf_tensors
 from ..targets.llama_cpp import SPEC_NAME
-from .base import Driver, loading
+from .base import Driver, loading, numpy_step
 from .llama_cpp_decoder import LlamaCppDecoder
 
 __all__ = ["LlamaCppDriver"]
@@ -47,10 +47,7 @@ class LlamaCppDriver(Driver):
         return torch.from_numpy(self.decoder.prefill(ids.tolist()))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
-        try:
-            return torch.from_numpy(self.decoder.step(token, pos))
-        except ValueError as exc:  # a step at a position the cache does not hold: the caller's mistake
-            raise PitError(str(exc)) from None
+        return numpy_step(self.decoder, token, pos)
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         with loading(self.path, "gguf-py"):

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import PitError
 from ..targets.onnx_optimum import decoder_file, interface_file
-from .base import Driver, loading
+from .base import Driver, loading, numpy_step
 from .standalone import OrtDecoder, ort_session_options
 
 __all__ = ["OnnxDriver"]
@@ -43,10 +42,7 @@ class OnnxDriver(Driver):
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
-        try:
-            return torch.from_numpy(self.decoder.step(token, pos))
-        except ValueError as exc:  # a step at a position the cache does not hold: the caller's mistake
-            raise PitError(str(exc)) from None
+        return numpy_step(self.decoder, token, pos)
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         import onnxruntime as ort
