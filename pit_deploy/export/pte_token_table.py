@@ -163,11 +163,10 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         t = factors.T.to(torch.float64).numpy()
         if head_bits:
             head = install_quantized_head(model, factors, head_bits, group_size, rotate)
-            head_rows, rows, t = head.dequantized_rows(), head.rotated_rows(factors.Zt), head.transform()
+            head_rows, t = head.dequantized_rows(), head.transform()
             head_text = f"head: {head.describe()}"
         else:
-            rows = factors.Zt.T.to(torch.float64)  # what the head reads, as rows
-            head_rows = rows.numpy()
+            head_rows = factors.Zt.T.to(torch.float64).numpy()  # what the head reads, as rows
             head_text = "head: float32 Zᵀ"
         if shared and head_bits:
             if head_bits != table_bits:
@@ -176,7 +175,8 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
             q, scales = shared_rows(head)
             scheme = (f"the head's own {table_bits}-bit codes and scales, one table for the gather and the head "
                       f"(quantized_decomposed::{TABLE_OPS[table_bits]})")
-        else:
+        else:  # a table of its own, rounded from what the head reads before the head's rounding
+            rows = head.rotated_rows(factors.Zt) if head_bits else torch.from_numpy(head_rows)
             q, scales = quantize_rows(rows, group_size, table_bits)
         if correct:
             matrix = correction_matrix(head_rows, dequantize_rows(q, scales), t)
