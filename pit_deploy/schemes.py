@@ -34,6 +34,8 @@ from .errors import PitError
 
 GROUP_SIZES = (16, 32, 64, 128, 256)
 DTYPES = ("float32", "int8", "int4")
+#: how a scheme's weights are rounded (``Scheme.rounding``)
+ROUNDINGS = ("rtn", "gptq")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,14 @@ class Scheme:
             float32 when the session is created (loads in onnxruntime-web's default build, fp32
             kernels at run time: a smaller file, not less memory) instead of ``MatMulNBits`` /
             ``GatherBlockQuantized``.
+        rounding: ``rtn`` rounds each weight to its nearest grid point (in the runtime's own
+            quantizer); ``gptq`` rounds the body linears in PyTorch with error feedback from
+            calibration text (:mod:`pit_deploy.export.calibrated_rounding`) and the exporter
+            writes those codes as they are.
         runtimes: the targets this scheme is meant for (``None``: every target of its dtype).
+        gptq_bounds: the bounds of an artifact whose body carries GPTQ codes (its manifest says
+            ``rounding: gptq``), where they were measured apart from the plain rounding's;
+            ``None``: ``bounds`` for both.
     """
 
     name: str
@@ -121,7 +130,9 @@ class Scheme:
     pte_head_bits: int = 0
     pte_shared_table: bool = False
     fold_at_load: bool = False
+    rounding: str = "rtn"
     runtimes: tuple[str, ...] | None = None
+    gptq_bounds: QuantizedBounds | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -147,6 +158,11 @@ class Scheme:
                            "pass --no-pte-shared-table for a head of its own")
         if not isinstance(self.fold_at_load, bool):
             raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
+        if self.rounding not in ROUNDINGS:
+            raise PitError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        if self.rounding != "rtn" and (self.fold_at_load or not self.quantized):
+            raise PitError(f"scheme {self.name}: rounding {self.rounding} applies to the int8/int4 schemes that "
+                           "store codes (not float32, not the web schemes folded at load); drop it for this dtype")
 
     @property
     def quantized(self) -> bool:
@@ -168,7 +184,12 @@ class Scheme:
 
     def with_bounds(self, overrides: dict[str, Any] | None) -> "Scheme":
         """A copy whose bounds take a recipe's ``[bounds.<scheme>]`` values (validated)."""
-        return replace(self, bounds=apply_bounds(self.name, self.bounds, overrides))
+        gptq = None if self.gptq_bounds is None else apply_bounds(self.name, self.gptq_bounds, overrides)
+        return replace(self, bounds=apply_bounds(self.name, self.bounds, overrides), gptq_bounds=gptq)
+
+    def bounds_of(self, rounding: str = "rtn") -> ParityBounds | QuantizedBounds:
+        """The bounds of an artifact rounded by ``rounding`` (``gptq_bounds`` where set)."""
+        return self.gptq_bounds if rounding == "gptq" and self.gptq_bounds is not None else self.bounds
 
     def settings(self) -> dict[str, Any]:
         """What the manifest records of the scheme an artifact was made with."""
@@ -181,6 +202,7 @@ class Scheme:
                 out["fold_at_load"] = True
             if self.pte_shared_table:
                 out["pte_shared_table"] = True
+            out["rounding"] = self.rounding
         return out
 
 
@@ -228,14 +250,14 @@ def apply_bounds(name: str, base: ParityBounds | QuantizedBounds,
     return replace(base, **overrides)
 
 
-def bounds_for(name: str, overrides: dict[str, Any] | None = None) -> ParityBounds | QuantizedBounds:
-    """The bounds of the scheme (or, for manifests written before schemes, the dtype) ``name``,
-    with a recipe's ``[bounds.<name>]`` values applied.
+def bounds_for(name: str, overrides: dict[str, Any] | None = None, rounding: str = "rtn") -> ParityBounds | QuantizedBounds:
+    """The bounds of the scheme (or, for manifests written before schemes, the dtype) ``name``
+    for an artifact rounded by ``rounding``, with a recipe's ``[bounds.<name>]`` values applied.
 
     Raises:
         PitError: an unknown scheme, or an invalid override.
     """
-    return apply_bounds(name, get_scheme(name).bounds, overrides)
+    return apply_bounds(name, get_scheme(name).bounds_of(rounding), overrides)
 
 
 # Default-model measurements behind these values: docs/quantization.md ("Bounds").
@@ -249,15 +271,21 @@ register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5,
                        "8-bit weights and token tables"))
 # int4's .pte: the head an 8-bit linear over the gather's own 8-bit table, stored once (model.ptd);
 # measured on the default model: the fp32 head's KL at 104.6 MB instead of 222.9 (docs/quantization.md).
+# int4's body is GPTQ-rounded where the target writes calibrated codes (.pte, onnx; docs/quantization.md,
+# "Calibrated rounding"); the onnx-genai builder rounds its own. GPTQ artifacts are held to bounds set
+# from their own measurements on the default model: .pte 0.0550 / 0.407 / 89.3 % / 1.035, onnx 0.0354 /
+# 0.302 / 90.6 % / 1.040 (kl_mean / kl_p99 / same top-1 / ppl ratio), a margin of about 2x on the KL.
+INT4_GPTQ_BOUNDS = QuantizedBounds(kl_mean=0.12, kl_p99=0.9, same_top1=0.82, ppl_ratio=1.1)
 register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
-                       "4-bit linears in groups of 32, v_proj/down_proj and the token tables at 8 bits (a .pte's "
-                       "head and gather read one 8-bit table)",
-                       int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True))
+                       "4-bit linears in groups of 32 rounded by GPTQ, v_proj/down_proj and the token tables at 8 "
+                       "bits (a .pte's head and gather read one 8-bit table)",
+                       int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True, rounding="gptq",
+                       gptq_bounds=INT4_GPTQ_BOUNDS))
 register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the smallest int4 within the int4 bounds: a 4-bit token table stored once, only "
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
                        "the bound)",
-                       table_bits=4, int4_8bit_layers=("v_proj",), runtimes=("onnx", "onnx-genai")))
+                       table_bits=4, int4_8bit_layers=("v_proj",), rounding="gptq", runtimes=("onnx", "onnx-genai")))
 # int4 with one 4-bit token table for the .pte's gather and head (docs/quantization.md, "One token
 # table for the gather and the head"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
 # stored once in model.ptd; smaller than int4's .pte, at a higher KL.
@@ -265,7 +293,7 @@ register_scheme(Scheme("int4-shared", "int4", INT4_BOUNDS,
                        "the int4 scheme's body with one 4-bit token table that the .pte's gather and its "
                        "quantized head both read, stored once (model.ptd beside model.pte)",
                        table_bits=4, int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True,
-                       runtimes=("executorch",)))
+                       rounding="gptq", runtimes=("executorch",)))
 # The web schemes: the same codes as int8/int4 on the onnx target, dequantized by standard operators
 # that onnxruntime folds at load, because onnxruntime-web's default WASM build lacks
 # GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/export.md, "The folder

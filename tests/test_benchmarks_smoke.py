@@ -157,6 +157,24 @@ def test_pte_anchors(work, tmp_path):
 
 
 @pytest.mark.slow
+def test_int4_quality_peers(work, tmp_path):
+    """The tiny PIT model's int8 ONNX artifact and the builder's int4 of the tiny source on the
+    three held-out kinds (blocks of 32); the llama.cpp peers have no GGUF of a tiny source and must
+    be reported left out."""
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path / "int4_quality_peers.json"
+    assert run_benchmark("int4_quality_peers", ["--ours", str(work / "quant" / "pit"), "--model", str(work / "src"),
+                                                "--work", str(tmp_path / "peers"), "--block", "32",
+                                                "--out", str(out)]) == 0
+    data = well_formed(out, "int4_quality_peers", "rows")
+    names = {r["artifact"] for r in data["rows"]}
+    assert names == {"ours:pit/onnx-factorized-int8", "genai-builder-int4"}, names
+    for row in data["rows"]:
+        assert set(data["tokens"]) == {"code", "prose", "chat"} and row["code"]["kl_mean"] >= 0
+    assert any("llama.cpp" in m for m in data["left_out"])
+
+
+@pytest.mark.slow
 def test_genai_side_by_side(work, tmp_path):
     """The tiny source through the builder (int4, fp32) against the tiny PIT model's factorized
     onnx-genai folders, one round, one thread."""

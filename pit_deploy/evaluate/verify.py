@@ -547,7 +547,7 @@ def verify_directory(
                         web_clients=web_clients, bound_overrides=overrides)
     results = []
     for art in selected:
-        bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name))
+        bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
         quantized = isinstance(bounds, QuantizedBounds)
         if quantized:
             result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds)

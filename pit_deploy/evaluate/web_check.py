@@ -139,7 +139,7 @@ def verify_web(ctx: Any, art: Any, result: Any) -> None:
     from ..schemes import bounds_for
     from .verify import make_prompts
 
-    bounds = bounds_for(art.scheme_name, ctx.bound_overrides.get(art.scheme_name))
+    bounds = bounds_for(art.scheme_name, ctx.bound_overrides.get(art.scheme_name), art.rounding)
     heldout = ctx.cache.get("heldout") or {}
     prompts = make_prompts(ctx.tokenizer, art.shapes["vocab_size"], 10**9)
     result.web = {}

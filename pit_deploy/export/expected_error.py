@@ -27,6 +27,11 @@ its own bar. What is reproduced, from the scheme and the target's
   (onnxruntime's ``MatMulNBits`` blocks), or symmetric ``q ∈ [−2^(b−1), 2^(b−1) − 1]`` with
   ``scale = max|w| / (2^(b−1) − 1)`` (XNNPACK).
 
+A model calibrated by GPTQ (:mod:`.calibrated_rounding`) already holds its rounded body
+weights — codes the exporter writes as they are — so its body linears are taken as they are and
+only its token tables are rounded here; the runtime's KL is then bounded relative to the
+calibrated model's own.
+
 What is not reproduced — the reasons the runtime's KL is a multiple of this one, which the
 bounds' factor allows for (``docs/quantization.md``, "Bounds"): activations (both runtimes
 quantize a linear's input to int8 per token or per block at run time); torchao's HQQ scale
@@ -138,11 +143,14 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
 
     if scheme.dtype not in BODY_BITS:
         raise ValueError(f"rounded_model takes a quantized scheme, got {scheme.dtype!r}")
+    from .calibrated_rounding import rounded_weights
+
     model = copy.deepcopy(prepared).eval()
+    calibrated = rounded_weights(model)
     head = model.get_output_embeddings()
     embedding = model.get_input_embeddings()
     for name, module in model.named_modules():
-        if module is head or not isinstance(module, (nn.Linear, Conv1D)) or \
+        if module is head or name in calibrated or not isinstance(module, (nn.Linear, Conv1D)) or \
                 (isinstance(module, Conv1D) and not grid.conv1d):
             continue
         bits = BODY_BITS[scheme.dtype]
@@ -186,6 +194,7 @@ def expected_error(prepared: PreTrainedModel, reference: PreTrainedModel, blocks
     scale a bound by: ``verify`` then keeps the scheme's absolute bounds and says so)."""
     from ..data.heldout import kl_parity
     from ..runtime.torch_driver import TorchDriver
+    from .calibrated_rounding import rounded_weights
 
     figures = kl_parity(TorchDriver(model=rounded_model(prepared, scheme, grid)), reference, blocks)
     values = {"kl_mean": figures.kl_mean, "kl_p99": figures.kl_p99, "same_top1": figures.same_top1,
@@ -198,5 +207,7 @@ def expected_error(prepared: PreTrainedModel, reference: PreTrainedModel, blocks
                  f"{'' if tables == grid.symmetric else '; tables ' + ('symmetric' if tables else 'asymmetric')}; groups of "
                  f"{scheme.group_size}{' (8-bit linears per channel)' if grid.per_channel_8bit else ''}; "
                  f"head table {grid.head_bits or 'fp32'} bits, embedding table {grid.embed_bits or 'fp32'} bits")
+    if rounded_weights(prepared):
+        grid_text += "; body linears: the GPTQ codes the artifact stores"
     return {**{k: float(v) for k, v in values.items()}, "tokens": figures.tokens,
             "method": f"{METHOD} ({grid_text})"}

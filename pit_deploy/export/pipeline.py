@@ -112,6 +112,7 @@ def export_model(
             heldout = heldout_blocks(loaded.tokenizer, model.config, recipe)
             say(f"held-out set for quantized parity: {len(heldout['blocks'])} × {len(heldout['blocks'][0])} "
                 f"tokens ({heldout['source']})")
+        calibration = _Calibration(loaded.tokenizer, model.config, recipe, say)
         for mode in modes:
             runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
             if not runtimes:
@@ -121,15 +122,22 @@ def export_model(
                 target = get_target(runtime)
                 for scheme in schemes:
                     name = artifact_key(runtime, mode, scheme.name)
-                    say(f"exporting {name}")
+                    if scheme.rounding != "rtn" and "rounding" not in target.scheme_settings:
+                        scheme = scheme.with_settings(rounding="rtn")  # this target rounds by its own quantizer
                     start = time.perf_counter()
-                    details = target.export(prepared, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
+                    source = prepared
+                    if scheme.rounding == "gptq":
+                        source = calibration.model(prepared, mode, scheme, target.weight_grid(scheme, mode))
+                    say(f"exporting {name}")
+                    details = target.export(source, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
                                             scheme=scheme, opset=opset)
                     if scheme.quantized:
                         details["scheme"] = scheme.settings()
+                        if scheme.rounding == "gptq":
+                            details["calibration"] = calibration.source
                     seconds = time.perf_counter() - start
                     if scheme.quantized:
-                        _record_expected_error(details, prepared, model, heldout, scheme, target.weight_grid(scheme, mode),
+                        _record_expected_error(details, source, model, heldout, scheme, target.weight_grid(scheme, mode),
                                                say)
                     art = Artifact(
                         runtime=runtime, mode=mode, dtype=scheme.dtype, path=name,
@@ -140,6 +148,7 @@ def export_model(
                     say(f"  {name}: {art.bytes / 2**20:.2f} MiB in {seconds:.1f} s")
                     artifacts.append(art)
             del prepared
+            calibration.forget(mode)
         _normalize_permissions(tmp)
         manifest = Manifest(
             source=loaded.source, reference=reference, artifacts=artifacts,
@@ -147,6 +156,46 @@ def export_model(
         )
         manifest.write(tmp)  # last: a manifest means every file above is complete
     return manifest
+
+
+class _Calibration:
+    """Calibrated (GPTQ) models of one export (:mod:`.calibrated_rounding`): the codes are
+    computed once per grid and shared by the modes (the body is the same in both) and the
+    targets of that grid; the calibration text is read on first use."""
+
+    def __init__(self, tokenizer, config, recipe: Recipe, say: Progress):
+        self.tokenizer, self.config, self.recipe, self.say = tokenizer, config, recipe, say
+        self.blocks: list[torch.Tensor] | None = None
+        self.source = ""
+        self.codes: dict[tuple, dict] = {}
+        self.models: dict[tuple, torch.nn.Module] = {}
+
+    def model(self, prepared: torch.nn.Module, mode: str, scheme: Scheme, grid: WeightGrid) -> torch.nn.Module:
+        from .calibrated_rounding import calibrated_model, rounded_weights
+
+        key = (scheme.dtype, scheme.group_size, scheme.int4_8bit_layers, grid.symmetric, grid.per_channel_8bit)
+        if (mode, *key) in self.models:
+            return self.models[(mode, *key)]
+        if key not in self.codes and self.blocks is None:
+            from ..data.calibration import calibration_blocks
+            from ..model.families import max_positions
+
+            limit = max_positions(self.config)
+            length = min(256, (limit - 1) if limit else 256)
+            self.blocks, self.source = calibration_blocks(self.tokenizer, self.config, length)
+            self.say(f"calibration text for GPTQ rounding: {self.source}")
+        start = time.perf_counter()
+        model = calibrated_model(prepared, scheme, grid, self.blocks or [], self.codes.get(key))
+        if key not in self.codes:
+            self.codes[key] = rounded_weights(model)
+            self.say(f"  GPTQ rounding of the body ({scheme.dtype}, group {scheme.group_size}, "
+                     f"{'symmetric' if grid.symmetric else 'asymmetric'}) in {time.perf_counter() - start:.0f} s")
+        self.models[(mode, *key)] = model
+        return model
+
+    def forget(self, mode: str) -> None:
+        """Drop the calibrated models of ``mode`` (the codes stay for the next mode)."""
+        self.models = {k: v for k, v in self.models.items() if k[0] != mode}
 
 
 def _record_expected_error(details: dict, prepared: torch.nn.Module, reference: torch.nn.Module, heldout: dict,

@@ -430,7 +430,78 @@ def layer_matmuls(graph, suffixes: tuple[str, ...]) -> list[str]:
     return [n.name for n in graph.node if n.op_type == "MatMul" and wanted & set(n.name.split("/"))]
 
 
-def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: tuple[str, ...] = ()):
+def weight_digest(matrix: np.ndarray) -> str:
+    """The sha256 of a weight matrix ``(K, N)`` as the graph stores it (float32, C order): how a
+    calibrated linear's codes find their ``MatMul`` whatever the exporter named the node."""
+    return hashlib.sha256(np.ascontiguousarray(matrix, dtype=np.float32).tobytes()).hexdigest()
+
+
+def block_table_from_codes(rounded) -> BlockTable:
+    """A calibrated linear's codes (:class:`~pit_deploy.export.calibrated_rounding.RoundedWeight`,
+    rows = output channels, groups along the input) in ``MatMulNBits`` layout: unsigned codes
+    (a symmetric grid's moved up by ``2^(b−1)``, its zero points with them), 4-bit ones two a
+    byte, low nibble first."""
+    bits, offset = rounded.grid.bits, -rounded.grid.qmin
+    codes = (rounded.codes.numpy().astype(np.int32) + offset).astype(np.uint8)
+    zeros = (rounded.zeros.numpy().astype(np.int32) + offset).astype(np.uint8)
+    n, k = codes.shape
+    kb = zeros.shape[1]
+    block = k // kb
+    if bits == 4:
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, kb, block // 2)
+        if kb % 2:
+            zeros = np.concatenate([zeros, np.zeros((n, 1), np.uint8)], axis=1)
+        zero_points = zeros[:, 0::2] | (zeros[:, 1::2] << 4)
+    else:
+        packed, zero_points = codes.reshape(n, kb, block), zeros
+    return BlockTable(np.ascontiguousarray(packed), rounded.scales.numpy().astype(np.float32),
+                      np.ascontiguousarray(zero_points), bits, block)
+
+
+def write_calibrated_matmuls(model, codes: dict[str, Any]) -> int:
+    """Replace each ``MatMul`` whose constant weight is a calibrated linear's (``codes``: by
+    :func:`weight_digest` of the dequantized weight, transposed as the graph holds it) with a
+    ``MatMulNBits`` over that linear's own codes (``accuracy_level`` as the body's); returns how
+    many. The quantizer that runs next leaves them alone: they are no ``MatMul`` any more.
+
+    Raises:
+        RuntimeError: a calibrated linear has no ``MatMul`` in the graph (an internal error:
+            its codes would be silently rounded again).
+    """
+    from onnx import helper, numpy_helper
+
+    if not codes:
+        return 0
+    graph = model.graph
+    _ensure_ms_domain(model)
+    inits = _initializers(graph)
+    found = 0
+    for node in list(graph.node):
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        weight = numpy_helper.to_array(inits[node.input[1]])
+        rounded = codes.get(weight_digest(weight)) if weight.ndim == 2 else None
+        if rounded is None:
+            continue
+        table = block_table_from_codes(rounded)
+        prefix = f"pit_gptq.{node.name or node.output[0]}"
+        names = [_add(graph, f"{prefix}.{part}", array) for part, array in
+                 (("codes", table.packed), ("scales", table.scales), ("zero_points", table.zero_points))]
+        k, n = weight.shape
+        _replace_node(graph, node, [helper.make_node(
+            "MatMulNBits", [node.input[0], *names], [node.output[0]], name=f"{node.name}_Q{table.bits}",
+            domain="com.microsoft", K=k, N=n, bits=table.bits, block_size=table.block,
+            accuracy_level=BODY_ACCURACY_LEVEL)])
+        found += 1
+    if found != len(codes):
+        raise RuntimeError(f"{len(codes) - found} of {len(codes)} calibrated linears have no MatMul with their "
+                           "weights in the exported graph")
+    _remove_unused_initializers(graph)
+    return found
+
+
+def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: tuple[str, ...] = (),
+                  codes: dict[str, Any] | None = None):
     """Quantize every other constant-weight MatMul with onnxruntime's ``MatMulNBitsQuantizer``:
     asymmetric ``BITS[dtype]``-bit weights in blocks of ``block`` along the input dimension,
     ``accuracy_level=4`` (activations quantized to int8 per block at run time). For ``int4``,
@@ -440,6 +511,9 @@ def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: 
     Not ``quantize_dynamic``: its per-tensor uint8 activations measured a far larger mean KL on
     the default model (SmolLM2's activation outliers) than 8-bit weights alone
     (``docs/quantization.md``, "What is quantized, and how").
+
+    ``codes``: a calibrated model's codes by weight digest (:func:`write_calibrated_matmuls`),
+    written as they are before the quantizer rounds what is left.
 
     Returns:
         ``(model, number of linears kept at 8 bits)``.
@@ -456,19 +530,21 @@ def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: 
         return quant.model.model
 
     gemm_to_matmul(model.graph)
+    write_calibrated_matmuls(model, codes or {})
+    calibrated_8bit = sum(r.grid.bits == 8 for r in (codes or {}).values()) if dtype == "int4" else 0
     kept = [n for n in layer_matmuls(model.graph, keep_8bit) if n not in exclude] if dtype == "int4" else []
     if kept:
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in kept]
         model = quantize(model, 8, others)  # what it quantizes is no MatMul any more for the next pass
-    return quantize(model, BITS[dtype], list(exclude)), len(kept)
+    return quantize(model, BITS[dtype], list(exclude)), len(kept) + calibrated_8bit
 
 
 def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool,
                    body: bool, table_bits: int | None = None,
-                   keep_8bit: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:
+                   keep_8bit: tuple[str, ...] = (), codes: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Quantize one exported graph in memory: its token interface (``table_bits``, default
-    the dtype's bits) and, with ``body``, every other weight matrix (``keep_8bit``: see
-    :func:`quantize_body`).
+    the dtype's bits) and, with ``body``, every other weight matrix (``keep_8bit``, ``codes``:
+    see :func:`quantize_body`).
 
     Returns:
         ``(model, details)``.
@@ -480,9 +556,10 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
     details = rewrite_interface(model, iface, bits, block, correct)
     kept = 0
     if body:
-        model, kept = quantize_body(model, dtype, block, keep_fp32, keep_8bit)
+        model, kept = quantize_body(model, dtype, block, keep_fp32, keep_8bit, codes)
     details["body"] = (f"MatMulNBits {BITS[dtype]}-bit asymmetric weights, block {block}, "
-                       f"accuracy_level {BODY_ACCURACY_LEVEL} (int8 activations per block)")
+                       f"accuracy_level {BODY_ACCURACY_LEVEL} (int8 activations per block)"
+                       f"{'; GPTQ codes written as calibrated' if body and codes else ''}")
     if dtype == "int4":
         details["body_8bit"] = f"8-bit for {', '.join(keep_8bit) or 'none'} ({kept} linears)"
     details["interface_kept_fp32"] = sorted(n for n in [iface.t_name, iface.t_inv_name] if n)

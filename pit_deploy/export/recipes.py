@@ -13,6 +13,7 @@ export, and may override a quantized scheme's settings and bounds::
     int4_8bit_layers = ["v_proj", "down_proj"]
     pte_head_bits = 0
     pte_shared_table = true
+    rounding = "gptq"
     [bounds.int4]                           # overrides the scheme's bounds
     kl_mean = 0.5
 
@@ -35,7 +36,7 @@ from typing import Any
 
 from ..errors import PitError
 from ..options import opt
-from ..schemes import GROUP_SIZES, Scheme, get_scheme, scheme_names
+from ..schemes import GROUP_SIZES, ROUNDINGS, Scheme, get_scheme, scheme_names
 from ..targets import default_target_names, get_target, target_names
 
 MODES: tuple[str, ...] = ("materialized", "factorized")
@@ -44,7 +45,7 @@ PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 #: scheme settings a recipe may override (``None``: each scheme's own)
 SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits",
-                   "pte_shared_table")
+                   "pte_shared_table", "rounding")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class Recipe:
     pte_shared_table: bool | None = opt(None, "quantized factorized .pte: a head of its own (fp32 or --pte-head-bits) "
                                         "instead of one quantized table that the head and the gather share (int4's "
                                         "default)", flag="--no-pte-shared-table", group="quantization")
+    rounding: str | None = opt(None, "how the body linears are rounded: rtn (nearest grid point) or gptq "
+                               "(error feedback from calibration text, in PyTorch; the exporter writes those "
+                               "codes) (default: the scheme's)", group="quantization", choices=ROUNDINGS)
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:

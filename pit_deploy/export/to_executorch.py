@@ -329,9 +329,37 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     n_kept = sum(kept(module, fqn) for fqn, module in twin.named_modules())
     quantize_(twin, int8, filter_fn=kept)
     quantize_(twin, xnnpack_linear_config(4, group_size), filter_fn=lambda module, fqn: linear(module) and not kept(module, fqn))
+    scales = "HQQ scale-only scales"
+    if write_rounded_codes(twin):
+        scales = "GPTQ codes and scales written as calibrated"
     return twin, {"linear": f"8da4w (int8 dynamic activations, symmetric int4 weights, group {group_size}, "
-                            "HQQ scale-only scales)",
+                            f"{scales})",
                   "linear_8bit": f"8da8w for {', '.join(keep_8bit) or 'none'} ({n_kept} layers)", **common}
+
+
+def write_rounded_codes(model: nn.Module) -> int:
+    """Put a calibrated model's GPTQ codes and scales (:mod:`.calibrated_rounding`) into its
+    torchao-quantized linears in place of torchao's own rounding; returns how many.
+
+    Raises:
+        RuntimeError: a code's grid does not match the linear's torchao layout (an internal
+            error: the calibration and the quantization disagree on a layer's bits or group).
+    """
+    from .calibrated_rounding import rounded_weights
+
+    codes = rounded_weights(model)
+    for name, rounded in codes.items():
+        weight = model.get_submodule(name).weight
+        ok = all(hasattr(weight, a) for a in ("qdata", "scale", "zero_point")) and \
+            weight.qdata.shape == rounded.codes.shape and weight.scale.shape == rounded.scales.shape
+        if not ok:
+            raise RuntimeError(f"{name}: the calibrated codes {tuple(rounded.codes.shape)} / scales "
+                           f"{tuple(rounded.scales.shape)} do not fit the quantized linear")
+        with torch.no_grad():
+            weight.qdata.copy_(rounded.codes.to(torch.int8))
+            weight.scale.copy_(rounded.scales.to(weight.scale.dtype))
+            weight.zero_point.zero_()
+    return len(codes)
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,

@@ -49,6 +49,8 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     Returns:
         a dict with the task, the opset, the ONNX file names (and the quantization details).
     """
+    from functools import partial
+
     import onnx
     from optimum.exporters.onnx import onnx_export_from_model
 
@@ -98,7 +100,8 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     details: dict = {"task": ONNX_TASK, "decoder": name, "decoder_data": data_name(name),
                      "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
     if dtype != "float32":
-        quantize = fold_graph if fold_at_load else quantize_graph
+        # a calibrated model's codes go in as they are (fold_at_load schemes take no calibration)
+        quantize = fold_graph if fold_at_load else partial(quantize_graph, codes=calibrated_codes(model))
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit)
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
@@ -109,6 +112,16 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d)
     write_web_config(out_dir, WEB_DTYPES[dtype][0])
     return details
+
+
+def calibrated_codes(model: PreTrainedModel) -> dict:
+    """A calibrated model's codes (:mod:`.calibrated_rounding`) by the digest of each linear's
+    weight as the graph stores it (transposed, :func:`.quantize_onnx.weight_digest`)."""
+    from .calibrated_rounding import rounded_weights
+    from .quantize_onnx import weight_digest
+
+    return {weight_digest(model.get_submodule(name).weight.detach().T.numpy()): rounded
+            for name, rounded in rounded_weights(model).items()}
 
 
 def write_web_config(out_dir: Path, web_dtype: str) -> None:

@@ -81,6 +81,11 @@ class Artifact:
         return self.scheme or self.dtype
 
     @property
+    def rounding(self) -> str:
+        """How the artifact's body was rounded (``rtn`` for manifests that do not say)."""
+        return str(((self.details or {}).get("scheme") or {}).get("rounding", "rtn"))
+
+    @property
     def key(self) -> str:
         return artifact_key(self.runtime, self.mode, self.scheme_name)
 

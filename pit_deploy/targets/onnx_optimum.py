@@ -82,6 +82,7 @@ class OnnxOptimumTarget(Target):
     primary_file = DECODER_NAME
     ship_priority = 20
     web_ready = True
+    scheme_settings = Target.scheme_settings + ("rounding",)
 
     def primary_path(self, folder: Path) -> str:
         return decoder_file(folder).relative_to(folder).as_posix()

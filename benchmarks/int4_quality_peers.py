@@ -1,0 +1,186 @@
+"""What int4 costs the model, ours against the int4 builds a user would pick instead: one harness,
+the same token ids, each artifact against its own unquantized model.
+
+Quantization loss the way llama.cpp's ``perplexity --kl-divergence`` measures it: per position,
+the KL divergence of the artifact's next-token distribution from the unquantized model's (mean
+and 99th percentile), the same-top-1 rate and the perplexity ratio
+(:func:`pit_deploy.data.heldout.kl_parity`), on three held-out kinds
+(:func:`pit_deploy.data.calibration.heldout_sets`: code from the default corpus's validation
+split, English prose and chat turns shipped with the package — none of it in the text GPTQ
+calibrates on). Blocks of 255 tokens (a ``.pte``'s static cache holds 256).
+
+Artifacts:
+
+* ``ours:<name>`` — every quantized artifact of each ``--ours`` export directory, run by its
+  target's driver (the ``.pte`` in ExecuTorch, ONNX in onnxruntime), against that export's fp32
+  PIT reference in PyTorch;
+* ``llama.cpp-Q8_0`` / ``-Q4_K_M`` / ``-Q4_0`` — the source GGUF requantized by llama.cpp's own
+  quantizer (``llama_cpp.llama_model_quantize``, cached in ``--work``), run in llama.cpp
+  (``logits_all``) — the default model ships as Q4_1, so these start from its grid;
+* ``genai-builder-int4`` — onnxruntime-genai's model builder int4 of the source (built by
+  ``genai_side_by_side.py``'s code, cached), its ``model.onnx`` in onnxruntime;
+
+the peers against the source model in PyTorch (the GGUF dequantized to float32). Sizes: the
+files that hold the model. Speed is not measured here: ``pte_anchors.py`` times the same kinds
+of artifact side by side, and GPTQ codes change no kernel or shape of a program.
+
+    python benchmarks/int4_quality_peers.py --ours EXPORT_DIR [--ours EXPORT_DIR ...]
+        [--model default] [--work bench_work/pte_anchors] [--no-peers]
+        [--out benchmarks/results/int4_quality_peers.json]
+
+llama-cpp-python (``bash scripts/setup_llama_cpp.sh``) and onnxruntime-genai are optional: a
+peer whose package is missing is left out and the result says which and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pte_anchors import size_mb  # noqa: E402
+from result_file import write_result  # noqa: E402
+
+BLOCK = 255
+LLAMA_TYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+class _Prefill:
+    """A decoder's ``prefill`` (numpy logits) as the driver protocol ``kl_parity`` reads."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.decoder.prefill(ids.tolist() if hasattr(self.decoder, "llm") else ids.numpy()))
+
+
+def figures(driver, reference, sets: dict[str, list[list[int]]]) -> dict:
+    from pit_deploy.data.heldout import kl_parity
+
+    out = {}
+    for kind, blocks in sets.items():
+        f = kl_parity(driver, reference, blocks)
+        out[kind] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "same_top1": f.same_top1, "ppl_ratio": f.ppl_ratio,
+                     "tokens": f.tokens}
+    return out
+
+
+def ours(directory: Path, sets: dict) -> list[dict]:
+    from pit_deploy.io.checkpoint import load_pit_model
+    from pit_deploy.io.manifest import Manifest
+    from pit_deploy.runtime.drivers import driver_class
+
+    manifest = Manifest.read(directory)
+    reference = load_pit_model(directory / "reference").eval()
+    rows = []
+    for art in manifest.artifacts:
+        if art.dtype == "float32":
+            continue
+        with driver_class(art.runtime)(directory / art.path) as driver:
+            rows.append({"artifact": f"ours:{directory.name}/{art.path}", "size_mb": art.bytes / 1e6,
+                         "rounding": (art.details.get("scheme") or {}).get("rounding", "rtn"),
+                         **figures(driver, reference, sets)})
+        print(rows[-1]["artifact"], {k: round(v["kl_mean"], 4) for k, v in rows[-1].items() if isinstance(v, dict)},
+              flush=True)
+    return rows
+
+
+def llama_files(work: Path, source: str | None) -> tuple[dict[str, Path], str | None]:
+    if source is None:
+        return {}, "llama.cpp: no GGUF of the source"
+    try:
+        import llama_cpp
+    except ImportError:
+        return {}, "llama.cpp: llama-cpp-python is not installed (bash scripts/setup_llama_cpp.sh)"
+    files = {}
+    for name, ftype in LLAMA_TYPES.items():
+        out = work / f"llama.cpp-{name}.gguf"
+        if not out.is_file():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, ftype)
+            params.allow_requantize = True
+            if llama_cpp.llama_model_quantize(source.encode(), str(out).encode(), params) != 0:
+                return files, f"llama.cpp: quantizing to {name} failed"
+        files[name] = out
+    return files, None
+
+
+def peers(model: str, work: Path, sets: dict, block: int) -> tuple[list[dict], list[str]]:
+    from pit_deploy.io.sources import default_gguf_path, load_source
+
+    loaded = load_source(model)
+    source = loaded.model.float().eval()
+    gguf = str(default_gguf_path()) if model == "default" else (model if model.endswith(".gguf") else None)
+    rows, missing = [], []
+    files, why = llama_files(work, gguf)
+    if why:
+        missing.append(why)
+    for name, path in files.items():
+        from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder
+
+        decoder = LlamaCppDecoder(path, context=block + 1, kv_cache_type="f32")
+        rows.append({"artifact": f"llama.cpp-{name}", "size_mb": path.stat().st_size / 1e6,
+                     **figures(_Prefill(decoder), source, sets)})
+        decoder.close()
+        print(rows[-1]["artifact"], {k: round(v["kl_mean"], 4) for k, v in rows[-1].items() if isinstance(v, dict)},
+              flush=True)
+    try:
+        from genai_side_by_side import builder_folders
+
+        folders, _, _, _ = builder_folders(model, work, {})
+        from pit_deploy.runtime.standalone import OrtDecoder
+
+        folder = folders["builder-int4"]
+        rows.append({"artifact": "genai-builder-int4", "size_mb": size_mb(folder),
+                     **figures(_Prefill(OrtDecoder(folder / "model.onnx")), source, sets)})
+        print(rows[-1]["artifact"], {k: round(v["kl_mean"], 4) for k, v in rows[-1].items() if isinstance(v, dict)},
+              flush=True)
+    except ImportError as exc:
+        missing.append(f"genai-builder-int4: {exc}")
+    return rows, missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ours", action="append", default=[], help="an export directory (repeatable)")
+    ap.add_argument("--model", default="default", help="the source the peers are built from")
+    ap.add_argument("--work", default="bench_work/pte_anchors", help="where the peers' files are built and cached")
+    ap.add_argument("--no-peers", action="store_true", help="measure our artifacts only")
+    ap.add_argument("--block", type=int, default=BLOCK, help="tokens a held-out block (default 255)")
+    ap.add_argument("--out", default="benchmarks/results/int4_quality_peers.json")
+    args = ap.parse_args(argv)
+    from pit_deploy.io.sources import load_source
+
+    start = time.perf_counter()
+    if args.ours:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(args.ours[0]) / "reference")
+    else:
+        tokenizer = load_source(args.model).tokenizer
+    from pit_deploy.data.calibration import heldout_sets
+
+    sets = heldout_sets(tokenizer, args.block)
+    rows: list[dict] = []
+    for directory in args.ours:
+        rows += ours(Path(directory), sets)
+    missing = ["peers: not asked for (--no-peers)"] if args.no_peers else []
+    if not args.no_peers:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+        found, missing = peers(args.model, work, sets, args.block)
+        rows += found
+    return write_result(args.out, {"block": args.block, "tokens": {k: sum(map(len, v)) for k, v in sets.items()},
+                                   "rows": rows, "left_out": missing,
+                                   "seconds": round(time.perf_counter() - start, 1)}, __file__, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

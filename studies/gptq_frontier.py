@@ -1,0 +1,119 @@
+"""Calibrated (GPTQ) against plain rounding on the default model: the size/quality frontier of the
+``.pte``'s int4 configurations, measured on three held-out kinds.
+
+Each configuration is the ExecuTorch program's own numerics run in PyTorch eager: the body
+linears through torchao's ``8da4w``/``8da8w`` tensors (int8 dynamic activations, as XNNPACK
+computes them) holding either torchao's own HQQ rounding (``rtn``, what ``--rounding rtn``
+exports) or the GPTQ codes (``gptq``, :mod:`pit_deploy.export.calibrated_rounding`), and the
+token table the exporter builds (:func:`pit_deploy.export.pte_token_table.quantize_token_table`:
+one shared 8- or 4-bit table for the gather and the head). Figures against the fp32 PIT model,
+per held-out kind (:func:`pit_deploy.data.calibration.heldout_sets`: code from the corpus's
+validation split, prose and chat shipped with the package; the calibration reads the training
+split and chat prompts only). Sizes are the ``.pte`` + ``.ptd`` bytes the configuration's
+weights take, counted from the tensors (codes, scales as XNNPACK and the gather store them).
+
+    python studies/gptq_frontier.py --pit runs/default/2-train/pit/model \\
+        [--configs NAME,...] [--out studies/results/gptq_frontier.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
+from pit_deploy.data.heldout import kl_parity  # noqa: E402
+from pit_deploy.export.calibrated_rounding import calibrated_model  # noqa: E402
+from pit_deploy.export.passes import prepare  # noqa: E402
+from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
+from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
+from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
+from pit_deploy.runtime.torch_driver import TorchDriver  # noqa: E402
+from pit_deploy.schemes import get_scheme  # noqa: E402
+from pit_deploy.targets import get_target  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from result_file import write_result  # noqa: E402
+
+#: name -> (rounding, linears at 8 bits, token table bits)
+CONFIGS = {
+    "rtn v+down@8 t8": ("rtn", ("v_proj", "down_proj"), 8),
+    "gptq v+down@8 t8": ("gptq", ("v_proj", "down_proj"), 8),
+    "gptq down@8 t8": ("gptq", ("down_proj",), 8),
+    "gptq all@4 t8": ("gptq", (), 8),
+    "rtn v+down@8 t4": ("rtn", ("v_proj", "down_proj"), 4),
+    "gptq v+down@8 t4": ("gptq", ("v_proj", "down_proj"), 4),
+    "gptq down@8 t4": ("gptq", ("down_proj",), 4),
+    "gptq all@4 t4": ("gptq", (), 4),
+}
+
+
+def weight_bytes(model: nn.Module, table_bits: int, group: int) -> int:
+    """Bytes of the program's weights: 4-bit linears ``½`` byte a weight + a bfloat16 scale a group,
+    8-bit ones a byte + a float32 scale a row (the head, over the shared table, among them), and
+    the gather's own float32 scales of that table (a row's at 8 bits, a group's at 4)."""
+    total = 0
+    for _name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not hasattr(weight, "qdata"):
+            continue
+        rows, cols = weight.qdata.shape
+        four = weight.scale.shape[1] > 1
+        total += rows * cols // 2 + rows * (cols // group) * 2 if four else rows * cols + rows * 4
+    v, d = model.config.vocab_size, model.config.hidden_size
+    return total + (v * (d // group) * 4 if table_bits == 4 else v * 4)
+
+
+def measure(model: nn.Module, reference: nn.Module, sets: dict[str, list[list[int]]]) -> dict:
+    out = {}
+    for kind, blocks in sets.items():
+        f = kl_parity(TorchDriver(model=model), reference, blocks)
+        out[kind] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "same_top1": f.same_top1, "ppl_ratio": f.ppl_ratio,
+                     "tokens": f.tokens}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pit", required=True, help="a PIT checkpoint of the default model")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of configurations (default: all)")
+    ap.add_argument("--out", default="studies/results/gptq_frontier.json")
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(args.pit)
+    reference = load_pit_model(args.pit).eval()
+    prepared = prepare(reference, "factorized")
+    sets = heldout_sets(tokenizer)
+    blocks, source = calibration_blocks(tokenizer, reference.config, 256)
+    grid = get_target("executorch").weight_grid(get_scheme("int4"), "factorized")
+    rows = []
+    for name in args.configs.split(","):
+        rounding, eight, table_bits = CONFIGS[name]
+        scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding=rounding)
+        start = time.perf_counter()
+        body = calibrated_model(prepared, scheme, grid, blocks) if rounding == "gptq" else prepared
+        seconds = time.perf_counter() - start
+        twin, _ = quantize_linears(body, "int4", scheme.group_size, eight)
+        quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True)
+        row = {"config": name, "rounding": rounding, "int4_8bit_layers": list(eight), "table_bits": table_bits,
+               "weight_mb": weight_bytes(twin, table_bits, scheme.group_size) / 1e6,
+               "rounding_seconds": round(seconds, 1), **measure(twin.eval(), reference, sets)}
+        print({k: (v if not isinstance(v, dict) else round(v["kl_mean"], 4)) for k, v in row.items()}, flush=True)
+        rows.append(row)
+    write_result(args.out, {"calibration": source, "heldout_tokens": {k: sum(map(len, v)) for k, v in sets.items()},
+                            "rows": rows}, script=__file__, argv=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
