@@ -26,7 +26,7 @@ of artifact side by side, and GPTQ codes change no kernel or shape of a program.
 
     python benchmarks/int4_quality_peers.py --ours EXPORT_DIR [--ours EXPORT_DIR ...]
         [--model default] [--work bench_work/pte_anchors] [--no-peers]
-        [--out benchmarks/results/int4_quality_peers.json]
+        [--out benchmarks/results/int4_quality_peers.json]   (and a .png beside it: size vs mean KL)
 
 llama-cpp-python (``bash scripts/setup_llama_cpp.sh``) and onnxruntime-genai are optional: a
 peer whose package is missing is left out and the result says which and why.
@@ -147,6 +147,30 @@ def peers(model: str, work: Path, sets: dict, block: int) -> tuple[list[dict], l
     return rows, missing
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Size against mean KL, one marker a held-out kind, one label an artifact (log KL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for kind, marker in (("code", "o"), ("prose", "s"), ("chat", "^")):
+        ax.scatter([r["size_mb"] for r in rows], [max(r[kind]["kl_mean"], 1e-4) for r in rows], marker=marker,
+                   label=kind)
+    for r in rows:
+        ax.annotate(r["artifact"].split("/")[-1], (r["size_mb"], max(r["code"]["kl_mean"], 1e-4)), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("model files, MB")
+    ax.set_ylabel("mean KL from its own unquantized model (nats/token)")
+    ax.legend(title="held-out")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ours", action="append", default=[], help="an export directory (repeatable)")
@@ -177,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         found, missing = peers(args.model, work, sets, args.block)
         rows += found
+    if rows:
+        plot(rows, Path(args.out).with_suffix(".png"))
     return write_result(args.out, {"block": args.block, "tokens": {k: sum(map(len, v)) for k, v in sets.items()},
                                    "rows": rows, "left_out": missing,
                                    "seconds": round(time.perf_counter() - start, 1)}, __file__, argv)
