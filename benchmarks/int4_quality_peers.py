@@ -27,6 +27,7 @@ of artifact side by side, and GPTQ codes change no kernel or shape of a program.
     python benchmarks/int4_quality_peers.py --ours EXPORT_DIR [--ours EXPORT_DIR ...]
         [--model default] [--work bench_work/pte_anchors] [--no-peers]
         [--out benchmarks/results/int4_quality_peers.json]   (and a .png beside it: size vs mean KL)
+    python benchmarks/int4_quality_peers.py --replot benchmarks/results/int4_quality_peers.json
 
 llama-cpp-python (``bash scripts/setup_llama_cpp.sh``) and onnxruntime-genai are optional: a
 peer whose package is missing is left out and the result says which and why.
@@ -148,8 +149,18 @@ def peers(model: str, work: Path, sets: dict, block: int) -> tuple[list[dict], l
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Size against mean KL, one marker a held-out kind, one label an artifact (log KL)."""
+    """Size against mean KL, one marker a held-out kind, one label an artifact (log KL); an artifact
+    measured twice with identical figures (the same file in two export directories) is drawn once."""
     import matplotlib
+
+    seen: set[tuple] = set()
+    unique = []
+    for r in rows:
+        key = (round(r["size_mb"], 3), *(r[k]["kl_mean"] for k in ("code", "prose", "chat")))
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    rows = unique
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -159,7 +170,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.scatter([r["size_mb"] for r in rows], [max(r[kind]["kl_mean"], 1e-4) for r in rows], marker=marker,
                    label=kind)
     for r in rows:
-        ax.annotate(r["artifact"].split("/")[-1], (r["size_mb"], max(r["code"]["kl_mean"], 1e-4)), fontsize=7,
+        label = r["artifact"].split("/")[-1] + (f" ({r['rounding']})" if r.get("rounding") else "")
+        ax.annotate(label, (r["size_mb"], max(r["code"]["kl_mean"], 1e-4)), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_xlabel("model files, MB")
@@ -179,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="measure our artifacts only")
     ap.add_argument("--block", type=int, default=BLOCK, help="tokens a held-out block (default 255)")
     ap.add_argument("--out", default="benchmarks/results/int4_quality_peers.json")
+    ap.add_argument("--replot", metavar="JSON", help="only draw the plot of an earlier result file again (beside it)")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+
+        plot(json.loads(Path(args.replot).read_text(encoding="utf-8"))["rows"], Path(args.replot).with_suffix(".png"))
+        return 0
     from pit_deploy.io.sources import load_source
 
     start = time.perf_counter()

@@ -31,6 +31,18 @@ CHAT_TURNS = (
 )
 
 
+def encode_prompt(tokenizer: Any, text: str) -> torch.Tensor:
+    """A user prompt as the model expects it: through its chat template when it has one (the
+    format the runners and the run report feed)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return torch.tensor(list(ids), dtype=torch.long)
+
+
 def calibration_blocks(tokenizer: Any, config: Any, length: int) -> tuple[list[torch.Tensor], str]:
     """``(blocks, source)``: ``(1, ≤ length)`` id tensors, :data:`CALIBRATION_TOKENS` in all."""
     from .corpus import DataConfig, TextSource, TrainStream
@@ -41,8 +53,6 @@ def calibration_blocks(tokenizer: Any, config: Any, length: int) -> tuple[list[t
         cfg = DataConfig(spec="default", seq_len=length - 1, seed=CALIBRATION_SEED)
         source = TextSource(cfg)
         if source.train_refs:
-            from ..run.answers import encode_prompt  # the prompt format the runners feed
-
             chat = [encode_prompt(tokenizer, text).tolist() for text in CHAT_TURNS]
             chat = [ids for ids in chat if ids and max(ids) < config.vocab_size]
             stream = TrainStream(source, tokenizer, cfg)

@@ -6,20 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 
+from ..data.calibration import encode_prompt
 from ..errors import PitError
-
-
-def encode_prompt(tokenizer: Any, text: str) -> torch.Tensor:
-    """The prompt as the model expects it: through its chat template when it has one."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    return torch.tensor(list(ids), dtype=torch.long)
 
 
 def pick_artifact(export_dirs: list[str]) -> tuple[Path, Any] | None:
