@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
 from ..data.calibration import encode_prompt
 from ..errors import PitError
 
