@@ -20,8 +20,9 @@ Artifacts:
 * ``genai-builder-int4`` — onnxruntime-genai's model builder int4 of the source (built by
   ``genai_side_by_side.py``'s code, cached), its ``model.onnx`` in onnxruntime;
 
-the peers against the source model in PyTorch (the GGUF dequantized to float32). Sizes: the
-files that hold the model. Speed is not measured here: ``pte_anchors.py`` times the same kinds
+the peers against the source model in PyTorch (the GGUF dequantized to float32). Sizes: ours the
+artifact's folder as its manifest records it (the tokenizer's files included, about 2.5 MB for
+the default model), the peers' the files that hold the model. Speed is not measured here: ``pte_anchors.py`` times the same kinds
 of artifact side by side, and GPTQ codes change no kernel or shape of a program.
 
     python benchmarks/int4_quality_peers.py --ours EXPORT_DIR [--ours EXPORT_DIR ...]
