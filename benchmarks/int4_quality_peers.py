@@ -21,7 +21,7 @@ Artifacts:
   ``genai_side_by_side.py``'s code, cached), its ``model.onnx`` in onnxruntime;
 
 the peers against the source model in PyTorch (the GGUF dequantized to float32). Sizes: ours the
-artifact's folder as its manifest records it (the tokenizer's files included, about 2.5 MB for
+artifact's folder as its manifest records it (the tokenizer's files included, about 1.7 MB for
 the default model), the peers' the files that hold the model. Speed is not measured here: ``pte_anchors.py`` times the same kinds
 of artifact side by side, and GPTQ codes change no kernel or shape of a program.
 
