@@ -60,7 +60,7 @@ class _Prefill:
         self.decoder = decoder
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.decoder.prefill(ids.tolist() if hasattr(self.decoder, "llm") else ids.numpy()))
+        return torch.from_numpy(self.decoder.prefill(ids.numpy()))
 
 
 def figures(driver, reference, sets: dict[str, list[list[int]]]) -> dict:
@@ -125,7 +125,7 @@ def peers(model: str, work: Path, sets: dict, block: int) -> tuple[list[dict], l
     if why:
         missing.append(why)
     for name, path in files.items():
-        from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder
+        from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder  # only once llama_cpp imported
 
         decoder = LlamaCppDecoder(path, context=block + 1, kv_cache_type="f32")
         rows.append({"artifact": f"llama.cpp-{name}", "size_mb": path.stat().st_size / 1e6,

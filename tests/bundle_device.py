@@ -32,3 +32,16 @@ def run_bundle(bundle: Path, work: Path, threads: str = "1") -> list[dict]:
                            "--out", str(rows_path)], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(rows_path.read_text())["rows"]
+
+
+def assert_self_contained(path: Path, banned: tuple[str, ...]) -> None:
+    """The module at ``path`` (a file a bundle carries as it is) imports nothing relative and no
+    module under ``pit_deploy`` or ``banned`` (the top-level names it would not find on a device)."""
+    import ast
+
+    roots = ("pit_deploy", *banned)
+    for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and not (node.module or "").startswith("pit_deploy"), ast.dump(node)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith(roots) for a in node.names), ast.dump(node)

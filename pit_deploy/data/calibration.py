@@ -10,6 +10,7 @@ random ids (a seed other than the held-out set's).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,16 +32,24 @@ CHAT_TURNS = (
 )
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+    """``messages`` through the tokenizer's chat template (its ids, whatever container the
+    tokenizer returns them in); a tokenizer without a template gets a lone message's text as it
+    is, several messages' one a line."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    text = messages[0]["content"] if len(messages) == 1 else "".join(f"{m['content']}\n" for m in messages)
+    return list(tokenizer(text)["input_ids"])
+
+
 def encode_prompt(tokenizer: Any, text: str) -> torch.Tensor:
     """A user prompt as the model expects it: through its chat template when it has one (the
     format the runners and the run report feed)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    return torch.tensor(list(ids), dtype=torch.long)
+    return torch.tensor(chat_ids(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True),
+                        dtype=torch.long)
 
 
 def calibration_blocks(tokenizer: Any, config: Any, length: int) -> tuple[list[torch.Tensor], str]:
@@ -65,10 +74,8 @@ def calibration_blocks(tokenizer: Any, config: Any, length: int) -> tuple[list[t
     ids = torch.randint(0, config.vocab_size, (n_blocks, length), generator=gen)
     return [row[None] for row in ids], f"seeded random ids (seed {CALIBRATION_SEED}; no tokenizer)"
 
-
-
 #: held-out text of kinds the calibration text does not hold, shipped with the package
-HELDOUT_TEXT = __import__("pathlib").Path(__file__).resolve().parent / "heldout_text"
+HELDOUT_TEXT = Path(__file__).resolve().parent / "heldout_text"
 
 
 def heldout_sets(tokenizer: Any, length: int = 256) -> dict[str, list[list[int]]]:
@@ -88,10 +95,8 @@ def heldout_sets(tokenizer: Any, length: int = 256) -> dict[str, list[list[int]]
     chat: list[int] = []
     for line in (HELDOUT_TEXT / "chat.jsonl").read_text(encoding="utf-8").splitlines():
         turn = json.loads(line)
-        messages = [{"role": "user", "content": turn["user"]}, {"role": "assistant", "content": turn["assistant"]}]
-        ids = tokenizer.apply_chat_template(messages) if getattr(tokenizer, "chat_template", None) else \
-            tokenizer(f"{turn['user']}\n{turn['assistant']}\n")["input_ids"]
-        chat += list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        chat += chat_ids(tokenizer, [{"role": "user", "content": turn["user"]},
+                                     {"role": "assistant", "content": turn["assistant"]}])
     sets["prose"] = [list(prose[i:i + length]) for i in range(0, len(prose) - 16, length)]
     sets["chat"] = [chat[i:i + length] for i in range(0, len(chat) - 16, length)]
     return sets

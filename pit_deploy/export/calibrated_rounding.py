@@ -144,8 +144,9 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid) -> Rou
     w = weight.detach().to(torch.float64).clone()
     out, cols = w.shape
     per = _groups(cols, grid)
-    if grid.group is not None and BLOCK % per:
-        raise PitError(f"group size {per} does not divide GPTQ's block of {BLOCK} columns")
+    # a group's scale is chosen inside one lazy block: groups are powers of two, so a block of
+    # max(BLOCK, group) columns holds whole groups
+    block = BLOCK if grid.group is None else max(BLOCK, per)
     h = hessian.detach().to(torch.float64).clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
@@ -161,8 +162,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid) -> Rou
     if grid.group is None:
         scale, zero = choose_params(w, grid)
         scales[:, :1], zeros[:, :1] = scale, zero
-    for start in range(0, cols, BLOCK):
-        stop = min(start + BLOCK, cols)
+    for start in range(0, cols, block):
+        stop = min(start + block, cols)
         w1 = w[:, start:stop].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[start:stop, start:stop]
@@ -196,14 +197,6 @@ class _Moments:
 
 class _Stop(Exception):
     """Raised by a hook to end a calibration forward once the first decoder layer's inputs are known."""
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers in order (its largest ``nn.ModuleList``)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise PitError("calibrated rounding: the model has no list of decoder layers")
-    return list(max(lists, key=len))
 
 
 class _LayerInputs:
@@ -254,8 +247,10 @@ def calibrate(model: nn.Module, blocks: Iterable[torch.Tensor], grid_of: Callabl
     """
     if method not in ("gptq", "rtn"):
         raise PitError(f"calibrated rounding: method must be gptq or rtn, got {method!r}")
+    from ..model.families import adapter_for
+
     names = {m: n for n, m in model.named_modules()}
-    layers = decoder_layers(model)
+    layers = list(adapter_for(model.config).layers(model))
     rounded_any = any(isinstance(m, nn.Linear) and grid_of(names[m]) is not None for x in layers for m in x.modules())
     if not rounded_any:  # GPT-2's Conv1D body: nothing here for calibrated rounding to round
         return {}

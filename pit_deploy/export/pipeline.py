@@ -112,7 +112,7 @@ def export_model(
             heldout = heldout_blocks(loaded.tokenizer, model.config, recipe)
             say(f"held-out set for quantized parity: {len(heldout['blocks'])} × {len(heldout['blocks'][0])} "
                 f"tokens ({heldout['source']})")
-        calibration = _Calibration(loaded.tokenizer, model.config, recipe, say)
+        calibration = _Calibration(loaded.tokenizer, model.config, say)
         for mode in modes:
             runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
             if not runtimes:
@@ -125,9 +125,8 @@ def export_model(
                     if scheme.rounding != "rtn" and "rounding" not in target.scheme_settings:
                         scheme = scheme.with_settings(rounding="rtn")  # this target rounds by its own quantizer
                     start = time.perf_counter()
-                    source = prepared
-                    if scheme.rounding == "gptq":
-                        source = calibration.model(prepared, mode, scheme, target.weight_grid(scheme, mode))
+                    grid = target.weight_grid(scheme, mode)
+                    source = calibration.model(prepared, mode, scheme, grid) if scheme.rounding == "gptq" else prepared
                     say(f"exporting {name}")
                     details = target.export(source, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
                                             scheme=scheme, opset=opset)
@@ -137,8 +136,7 @@ def export_model(
                             details["calibration"] = calibration.source
                     seconds = time.perf_counter() - start
                     if scheme.quantized:
-                        _record_expected_error(details, source, model, heldout, scheme, target.weight_grid(scheme, mode),
-                                               say)
+                        _record_expected_error(details, source, model, heldout, scheme, grid, say)
                     art = Artifact(
                         runtime=runtime, mode=mode, dtype=scheme.dtype, path=name,
                         files=file_table(tmp, tmp / name), shapes=target.shapes(prepared.config, mode, recipe),
@@ -163,8 +161,8 @@ class _Calibration:
     computed once per grid and shared by the modes (the body is the same in both) and the
     targets of that grid; the calibration text is read on first use."""
 
-    def __init__(self, tokenizer, config, recipe: Recipe, say: Progress):
-        self.tokenizer, self.config, self.recipe, self.say = tokenizer, config, recipe, say
+    def __init__(self, tokenizer, config, say: Progress):
+        self.tokenizer, self.config, self.say = tokenizer, config, say
         self.blocks: list[torch.Tensor] | None = None
         self.source = ""
         self.codes: dict[tuple, dict] = {}
