@@ -141,6 +141,37 @@ def test_quantized_files_pass_kl_and_the_correction_restores_the_identity(tmp_pa
     assert result["passed"] and result["delta_ti"] > 1e-3
 
 
+def test_the_interface_is_what_llama_cpp_gathers_and_its_head_computes(tmp_path, capsys):
+    """``delta_ti`` comes from llama.cpp's graph (its gather's rows, its head on injected basis
+    vectors), which equal the file's tables as gguf-py dequantizes them; one token row moved in the
+    file (digests re-recorded) leaves the greedy text alone but fails verify on delta_ti."""
+    from scramble import rehash
+
+    from pit_deploy.io.gguf_files import read_gguf_tensors
+    from pit_deploy.runtime.llama_cpp_interface import runtime_interface
+
+    out = _export(tmp_path, "llama", "float32,q4_0")
+    for art in Manifest.read(out).artifacts:
+        path = out / art.path / art.details["file"]
+        table, head = runtime_interface(path, threads=1)
+        stored = read_gguf_tensors(path, ("token_embd.weight", "output.weight"))
+        np.testing.assert_array_equal(table, stored["token_embd.weight"])
+        np.testing.assert_array_equal(head, stored["output.weight"].T)  # not the model's logits
+    art = next(a for a in Manifest.read(out).artifacts if a.scheme_name == "float32")
+    path = out / art.path / art.details["file"]
+    tensor = _tensors(path)["token_embd.weight"]
+    raw = bytearray(path.read_bytes())
+    row = int(tensor.data_offset) + 7 * 4 * int(tensor.shape[0])  # row of id 7 (ggml: ne0 = d)
+    values = np.frombuffer(bytes(raw[row:row + 4 * int(tensor.shape[0])]), dtype=np.float32)
+    raw[row:row + values.nbytes] = (values * 1.01).astype(np.float32).tobytes()
+    path.write_bytes(bytes(raw))
+    rehash(out)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--no-record", "--json", "--dtype", "float32"]) == 1
+    (result,) = json.loads(capsys.readouterr().out)["artifacts"]
+    assert any("delta_ti" in f for f in result["failures"]), result["failures"]
+
+
 def test_tied_baseline_has_no_output_tensor_and_matches_its_reference(tmp_path, capsys):
     out = tmp_path / "tt"
     assert main(["export", str(_source(tmp_path, "llama", pit=False)), "--out", str(out), "--runtime", "gguf",

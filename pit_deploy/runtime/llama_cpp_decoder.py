@@ -49,6 +49,7 @@ class LlamaCppDecoder:
         self.kv_cache_type = kv_cache_type or spec.get("kv_cache_type", "f16")
         kv = KV_TYPES[self.kv_cache_type]
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        self.threads = threads
         self.llm = Llama(model_path=str(path), n_ctx=context or int(spec.get("context_length", DEFAULT_CONTEXT)), n_batch=512, n_threads=threads,
                          n_threads_batch=threads, logits_all=True, type_k=kv, type_v=kv, flash_attn=False,
                          verbose=False)

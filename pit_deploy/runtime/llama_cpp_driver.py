@@ -4,10 +4,10 @@ Prefill and step run the folder's GGUF file in llama.cpp through
 :class:`~pit_deploy.runtime.llama_cpp_decoder.LlamaCppDecoder` (the code bench bundles carry), with
 the KV-cache type the export recorded.
 
-``interface()`` returns the file's own token table and head, dequantized the way llama.cpp
-dequantizes them (:func:`pit_deploy.io.gguf_files.read_gguf_tensors`): llama.cpp's API gives
-logits and final hidden states, not the rows its embedding gathers or its head applied to chosen
-vectors. A tied file has no ``output.weight``; llama.cpp's head is then its table, and so is ours.
+``interface()`` returns the rows llama.cpp's embedding gathers and its head applied to the basis
+vectors, read and fed through its graph's evaluation callback
+(:mod:`pit_deploy.runtime.llama_cpp_interface`), so ``delta_ti`` is llama.cpp's own, as for the
+other runtimes. A tied file has no ``output.weight``; llama.cpp's head is then its table.
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ from pathlib import Path
 import torch
 
 from ..errors import PitError
-from ..io.gguf_files import read_gguf_tensors
 from ..targets.llama_cpp import SPEC_NAME
 from .base import Driver, loading, numpy_step
 from .llama_cpp_decoder import LlamaCppDecoder
+from .llama_cpp_interface import runtime_interface
 
 __all__ = ["LlamaCppDriver"]
 
-EMBED, HEAD = "token_embd.weight", "output.weight"
-
 
 class LlamaCppDriver(Driver):
-    """The GGUF file in llama.cpp for prefill/decode; the file's tables for the interface."""
+    """The GGUF file in llama.cpp for prefill, decode and the interface."""
 
     runtime = "gguf"
 
@@ -50,14 +48,12 @@ class LlamaCppDriver(Driver):
         return numpy_step(self.decoder, token, pos)
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with loading(self.path, "gguf-py"):
-            tables = read_gguf_tensors(self.path, (EMBED, HEAD))
-        table = tables[EMBED]
-        head = tables.get(HEAD, table)
-        if table.shape != (vocab, dim) or head.shape != (vocab, dim):
-            raise PitError(f"{self.path}: token table {table.shape} / head {head.shape}, expected {(vocab, dim)}; "
+        with loading(self.path, "llama.cpp"):
+            table, head = runtime_interface(self.path, self.decoder.threads)
+        if table.shape != (vocab, dim) or head.shape != (dim, vocab):
+            raise PitError(f"{self.path}: token table {table.shape} / head {head.T.shape}, expected {(vocab, dim)}; "
                            "the file does not match its manifest — re-export")
-        return torch.from_numpy(table), torch.from_numpy(head.T.copy())
+        return torch.from_numpy(table), torch.from_numpy(head)
 
     def close(self) -> None:
         self.decoder.close()

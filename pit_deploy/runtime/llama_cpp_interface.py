@@ -1,0 +1,137 @@
+"""The token interface of a GGUF file as llama.cpp itself computes it: the rows its embedding
+gathers and its head applied to the basis vectors, for ``delta_ti`` on the runtime.
+
+llama.cpp's API returns logits and final hidden states only. Its graph scheduler, though, takes an
+evaluation callback (``cb_eval`` of the context parameters, the hook of llama.cpp's own
+``eval-callback`` tool): asked for a node by name, it computes the graph up to that node, hands the
+tensor to the callback, and carries on if the callback returns true. Here that reads
+
+* the table: the output of the embedding gather (``embd``; ``inp_embd`` in other llama.cpp
+  versions) for every id, after which the callback stops the graph (nothing later is needed);
+* the head: the final norm's output (``result_norm``), which the callback *overwrites* with rows of
+  the identity before the head's matmul reads it; the logits are then the head's rows as
+  llama.cpp's kernel computes them (its dequantization, its activation rounding: a basis vector is
+  exact on every grid it uses).
+
+Measured on the default model's files (``pit-deploy verify``), both equal the tables gguf-py
+dequantizes from the file for F32/BF16 heads; a tied Q6_K head differs by llama.cpp's own
+arithmetic (1.2e-4 at most).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import PitError
+
+#: names the embedding gather's output has had in llama.cpp's graph
+GATHER_NAMES = ("embd", "inp_embd")
+#: the final norm's output, the head's input
+HEAD_INPUT_NAME = "result_norm"
+#: ids (or basis vectors) per decode call
+CHUNK = 256
+
+
+def _ggml(llama_cpp: Any) -> ctypes.CDLL:
+    """ggml's tensor accessors from the library llama-cpp-python ships beside ``libllama``."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    candidates = sorted(lib_dir.glob("libggml-base.*")) + sorted(lib_dir.glob("ggml-base.*"))
+    if not candidates:
+        raise PitError(f"llama-cpp-python ships no ggml-base library in {lib_dir}; reinstall it "
+                       "(`bash scripts/setup_llama_cpp.sh`)")
+    lib = ctypes.CDLL(str(candidates[0]))
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_nelements.restype = ctypes.c_int64
+    lib.ggml_nelements.argtypes = [ctypes.c_void_p]
+    for name in ("ggml_backend_tensor_get", "ggml_backend_tensor_set"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return lib
+
+
+def runtime_interface(path: str | Path, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(table (V, d), head (d, V))`` of the GGUF file ``path`` as llama.cpp computes them
+    (module docstring); ``logits = h @ head``.
+
+    Raises:
+        PitError: llama.cpp cannot load the file, or its graph has no node of the names above (a
+            llama.cpp whose graph names changed).
+    """
+    import llama_cpp as lc
+
+    ggml = _ggml(lc)
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    if not model:
+        raise PitError(f"llama.cpp cannot load {path}; re-export it")
+    dim = int(lc.llama_model_n_embd(model))
+    vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model)))
+    state: dict[str, Any] = {"want": GATHER_NAMES, "rows": None, "inject": None}
+
+    @lc.ggml_backend_sched_eval_callback
+    def observe(tensor: int, ask: bool, _user: Any) -> bool:
+        name = ggml.ggml_get_name(tensor).decode(errors="replace")
+        if ask:
+            return name in state["want"]
+        if name not in state["want"]:
+            return True
+        count = int(ggml.ggml_nelements(tensor))
+        if state["inject"] is None:  # the gather: read it, and stop the graph there
+            rows = np.empty(count, dtype=np.float32)
+            ggml.ggml_backend_tensor_get(tensor, rows.ctypes.data, 0, rows.nbytes)
+            state["rows"] = rows.reshape(-1, dim)
+            return False
+        vectors = np.ascontiguousarray(state["inject"], dtype=np.float32)
+        if vectors.size != count:
+            raise RuntimeError(f"{name} holds {count} values, {vectors.size} were to be written")
+        ggml.ggml_backend_tensor_set(tensor, vectors.ctypes.data, 0, vectors.nbytes)
+        state["rows"] = vectors
+        return True
+
+    params = lc.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = CHUNK
+    params.n_threads = params.n_threads_batch = threads
+    params.cb_eval = observe
+    ctx = lc.llama_init_from_model(model, params)
+    batch = lc.llama_batch_init(CHUNK, 0, 1)
+    try:
+        if not ctx:
+            raise PitError(f"llama.cpp cannot make a context for {path}")
+        memory = lc.llama_get_memory(ctx)
+
+        def decode(ids: list[int], all_logits: bool) -> None:
+            lc.llama_memory_clear(memory, True)
+            state["rows"] = None
+            batch.n_tokens = len(ids)
+            for i, token in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1 if all_logits or i == len(ids) - 1 else 0
+            status = lc.llama_decode(ctx, batch)
+            if state["rows"] is None:
+                raise PitError(f"llama.cpp's graph for {path} has no node named {' or '.join(state['want'])} "
+                               f"(decode status {status}); this llama.cpp is not the one checked here")
+
+        table = np.empty((vocab, dim), dtype=np.float32)
+        for start in range(0, vocab, CHUNK):
+            ids = list(range(start, min(vocab, start + CHUNK)))
+            decode(ids, all_logits=False)
+            table[start:start + len(ids)] = state["rows"][: len(ids)]
+        head = np.empty((dim, vocab), dtype=np.float32)
+        identity = np.eye(dim, dtype=np.float32)
+        state["want"] = (HEAD_INPUT_NAME,)
+        for start in range(0, dim, CHUNK):
+            state["inject"] = identity[start:start + CHUNK]
+            rows = len(state["inject"])
+            decode([0] * rows, all_logits=True)
+            head[start:start + rows] = np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(rows * vocab,)).reshape(rows, vocab)
+        return table, head
+    finally:
+        lc.llama_batch_free(batch)
+        if ctx:
+            lc.llama_free(ctx)
+        lc.llama_model_free(model)
