@@ -8,7 +8,7 @@ this comparison is about. Here both files of a scheme are loaded in one process
 (:class:`~pit_deploy.runtime.llama_cpp_decoder.LlamaCppDecoder`, the code ``bench`` and bundles
 time), and each round times PIT then TT, or TT then PIT (alternating), one greedy generation each
 (:func:`~pit_deploy.runtime.standalone.time_generation`: a warm-up, then ``--gen-len`` tokens after
-the same ``--prompt-len`` held-out ids). The ratio is the median over rounds of the per-round
+the same ``--prompt-len`` prompt ids as ``pit-deploy bench``). The ratio is the median over rounds of the per-round
 ratios of decode ms/token (and of prefill time).
 
 Usage::
@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from result_file import write_result  # noqa: E402
 
+from transformers import AutoTokenizer  # noqa: E402
+
+from pit_deploy.evaluate.bench import prompt_ids  # noqa: E402
 from pit_deploy.io.manifest import Manifest  # noqa: E402
 from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder  # noqa: E402
 from pit_deploy.runtime.standalone import time_generation  # noqa: E402
@@ -80,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pit_dir, tt_dir = Path(args.pit), Path(args.tt)
     pit, tt = gguf_files(pit_dir), gguf_files(tt_dir)
-    heldout = Manifest.read(pit_dir).heldout or Manifest.read(tt_dir).heldout
-    ids = [t for block in heldout["blocks"] for t in block][: args.prompt_len]
+    manifest = Manifest.read(pit_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pit_dir / manifest.reference["path"])
+    ids = prompt_ids(tokenizer, len(tokenizer), args.prompt_len)  # the ids `pit-deploy bench` times
     result: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds, "prompt_len": len(ids),
                               "gen_len": args.gen_len, "schemes": {}}
     for scheme in args.schemes.split(","):
