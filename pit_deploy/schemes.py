@@ -97,7 +97,9 @@ class Scheme:
         bounds: the parity bounds an artifact of this scheme must meet.
         group_size: int4 blocks / int8 table blocks along the input dimension.
         table_bits: bits of the token tables (ONNX head and embedding, ``.pte`` gather).
-        int4_8bit_layers: int4: linears (name suffixes) kept at 8 bits.
+        int4_8bit_layers: int4: linears kept at 8 bits, each named by its last component (``down_proj``:
+            every layer's) or by a dotted suffix of its module path (``layers.3.mlp.down_proj``: one
+            layer's), :meth:`keeps_8bit`.
         pit_correction: factorized: ``T⁻¹ → (ẐᵀẐ)⁻¹T⁻¹`` so ``W_out E = I`` holds on the runtime.
         pte_head_bits: quantized factorized ``.pte``: 0 keeps the fp32 head, 4/8 a rotated
             quantized head.
@@ -174,6 +176,11 @@ class Scheme:
         ``pte_head_bits`` (0: a float32 head)."""
         return self.table_bits if self.pte_shared_table else self.pte_head_bits
 
+    def keeps_8bit(self, module_path: str) -> bool:
+        """Whether the int4 scheme keeps the linear at ``module_path`` (``model.layers.3.mlp.down_proj``)
+        at 8 bits: one of :attr:`int4_8bit_layers` is its last component or a dotted suffix of it."""
+        return names_linear(module_path, self.int4_8bit_layers)
+
     def artifact_suffix(self) -> str:
         """``""`` for float32, ``-<name>`` otherwise (``onnx-factorized-int4-compact``)."""
         return "" if self.name == "float32" else f"-{self.name}"
@@ -204,6 +211,12 @@ class Scheme:
                 out["pte_shared_table"] = True
             out["rounding"] = self.rounding
         return out
+
+
+def names_linear(module_path: str, names: tuple[str, ...]) -> bool:
+    """Whether one of ``names`` names the linear at ``module_path``: its last component
+    (``down_proj``: every layer's) or a dotted suffix of its path (``layers.3.mlp.down_proj``)."""
+    return any(module_path == name or module_path.endswith("." + name) for name in names)
 
 
 SCHEMES: dict[str, Scheme] = {}

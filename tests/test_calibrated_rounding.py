@@ -82,6 +82,34 @@ def test_calibrate_rounds_every_body_linear_layer_by_layer():
                 assert torch.equal(module.weight, codes[name].dequantize())
 
 
+def test_8bit_layers_name_every_layer_or_one():
+    """``int4_8bit_layers`` takes a linear's last name (every layer's) or a dotted suffix of its
+    module path (one layer's): the GPTQ grids, torchao's ``.pte`` linears and onnxruntime's
+    ``MatMul`` nodes pick the same linears, and ``layers.1`` is not ``layers.11``."""
+    import onnx
+
+    from pit_deploy.export.calibrated_rounding import scheme_grids
+    from pit_deploy.export.quantize_onnx import layer_matmuls
+    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.targets import get_target
+    from pit_deploy.tiny import tiny_model
+
+    model = tiny_model("llama").eval()
+    scheme = get_scheme("int4").with_settings(int4_8bit_layers=("v_proj", "layers.1.mlp.down_proj"))
+    assert scheme.keeps_8bit("model.layers.1.mlp.down_proj") and not scheme.keeps_8bit("model.layers.11.mlp.down_proj")
+    grid_of = scheme_grids(model, scheme, get_target("executorch").weight_grid(scheme, "materialized"))
+    eight = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and (grid_of(n) or GRIDS[0]).bits == 8}
+    expected = {f"model.layers.{i}.self_attn.v_proj" for i in range(model.config.num_hidden_layers)}
+    assert eight == expected | {"model.layers.1.mlp.down_proj"}
+    _, details = quantize_linears(model, "int4", 32, scheme.int4_8bit_layers)
+    assert f"({len(eight)} layers)" in details["linear_8bit"]
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name=f"/model/{n.replace('model.', '', 1).replace('.', '/')}/MatMul")
+             for n in ("model.layers.1.mlp.down_proj", "model.layers.11.mlp.down_proj", "model.layers.0.self_attn.v_proj",
+                       "model.layers.0.self_attn.q_proj")]
+    graph = onnx.helper.make_graph(nodes, "g", [], [])
+    assert layer_matmuls(graph, scheme.int4_8bit_layers) == [nodes[0].name, nodes[2].name]
+
+
 @pytest.fixture(scope="module")
 def gptq_export(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("gptq")

@@ -152,6 +152,9 @@ def test_int8_layers_become_exact_builder_overrides():
     assert names == ["/model/layers.0/attn/v_proj/MatMul", "/model/layers.0/mlp/down_proj/MatMul",
                      "/model/layers.1/attn/v_proj/MatMul", "/model/layers.1/mlp/down_proj/MatMul"]
     assert int8_overrides(("down_proj",), 1)[0] == {}  # q/k/v stay fused
+    extra, target = int8_overrides(("layers.1.mlp.down_proj",), 12)  # one layer's, not layers.11's
+    assert extra == {} and [o["match"]["name"] for o in target["quant_config"]["weights"]["overrides"]] == \
+        ["/model/layers.1/mlp/down_proj/MatMul"]
     with pytest.raises(PitError, match="no such projection"):
         int8_overrides(("c_fc",), 1)
 

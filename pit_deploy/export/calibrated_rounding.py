@@ -295,7 +295,7 @@ def scheme_grids(model: nn.Module, scheme, weight_grid) -> Callable[[str], Round
     def grid_of(name: str) -> RoundingGrid | None:
         if name in head_names:
             return None
-        if scheme.dtype == "int8" or name.rsplit(".", 1)[-1] in scheme.int4_8bit_layers:
+        if scheme.dtype == "int8" or scheme.keeps_8bit(name):
             return RoundingGrid(8, None if weight_grid.per_channel_8bit else scheme.group_size, weight_grid.symmetric)
         return RoundingGrid(4, scheme.group_size, weight_grid.symmetric)
 

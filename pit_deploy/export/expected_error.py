@@ -154,7 +154,7 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
                 (isinstance(module, Conv1D) and not grid.conv1d):
             continue
         bits = BODY_BITS[scheme.dtype]
-        if bits == 4 and name.rsplit(".", 1)[-1] in scheme.int4_8bit_layers:
+        if bits == 4 and scheme.keeps_8bit(name):
             bits = 8
         group = _linear_group(bits, scheme, grid)
         weight = module.weight  # nn.Linear (out, in); Conv1D (in, out)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PitError
+from ..schemes import names_linear
 
 #: bits of each quantized dtype
 BITS = {"int8": 8, "int4": 4}
@@ -423,11 +424,12 @@ def gemm_to_matmul(graph) -> int:
     return count
 
 
-def layer_matmuls(graph, suffixes: tuple[str, ...]) -> list[str]:
-    """Names of the ``MatMul`` nodes of the linears named by ``suffixes``: optimum names a
-    linear's node ``/model/layers.N/mlp/down_proj/MatMul``, so a suffix is a path component."""
-    wanted = set(suffixes)
-    return [n.name for n in graph.node if n.op_type == "MatMul" and wanted & set(n.name.split("/"))]
+def layer_matmuls(graph, names: tuple[str, ...]) -> list[str]:
+    """Names of the ``MatMul`` nodes of the linears named by ``names``
+    (:func:`~pit_deploy.schemes.names_linear`): optimum names a linear's node
+    ``/model/layers.N/mlp/down_proj/MatMul``, whose module path is ``model.layers.N.mlp.down_proj``."""
+    return [n.name for n in graph.node if n.op_type == "MatMul"
+            and names_linear(".".join(n.name.split("/")[1:-1]), names)]
 
 
 def weight_digest(matrix: np.ndarray) -> str:

@@ -69,7 +69,8 @@ class Recipe:
                                  "embedding, the .pte embedding's gather table", group="quantization",
                                  choices=(4, 8))
     int4_8bit_layers: tuple[str, ...] | None = opt(
-        None, "int4: comma list of linears kept at 8 bits (default: the scheme's)", group="quantization")
+        None, "int4: comma list of linears kept at 8 bits: down_proj (every layer's) or "
+        "layers.3.mlp.down_proj (one layer's) (default: the scheme's)", group="quantization")
     pte_head_bits: int | None = opt(None, "quantized factorized .pte with a head of its own: 0 keeps the fp32 head "
                                     "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; W_out E = I "
                                     "still holds on the runtime)", group="quantization", choices=(0, 4, 8))

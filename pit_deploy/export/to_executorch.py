@@ -38,7 +38,7 @@ from transformers import PreTrainedModel, StaticCache
 
 from ..errors import PitError
 from ..model.families import max_positions
-from ..schemes import Scheme
+from ..schemes import Scheme, names_linear
 from ..targets.executorch_xnnpack import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 from .passes import InterfaceProbe
 from .pte_head import xnnpack_linear_config
@@ -295,7 +295,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
 
     int4 weights are symmetric (XNNPACK's 4-bit kernels have no zero point: torchao's asymmetric
     int4 lowers without error but computes wrong numbers) with scales from torchao's HQQ
-    scale-only search, and the linears named in ``keep_8bit`` (name suffixes; by default
+    scale-only search, and the linears named in ``keep_8bit`` (:func:`~pit_deploy.schemes.names_linear`; by default
     ``v_proj`` and ``down_proj``, the tensors llama.cpp's Q4_K_M also keeps at higher precision)
     get 8-bit weights: measured on the default model, each lowers the mean KL, the 8-bit layers
     most (``docs/quantization.md``, "What is quantized, and how").
@@ -324,7 +324,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
         return twin, {"linear": "8da8w (int8 dynamic activations, per-channel int8 weights)", **common}
 
     def kept(module: nn.Module, fqn: str) -> bool:
-        return linear(module) and fqn.rsplit(".", 1)[-1] in keep_8bit
+        return linear(module) and names_linear(fqn, keep_8bit)
 
     n_kept = sum(kept(module, fqn) for fqn, module in twin.named_modules())
     quantize_(twin, int8, filter_fn=kept)

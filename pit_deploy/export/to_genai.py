@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 
 from ..errors import PitError
 from ..io.checkpoint import save_model
-from ..schemes import Scheme
+from ..schemes import Scheme, names_linear
 from ..targets.onnx_genai import (BUILDER_ARCHITECTURES, BUILDER_DATA, CONFIG_NAME, DECODER_NAME,
                                   INTERFACE_NAME)
 
@@ -108,20 +108,27 @@ _BUILDER_PROJECTIONS = {**{p: f"attn/{p}" for p in ("q_proj", "k_proj", "v_proj"
 
 def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tuple[dict[str, str], dict[str, Any]]:
     """The builder options that keep the linears named in ``layers`` (the int4 scheme's
-    ``int4_8bit_layers``, e.g. ``v_proj``, ``down_proj``) at 8 bits in every layer: exact-name
-    ``int8`` overrides of the builder's structured quantization config, and ``fuse_qkv=false``
-    when a query/key/value projection is among them (fused, it has no node of its own).
+    ``int4_8bit_layers``: ``v_proj`` in every layer, ``layers.3.mlp.down_proj`` in one,
+    :func:`~pit_deploy.schemes.names_linear`) at 8 bits: exact-name ``int8`` overrides of the
+    builder's structured quantization config, and ``fuse_qkv=false`` when a query/key/value
+    projection is among them (fused, it has no node of its own).
 
     Raises:
         PitError: a name the builder has no projection node for.
     """
-    unknown = [name for name in layers if name not in _BUILDER_PROJECTIONS]
+    unknown = [name for name in layers if name.rsplit(".", 1)[-1] not in _BUILDER_PROJECTIONS]
     if unknown:
         raise PitError(f"int4_8bit_layers {unknown}: the onnxruntime-genai builder has no such projection "
                        f"(known: {', '.join(_BUILDER_PROJECTIONS)})")
-    overrides = [{"match": {"name": f"/model/layers.{i}/{_BUILDER_PROJECTIONS[name]}/MatMul"}, "type": "int8"}
-                 for i in range(num_layers) for name in layers]
-    extra = {"fuse_qkv": "false"} if any(name in ("q_proj", "k_proj", "v_proj") for name in layers) else {}
+    hf_parent = {"attn": "self_attn", "mlp": "mlp"}
+    overrides, projections = [], set()
+    for i in range(num_layers):
+        for proj, node in _BUILDER_PROJECTIONS.items():
+            module_path = f"model.layers.{i}.{hf_parent[node.split('/')[0]]}.{proj}"
+            if names_linear(module_path, tuple(layers)):
+                overrides.append({"match": {"name": f"/model/layers.{i}/{node}/MatMul"}, "type": "int8"})
+                projections.add(proj)
+    extra = {"fuse_qkv": "false"} if projections & {"q_proj", "k_proj", "v_proj"} else {}
     return extra, ({"quant_config": {"weights": {"overrides": overrides}}} if overrides else {})
 
 
