@@ -33,7 +33,8 @@ from typing import Any
 from .errors import PitError
 
 GROUP_SIZES = (16, 32, 64, 128, 256)
-DTYPES = ("float32", "int8", "int4")
+#: ``float16``: a float format judged like a quantized one (KL bounds), written by the gguf target only
+DTYPES = ("float32", "float16", "int8", "int4")
 #: how a scheme's weights are rounded (``Scheme.rounding``)
 ROUNDINGS = ("rtn", "gptq")
 
@@ -322,11 +323,15 @@ register_scheme(Scheme("int4-web", "int4", INT4_BOUNDS,
                        "speed; a smaller download, not less memory",
                        int4_8bit_layers=("v_proj", "down_proj"), fold_at_load=True, runtimes=("onnx",)))
 # llama.cpp's own file types (the gguf target, docs/llama_cpp.md): the codes are llama.cpp's, not the
-# int8/int4 grids above, so they are schemes of their own; the head is BF16 in all three (the gguf
+# int8/int4 grids above, so they are schemes of their own; the head is BF16 in all four (the gguf
 # target's HEAD_TYPE). Bounds set from the default model's measurements in llama.cpp
 # (docs/llama_cpp.md, "Bounds") with a margin of about 1.5x on the KL means.
 # Measured (corrected table; uncorrected within 4 %): q8_0 0.0033 / 0.021 / 96.8 % / 1.0003, q4_0 0.47 / 2.62 /
 # 68 % / 1.55, q4_k_m 0.080 / 0.46 / 85.5 % / 1.05 (kl_mean / kl_p99 / same top-1 / ppl ratio).
+# f16 measured 8.4e-5 / 4.9e-4 / 99.5 % / 1.0000 (the transpose-tied f16 file: 6.0e-6, its head F16 too).
+register_scheme(Scheme("f16", "float16", QuantizedBounds(kl_mean=1.5e-4, kl_p99=1e-3, same_top1=0.98, ppl_ratio=1.002),
+                       "llama.cpp F16: every body linear in float16, the head BF16",
+                       runtimes=("gguf",)))
 register_scheme(Scheme("q8_0", "int8", QuantizedBounds(kl_mean=0.005, kl_p99=0.035, same_top1=0.93, ppl_ratio=1.01),
                        "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale for every body linear, the head BF16",
                        runtimes=("gguf",)))

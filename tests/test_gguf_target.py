@@ -118,11 +118,12 @@ def test_a_corrupted_tensor_fails_verify(tmp_path, capsys):
 
 
 def test_quantized_files_pass_kl_and_the_correction_restores_the_identity(tmp_path, capsys):
-    """Q8_0 (gguf-py) and Q4_0 (llama.cpp's quantizer) pass their KL bounds in llama.cpp; with the
+    """F16, Q8_0 (gguf-py) and Q4_0 (llama.cpp's quantizer) pass their KL bounds in llama.cpp; with the
     correction the table is the float32 pseudo-inverse of the dequantized head (W_out E = I on
     what llama.cpp reads), without it the table is rounded like the rest and delta_ti is large."""
-    out = _export(tmp_path, "llama", "q8_0,q4_0")
+    out = _export(tmp_path, "llama", "f16,q8_0,q4_0")
     results = {r["scheme"]: r for r in _verify(out, capsys)}
+    assert set(results) == {"f16", "q8_0", "q4_0"}
     for art in Manifest.read(out).artifacts:
         quant = art.details["quantization"]
         result = results[art.scheme_name]

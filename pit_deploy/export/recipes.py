@@ -56,7 +56,7 @@ class Recipe:
                                     group="what", parse="tuple[str, ...]")
     modes: tuple[str, ...] = opt(MODES, "comma list of materialized, factorized (default: both)", flag="--mode",
                                  group="what", parse="tuple[str, ...]")
-    dtype: tuple[str, ...] = opt(("float32",), "comma list of schemes: float32 (default), int8, int4, int4-compact, int4-shared, int8-web, int4-web "
+    dtype: tuple[str, ...] = opt(("float32",), "comma list of schemes: float32 (default), int8, int4, int4-compact, int4-shared, int8-web, int4-web; gguf: f16, q8_0, q4_0, q4_k_m "
                                  "(one artifact each)", group="what", parse="tuple[str, ...]")
     max_seq_len: int = opt(DEFAULT_MAX_SEQ_LEN, "static KV cache length of the .pte (default 256)", group="what")
     description: str = opt("", cli=False)

@@ -15,8 +15,8 @@ The file is written here with gguf-py's ``GGUFWriter``:
 
 Quantized schemes and the token interface (``docs/llama_cpp.md``):
 
-* ``q8_0``: every body weight rounded by gguf-py's Q8_0 quantizer (the same rounding as ggml's
-  reference ``quantize_row_q8_0``).
+* ``f16``/``q8_0``: every body weight rounded by gguf-py to F16 / its Q8_0 quantizer (the same
+  rounding as ggml's reference ``quantize_row_q8_0``).
 * ``q4_0``/``q4_k_m``: llama.cpp's own quantizer (``llama_model_quantize`` of llama-cpp-python),
   run on the F32 file; it picks its own types per body tensor.
 * an untied head at :data:`HEAD_TYPE` in every quantized file, not llama.cpp's Q6_K/Q8_0 (why: at
@@ -59,7 +59,7 @@ from ..targets.llama_cpp import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_V
 #: the KV-cache type recorded per file type: float32 files are verified against the fp32 bounds,
 #: which llama.cpp's default f16 cache misses on the default model (docs/llama_cpp.md);
 #: quantized files use llama.cpp's default, as the apps that run them do
-KV_CACHE_TYPES = {"F32": "f32", "Q8_0": "f16", "Q4_0": "f16", "Q4_K_M": "f16"}
+KV_CACHE_TYPES = {"F32": "f32", "F16": "f16", "Q8_0": "f16", "Q4_0": "f16", "Q4_K_M": "f16"}
 
 #: the head's type in every quantized file. llama.cpp's own choice (Q6_K, or Q8_0 where a row is not a
 #: multiple of 256) makes its matmul round the head's *input* to 8 bits per block of 32, and the final
@@ -312,38 +312,43 @@ def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | 
 
     out = {"delta_ti_uncorrected": delta_ti(plain_table, head)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
-    if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+    if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
         rounded = dequantize(quantize(corrected_table(head).astype(np.float32), qtype), qtype)
         out["delta_ti_corrected_table_rounded"] = delta_ti(rounded, head)
     return out
 
 
-def _q8_0(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
-          correction: bool) -> dict[str, Any]:
-    """Q8_0 by gguf-py: every body weight rounded to Q8_0, the head to :data:`HEAD_TYPE`; the
-    table Q8_0, or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied
-    model (the baseline) is all Q8_0, as llama.cpp makes it."""
+#: the file types gguf-py writes itself: the body's ggml type and llama.cpp's ``general.file_type``
+_GGUF_PY_TYPES = {"Q8_0": "MOSTLY_Q8_0", "F16": "MOSTLY_F16"}
+
+
+def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
+                  kind: str, correction: bool) -> dict[str, Any]:
+    """Q8_0 or F16 by gguf-py: every body weight rounded to ``kind`` (Q8_0: the same rounding as
+    ggml's reference ``quantize_row_q8_0``), the head to :data:`HEAD_TYPE`; the table ``kind``,
+    or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied model (the
+    baseline) is all ``kind``, as llama.cpp makes it."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    q8, head_t = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType[HEAD_TYPE]
-    codes = {name: (quantize(a, q8), q8) for name, a in tensors.items() if a.ndim == 2 and name not in (EMBED, HEAD)}
-    info: dict[str, Any] = {"head_type": "Q8_0", "table_type": "Q8_0"}
+    body_t, head_t = gguf.GGMLQuantizationType[kind], gguf.GGMLQuantizationType[HEAD_TYPE]
+    codes = {name: (quantize(a, body_t), body_t) for name, a in tensors.items() if a.ndim == 2 and name not in (EMBED, HEAD)}
+    info: dict[str, Any] = {"head_type": kind, "table_type": kind}
     if HEAD not in tensors:  # tied: llama.cpp's own choice (module docstring)
-        codes[EMBED] = (quantize(tensors[EMBED], q8), q8)
+        codes[EMBED] = (quantize(tensors[EMBED], body_t), body_t)
     else:
         info["head_type"] = HEAD_TYPE
         codes[HEAD] = (quantize(tensors[HEAD], head_t), head_t)
         head = dequantize(codes[HEAD][0], head_t)
-        plain = quantize(tensors[EMBED], q8)
-        info.update(table_type="Q8_0", **_table_figures(head, dequantize(plain, q8), "Q8_0"))
+        plain = quantize(tensors[EMBED], body_t)
+        info.update(_table_figures(head, dequantize(plain, body_t), kind))
         if correction:
             tensors = {**tensors, EMBED: corrected_table(head).astype(np.float32)}
             info["table_type"] = "F32"
             info["delta_ti_corrected"] = delta_ti(tensors[EMBED], head)
         else:
-            codes[EMBED] = (plain, q8)
-    write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType.MOSTLY_Q8_0)
+            codes[EMBED] = (plain, body_t)
+    write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType[_GGUF_PY_TYPES[kind]])
     return info
 
 
@@ -401,9 +406,9 @@ def export_gguf(model: PreTrainedModel, out_dir: Path, tokenizer: Any, scheme: S
         write_gguf(path, model, tokenizer, tensors, file_type=gguf.LlamaFileType.ALL_F32)
     else:
         correction = bool(scheme.pit_correction) and HEAD in tensors
-        if kind == "Q8_0":
-            quant = _q8_0(model, tokenizer, tensors, path, correction)
-            quant["quantizer"] = "gguf-py Q8_0"
+        if kind in _GGUF_PY_TYPES:
+            quant = _gguf_py_file(model, tokenizer, tensors, path, kind, correction)
+            quant["quantizer"] = f"gguf-py {kind}"
         else:
             quant = _llama_quantized(model, tokenizer, tensors, path, kind, correction)
             quant["quantizer"] = f"llama.cpp llama_model_quantize (llama-cpp-python {PACKAGE_VERSION})"

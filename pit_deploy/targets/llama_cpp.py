@@ -13,7 +13,7 @@ bounds hold: ``docs/llama_cpp.md``). Exporter: :mod:`pit_deploy.export.to_gguf`;
 :mod:`pit_deploy.runtime.llama_cpp_driver`; on a device: ``LlamaCppDecoder`` of
 :mod:`pit_deploy.runtime.llama_cpp_decoder` (numpy + llama-cpp-python only).
 
-Schemes: ``float32`` (F32), ``q8_0`` (written here with gguf-py's quantizer), ``q4_0`` and
+Schemes: ``float32`` (F32), ``f16`` and ``q8_0`` (written here with gguf-py), ``q4_0`` and
 ``q4_k_m`` (llama.cpp's own quantizer, ``llama_model_quantize``). The generic ``int8``/``int4``
 schemes describe other runtimes' grids, so they are refused here rather than silently mapped.
 
@@ -37,7 +37,7 @@ SPEC_NAME = "llama_cpp.json"
 ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
 
 #: scheme name → llama.cpp's name of the file type (``general.file_type``'s meaning)
-FILE_TYPES: dict[str, str] = {"float32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+FILE_TYPES: dict[str, str] = {"float32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
 #: scheme name → the GGUF file of its artifact folder
 FILE_NAMES: dict[str, str] = {name: f"model-{kind.lower()}.gguf" for name, kind in FILE_TYPES.items()}
@@ -51,7 +51,7 @@ class LlamaCppTarget(Target):
     title = "GGUF file for llama.cpp (llama-cpp-python; materialized only)"
     module = "llama_cpp"
     package = "llama-cpp-python"
-    dtypes = ("float32", "int8", "int4")
+    dtypes = ("float32", "float16", "int8", "int4")
     exporter = "pit_deploy.export.to_gguf:export_artifact"
     driver = "pit_deploy.runtime.llama_cpp_driver:LlamaCppDriver"
     standalone = ("pit_deploy.runtime.llama_cpp_decoder", "LlamaCppDecoder")
@@ -77,7 +77,7 @@ class LlamaCppTarget(Target):
         if other:
             raise PitError(f"the {self.name} runtime writes llama.cpp's own types ({', '.join(FILE_TYPES)}), "
                            f"not {', '.join(other)}")
-        if any(name not in ("float32", "q8_0") for name in recipe.dtype) and not self.installed():
+        if any(name not in ("float32", "f16", "q8_0") for name in recipe.dtype) and not self.installed():
             raise PitError(f"q4_0/q4_k_m GGUF files are made by llama.cpp's quantizer; install llama-cpp-python "
                            f"with `bash scripts/setup_llama_cpp.sh` (pins {PACKAGE_VERSION})")
 
