@@ -56,20 +56,28 @@ CONFIGS = {
 }
 
 
+def linear_bytes(rows: int, cols: int, bits: int, group: int) -> int:
+    """Bytes of one quantized linear in the program: at 4 bits ``½`` byte a weight + a bfloat16
+    scale a group (``8da4w``), at 8 bits a byte + a float32 scale a row (``8da8w``)."""
+    return rows * cols // 2 + rows * (cols // group) * 2 if bits == 4 else rows * cols + rows * 4
+
+
+def gather_scale_bytes(vocab: int, dim: int, table_bits: int, group: int) -> int:
+    """The gather's own float32 scales of the shared table: a row's at 8 bits, a group's at 4."""
+    return vocab * (dim // group) * 4 if table_bits == 4 else vocab * 4
+
+
 def weight_bytes(model: nn.Module, table_bits: int, group: int) -> int:
-    """Bytes of the program's weights: 4-bit linears ``½`` byte a weight + a bfloat16 scale a group,
-    8-bit ones a byte + a float32 scale a row (the head, over the shared table, among them), and
-    the gather's own float32 scales of that table (a row's at 8 bits, a group's at 4)."""
+    """Bytes of the program's weights: every quantized linear (the head, over the shared table,
+    among them) and the gather's scales of that table."""
     total = 0
     for _name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or not hasattr(weight, "qdata"):
             continue
         rows, cols = weight.qdata.shape
-        four = weight.scale.shape[1] > 1
-        total += rows * cols // 2 + rows * (cols // group) * 2 if four else rows * cols + rows * 4
-    v, d = model.config.vocab_size, model.config.hidden_size
-    return total + (v * (d // group) * 4 if table_bits == 4 else v * 4)
+        total += linear_bytes(rows, cols, 4 if weight.scale.shape[1] > 1 else 8, group)
+    return total + gather_scale_bytes(model.config.vocab_size, model.config.hidden_size, table_bits, group)
 
 
 def measure(model: nn.Module, reference: nn.Module, sets: dict[str, list[list[int]]]) -> dict:

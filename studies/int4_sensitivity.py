@@ -49,7 +49,7 @@ from pit_deploy.targets import get_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from gptq_frontier import measure, weight_bytes  # noqa: E402
+from gptq_frontier import gather_scale_bytes, linear_bytes, measure, weight_bytes  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 #: held-out blocks per kind that the sensitivity pass reads (the measured configurations read all)
@@ -65,7 +65,7 @@ def body_linears(model: nn.Module) -> dict[str, nn.Linear]:
 def promotion_bytes(linear: nn.Linear, group: int) -> int:
     """Bytes that keeping ``linear`` at 8 bits adds over 4 bits (module docstring)."""
     rows, cols = linear.weight.shape
-    return (rows * cols + rows * 4) - (rows * cols // 2 + rows * (cols // group) * 2)
+    return linear_bytes(rows, cols, 8, group) - linear_bytes(rows, cols, 4, group)
 
 
 @torch.no_grad()
@@ -98,10 +98,8 @@ def allocate(model: nn.Module, sens: dict[str, dict[str, float]], budget_bytes: 
     first, and the weight bytes of the result (counted as :func:`weight_bytes` counts them)."""
     linears = body_linears(model)
     v, d = model.config.vocab_size, model.config.hidden_size
-    table = v * d + v * 4 if table_bits == 8 else v * d // 2 + v * (d // group) * 2
-    table += v * (d // group) * 4 if table_bits == 4 else v * 4  # the gather's own scales
-    used = table + sum(m.weight.numel() // 2 + m.weight.shape[0] * (m.weight.shape[1] // group) * 2
-                       for m in linears.values())
+    used = linear_bytes(v, d, table_bits, group) + gather_scale_bytes(v, d, table_bits, group)  # the shared table
+    used += sum(linear_bytes(*m.weight.shape, 4, group) for m in linears.values())
     order = sorted(linears, key=lambda n: sens[n]["mean"] / promotion_bytes(linears[n], group), reverse=True)
     chosen = []
     for name in order:

@@ -120,12 +120,11 @@ def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tupl
     if unknown:
         raise PitError(f"int4_8bit_layers {unknown}: the onnxruntime-genai builder has no such projection "
                        f"(known: {', '.join(_BUILDER_PROJECTIONS)})")
-    hf_parent = {"attn": "self_attn", "mlp": "mlp"}
+    names, hf_parent = tuple(layers), {"attn": "self_attn", "mlp": "mlp"}
     overrides, projections = [], set()
     for i in range(num_layers):
         for proj, node in _BUILDER_PROJECTIONS.items():
-            module_path = f"model.layers.{i}.{hf_parent[node.split('/')[0]]}.{proj}"
-            if names_linear(module_path, tuple(layers)):
+            if names_linear(f"model.layers.{i}.{hf_parent[node.split('/')[0]]}.{proj}", names):
                 overrides.append({"match": {"name": f"/model/layers.{i}/{node}/MatMul"}, "type": "int8"})
                 projections.add(proj)
     extra = {"fuse_qkv": "false"} if projections & {"q_proj", "k_proj", "v_proj"} else {}

@@ -14,8 +14,8 @@ tensor to the callback, and carries on if the callback returns true. Here that r
   exact on every grid it uses).
 
 Measured on the default model's files (``pit-deploy verify``), both equal the tables gguf-py
-dequantizes from the file for F32/BF16 heads; a tied Q6_K head differs by llama.cpp's own
-arithmetic (1.2e-4 at most).
+dequantizes from the file for the F32 table and the F32/BF16 heads; a tied Q4_0 file's Q8_0 head
+differs by llama.cpp's own arithmetic (1.2e-4 at most).
 """
 
 from __future__ import annotations
