@@ -65,6 +65,7 @@ def _child(folder: str, threads: int, prompt: list[int], gen_len: int) -> dict:
     import numpy as np
     import onnxruntime_genai as og
 
+    baseline = _rss_mb()  # the runtime imported, nothing loaded
     t0 = time.perf_counter()
     config = og.Config(folder)
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {
@@ -88,7 +89,19 @@ def _child(folder: str, threads: int, prompt: list[int], gen_len: int) -> dict:
     return {"load_s": load_s, "prefill_ms": 1e3 * prefill_s,
             "decode_ms_per_token": 1e3 * sum(steps) / max(len(steps), 1),
             "decode_ms_p50": 1e3 * statistics.median(steps) if steps else None,
-            "peak_rss_mb": _peak_rss_mb(resource), "tokens": tokens}
+            "peak_rss_mb": _peak_rss_mb(resource), "baseline_rss_mb": baseline, "tokens": tokens}
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory now (``VmRSS``, MiB), ``None`` off Linux: taken once the
+    runtime is imported and before the model loads, the runtime's own baseline."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def _peak_rss_mb(resource) -> float:

@@ -20,6 +20,11 @@ interleaved; medians):
   ``TextLLMRunner`` (its own tokenizer and decode loop, its ``Stats``), prompt = the same ids
   decoded to text.
 
+Memory: ``peak_rss_mb`` is the child's ``VmHWM`` (MiB); ``baseline_rss_mb`` its ``VmRSS`` once
+the runtime is imported and before the model loads (for the stock runner that includes PyTorch,
+which ExecuTorch's Python bindings import). ``above_baseline_over_file`` is what loading and
+running add, over the model's files: the figure a memory budget on a phone is about.
+
 Usage::
 
     python benchmarks/pte_anchors.py --ours EXPORT_DIR [--schemes int4-shared,int4] [--pte LABEL=FOLDER ...]
@@ -43,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from genai_side_by_side import _peak_rss_mb, builder_folders, prompt_ids  # noqa: E402
+from genai_side_by_side import _peak_rss_mb, _rss_mb, builder_folders, prompt_ids  # noqa: E402
 from genai_side_by_side import measure as measure_genai  # noqa: E402
 from result_file import write_result  # noqa: E402
 
@@ -56,6 +61,7 @@ def _llama_child(path: str, threads: int, prompt: list[int], gen_len: int) -> di
 
     from llama_cpp import Llama
 
+    baseline = _rss_mb()
     t0 = time.perf_counter()
     llm = Llama(model_path=path, n_ctx=len(prompt) + gen_len + 8, n_threads=threads, n_threads_batch=threads,
                 n_batch=max(len(prompt), 8), verbose=False)
@@ -69,16 +75,20 @@ def _llama_child(path: str, threads: int, prompt: list[int], gen_len: int) -> di
     steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
     return {"load_s": load_s, "prefill_ms": 1e3 * (stamps[1] - stamps[0]),
             "decode_ms_per_token": 1e3 * sum(steps) / max(len(steps), 1),
-            "peak_rss_mb": _peak_rss_mb(resource), "tokens": tokens}
+            "peak_rss_mb": _peak_rss_mb(resource), "baseline_rss_mb": baseline, "tokens": tokens}
 
 
 def _runner_child(folder: str, threads: int, prompt_text: str, gen_len: int) -> dict:
     """Runs in the child process: the stock runner on ``folder``, one warm-up and one timed pass."""
     import resource
 
-    from pit_deploy.runtime.llm_runner import generate_in_process, pass_figures
-    from pit_deploy.runtime.standalone import pte_data_file
+    from executorch.extension.llm.runner import TextLLMRunner  # noqa: F401  (the runtime, for the baseline)
 
+    from pit_deploy.runtime.llm_runner import generate_in_process, pass_figures
+    from pit_deploy.runtime.standalone import load_llm_custom_ops, pte_data_file
+
+    load_llm_custom_ops()
+    baseline = _rss_mb()
     pte = str(Path(folder) / "model.pte")
     t0 = time.perf_counter()
     out = generate_in_process(pte, str(Path(folder) / "tokenizer.json"), [prompt_text], gen_len, threads=threads,
@@ -88,7 +98,7 @@ def _runner_child(folder: str, threads: int, prompt_text: str, gen_len: int) -> 
             "prefill_ms": 1e3 * figures["prompt_tokens"] / figures["prefill_tok_s"],
             # from the rate: NaN, not 0, when the decode loop ran below the runner's clock resolution
             "decode_ms_per_token": 1e3 / figures["decode_tok_s"],
-            "peak_rss_mb": _peak_rss_mb(resource), "text": out["text"],
+            "peak_rss_mb": _peak_rss_mb(resource), "baseline_rss_mb": baseline, "text": out["text"],
             "data_file": pte_data_file(pte) is not None}
 
 
@@ -212,6 +222,11 @@ def main(argv=None) -> int:
             for key in ("prefill_ms", "decode_ms_per_token", "peak_rss_mb"):
                 row[key] = statistics.median(x[key] for x in mine)
             row["decode_tok_s"] = 1e3 / row["decode_ms_per_token"]
+            baselines = [x["baseline_rss_mb"] for x in mine if x.get("baseline_rss_mb") is not None]
+            if baselines:  # the issue's memory figure: what loading and running adds, over the file
+                row["baseline_rss_mb"] = statistics.median(baselines)
+                row["above_baseline_mb"] = row["peak_rss_mb"] - row["baseline_rss_mb"]
+                row["above_baseline_over_file"] = row["above_baseline_mb"] * 2 ** 20 / (row["size_mb"] * 1e6)
             rows.append(row)
     ratios = []
     peers = [n for n in artifacts if not n.startswith("ours-")]
@@ -228,8 +243,9 @@ def main(argv=None) -> int:
               "timing": "each artifact in its own child process per round, rounds interleaved; medians",
               "builder_s": build_s, "quantize_s": quantize_s, "rows": rows, "ratios": ratios, "runs": runs}
     for r in rows:
+        over = f"  ({r['above_baseline_over_file']:.2f}× the file above the runtime)" if "above_baseline_over_file" in r else ""
         print(f"{r['artifact']:22s} t={r['threads']} prefill {r['prefill_ms']:7.1f} ms  decode "
-              f"{r['decode_ms_per_token']:6.2f} ms/tok  RSS {r['peak_rss_mb']:6.0f} MB  size {r['size_mb']:6.1f} MB")
+              f"{r['decode_ms_per_token']:6.2f} ms/tok  RSS {r['peak_rss_mb']:6.0f} MB  size {r['size_mb']:6.1f} MB{over}")
     if missing:
         print(f"not measured: {missing}")
     return write_result(args.out, result, __file__, argv)

@@ -3,10 +3,14 @@
 The program follows the conventions of ExecuTorch's stock LLM runner
 (``extension/llm/runner``: ``TextDecoderRunner`` / ``TextLLMRunner``):
 
-* ``forward(tokens: int64[1, S], input_pos: int64[1]) -> logits: float[1, S, V]``. ``S`` is a
-  dynamic dimension (``1 ≤ S < max_seq_len``) so a whole prompt prefills in one call;
-  ``input_pos`` holds the position of ``tokens[0, 0]`` (the runner passes a one-element
-  ``start_pos`` tensor when ``enable_dynamic_shape`` is true).
+* ``forward(tokens: int64[1, S], input_pos: int64[1]) -> logits: float[1, 1, V]``, the logits
+  of the last position (the runner samples from the last row; ExecuTorch's own LLM export does
+  the same unless asked for full logits). ``S`` is a dynamic dimension (``1 ≤ S < max_seq_len``)
+  so a whole prompt prefills in one call; ``input_pos`` holds the position of ``tokens[0, 0]``
+  (the runner passes a one-element ``start_pos`` tensor when ``enable_dynamic_shape`` is true).
+  Returning every position's logits would make memory planning size ``forward``'s pool for a
+  full prefill's ``[1, S_max, V]`` floats (48 MiB of the default model's 60); the drivers read
+  the other positions by stepping through the prompt (:class:`~pit_deploy.runtime.standalone.PteDecoder`).
 * The KV cache is static: one ``[1, kv_heads, max_seq_len, head_dim]`` key and value buffer
   per layer, registered as module buffers and mutated in place, so ``torch.export`` records
   them as mutable buffers that live in the program's planned memory.
@@ -70,19 +74,22 @@ def check_max_seq_len(config, max_seq_len: int) -> None:
 
 
 class StaticKVDecoder(nn.Module):
-    """``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over a static KV cache.
+    """``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over a static KV cache
+    (``[1, 1, V]``, the last position's, with ``last_logits``).
 
     With ``llm_ops`` (the default where the family allows it, :mod:`.llm_ops`) the cache update
     and the attention are ExecuTorch's ``llama::update_cache`` / ``llama::custom_sdpa`` over
     caches laid out ``[1, S_max, H_kv, D]``; otherwise Hugging Face's ``StaticCache`` and SDPA.
     """
 
-    def __init__(self, model: PreTrainedModel, max_seq_len: int, llm_ops: bool = False):
+    def __init__(self, model: PreTrainedModel, max_seq_len: int, llm_ops: bool = False,
+                 last_logits: bool = False):
         super().__init__()
         check_max_seq_len(model.config, max_seq_len)
         self.model = model
         self.max_seq_len = int(max_seq_len)
         self.llm_ops = bool(llm_ops)
+        self.last_logits = bool(last_logits)
         dtype = next(model.parameters()).dtype
         heads, head_dim = _kv_geometry(model.config)
         if self.llm_ops:
@@ -118,6 +125,7 @@ class StaticKVDecoder(nn.Module):
             cache_position=cache_position,
             past_key_values=self.cache,
             use_cache=True,
+            logits_to_keep=1 if self.last_logits else 0,  # 0: every position (transformers' convention)
             **extra,
         )
         return out.logits
@@ -238,7 +246,7 @@ def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, us
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    decoder = StaticKVDecoder(model, max_seq_len, llm_ops=use_llm_ops).eval()
+    decoder = StaticKVDecoder(model, max_seq_len, llm_ops=use_llm_ops, last_logits=True).eval()
     probe = InterfaceProbe(model).eval()
     d = model.config.hidden_size
     prompt_len = min(8, max_seq_len - 1)

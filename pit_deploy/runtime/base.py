@@ -65,6 +65,11 @@ class Driver(ABC):
     def prefill(self, ids: Any) -> Any:
         """Logits ``(S, V)`` of ``ids`` (a 1-D LongTensor) from an empty cache."""
 
+    def prefill_last(self, ids: Any) -> Any:
+        """Logits ``(V,)`` of the last position of ``ids`` from an empty cache: what generation
+        needs (a runtime whose program returns only that row overrides this to skip the rest)."""
+        return self.prefill(ids)[-1]
+
     @abstractmethod
     def step(self, token: int, pos: int) -> Any:
         """Logits ``(V,)`` of ``token`` at position ``pos`` (``pos`` = tokens already cached)."""
@@ -98,7 +103,7 @@ def greedy(driver: Driver, prompt: Any, max_new: int, eos: frozenset[int] = froz
     out: list[int] = []
     if max_new < 1:
         return out
-    logits, pos = driver.prefill(prompt)[-1], len(prompt)
+    logits, pos = driver.prefill_last(prompt), len(prompt)
     while True:
         if not torch.isfinite(logits).all():
             raise PitError(f"the {driver.runtime or 'model'} runtime produced non-finite logits while generating")

@@ -3,8 +3,8 @@
 through the program's ``embed`` and ``head`` methods (XNNPACK delegate and portable kernels).
 
 The program follows the ExecuTorch LLM runner's conventions (``docs/export.md``):
-``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over a static KV cache kept in
-the program's mutable buffers.
+``forward(tokens [1, S], input_pos [1]) -> logits [1, 1, V]`` (the last position's) over a
+static KV cache kept in the program's mutable buffers.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ class ExecuTorchDriver(Driver):
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(ids.tolist())
+
+    def prefill_last(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.prefill_last(ids.tolist())
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         return self.decoder.step(token, pos)

@@ -168,8 +168,10 @@ def pte_data_file(pte: str | Path) -> Path | None:
 
 
 class PteDecoder:
-    """A ``.pte`` program's ``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over the
-    static KV cache in the program's mutable buffers (the ExecuTorch LLM runner's convention)."""
+    """A ``.pte`` program's ``forward(tokens [1, S], input_pos [1])`` over the static KV cache in
+    the program's mutable buffers (the ExecuTorch LLM runner's convention). The program returns
+    the last position's logits (``[1, 1, V]``; programs exported before that returned
+    ``[1, S, V]``); :meth:`prefill` still gives every position's."""
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
         from executorch.runtime import Runtime
@@ -193,7 +195,25 @@ class PteDecoder:
         return out[0][0].clone()  # outputs may live in planned memory that the next call reuses
 
     def prefill(self, ids: Any):
-        return self._run([int(i) for i in ids], 0)
+        """Logits ``[S, V]`` of every position of a prompt prefilled from position 0.
+
+        The whole prompt goes through ``forward`` in one call, as the stock runner prefills
+        (the last row, and the KV cache of every position, come from that call); a program that
+        returns only the last row is then stepped through positions ``0 … S−2`` one token at a
+        time over that cache (the attention of a step at position ``j`` reads positions ``≤ j``
+        only), which gives each earlier position's logits on the runtime's decode path."""
+        import torch  # the executorch runtime's tensor type
+
+        ids = [int(i) for i in ids]
+        last = self._run(ids, 0)
+        if last.shape[0] == len(ids):
+            return last
+        rows = [self._run([token], pos)[-1] for pos, token in enumerate(ids[:-1])]
+        return torch.stack([*rows, last[-1]])
+
+    def prefill_last(self, ids: Any):
+        """Logits ``[V]`` of the prompt's last position: one ``forward`` call, as the stock runner."""
+        return self._run([int(i) for i in ids], 0)[-1]
 
     def step(self, token: int, pos: int):
         return self._run([int(token)], pos)[-1]
@@ -292,6 +312,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def last_logits(decoder: Any, ids: Any) -> Any:
+    """The prompt's last-position logits from a decoder of this file: its ``prefill_last``
+    where it has one (a ``.pte`` returns only that row), else the last row of ``prefill``."""
+    prefill_last = getattr(decoder, "prefill_last", None)
+    return prefill_last(ids) if prefill_last is not None else decoder.prefill(ids)[-1]
+
+
 def time_generation(decoder: Any, ids: Any, gen_len: int, reps: int) -> dict[str, Any]:
     """Greedy generation of ``gen_len`` tokens after ``ids``: one warm-up, ``reps`` timed
     passes. Returns the timing fields of a benchmark row and the last pass's ``tokens``."""
@@ -299,7 +326,7 @@ def time_generation(decoder: Any, ids: Any, gen_len: int, reps: int) -> dict[str
 
     def one_pass() -> tuple[float, list[float], list[int]]:
         start = time.perf_counter()
-        token = int(decoder.prefill(ids)[-1].argmax())
+        token = int(last_logits(decoder, ids).argmax())
         ttft = time.perf_counter() - start
         tokens, step_s, pos = [token], [], prompt_len
         for _ in range(gen_len - 1):
