@@ -116,6 +116,9 @@ class Scheme:
             quantizer); ``gptq`` rounds the body linears in PyTorch with error feedback from
             calibration text (:mod:`pit_deploy.export.calibrated_rounding`) and the exporter
             writes those codes as they are.
+        rotate_residual: quantized ``.pte``: rotate the residual stream by a randomized Hadamard
+            matrix before the body is rounded (:mod:`pit_deploy.export.residual_rotation`; the
+            float32 model computes the same, the interface is untouched).
         runtimes: the targets this scheme is meant for (``None``: every target of its dtype).
         gptq_bounds: the bounds of an artifact whose body carries GPTQ codes (its manifest says
             ``rounding: gptq``), where they were measured apart from the plain rounding's;
@@ -134,6 +137,7 @@ class Scheme:
     pte_shared_table: bool = False
     fold_at_load: bool = False
     rounding: str = "rtn"
+    rotate_residual: bool = False
     runtimes: tuple[str, ...] | None = None
     gptq_bounds: QuantizedBounds | None = None
 
@@ -159,6 +163,11 @@ class Scheme:
             raise PitError(f"scheme {self.name}: a shared token table needs pte_head_bits equal to table_bits "
                            f"(the head and the gather read one table), got {self.pte_head_bits} and {self.table_bits}; "
                            "pass --no-pte-shared-table for a head of its own")
+        if not isinstance(self.rotate_residual, bool):
+            raise PitError(f"rotate_residual must be true or false, got {self.rotate_residual!r}")
+        if self.rotate_residual and not self.quantized:
+            raise PitError(f"scheme {self.name}: rotate_residual applies to quantized schemes (it helps their "
+                           "rounding); drop it for float32")
         if not isinstance(self.fold_at_load, bool):
             raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
         if self.rounding not in ROUNDINGS:
@@ -210,6 +219,8 @@ class Scheme:
                 out["fold_at_load"] = True
             if self.pte_shared_table:
                 out["pte_shared_table"] = True
+            if self.rotate_residual:
+                out["rotate_residual"] = True
             out["rounding"] = self.rounding
         return out
 
@@ -294,7 +305,7 @@ register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
                        "4-bit linears in groups of 32 rounded by GPTQ, v_proj/down_proj and the token tables at 8 "
                        "bits (a .pte's head and gather read one 8-bit table)",
                        int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True, rounding="gptq",
-                       gptq_bounds=INT4_GPTQ_BOUNDS))
+                       rotate_residual=True, gptq_bounds=INT4_GPTQ_BOUNDS))
 register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the smallest int4 within the int4 bounds: a 4-bit token table stored once, only "
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "

@@ -54,6 +54,7 @@ from ..model.modules import PITEmbedding, PITHead
 from ..schemes import Scheme
 from ..targets.base import WeightGrid
 from .passes import PITFactors
+from .residual_rotation import rotation_of
 
 #: bits of the body linears of each quantized dtype
 BODY_BITS = {"int8": 8, "int4": 4}
@@ -168,8 +169,13 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
         zh = _round_table(z, grid.head_bits, scheme, grid, linear=True)
         ze = _round_table(z, grid.embed_bits, scheme, grid, linear=False)
         t = factors.T.to(torch.float64)
-        m = torch.linalg.solve(zh.T @ ze, torch.linalg.inv(t)) if scheme.pit_correction else \
-            factors.T_inv.to(torch.float64)
+        if scheme.pit_correction:
+            m = torch.linalg.solve(zh.T @ ze, torch.linalg.inv(t))
+            rotation = rotation_of(model)  # a rotated stream takes Q after the correction, as the exporter's
+            if rotation is not None:
+                m = m @ rotation.to(torch.float64)
+        else:
+            m = factors.T_inv.to(torch.float64)  # holds a rotation already
         dtype = factors.T.dtype
         tables = _RoundedFactors(zh.to(dtype), ze.to(dtype), factors.T.clone(), m.to(dtype))
         model.expected_error_factors = tables  # registered, so .to()/.eval() reach it

@@ -32,6 +32,7 @@ from ..model.families import adapter_for
 from ..model.inspect import find_interface, unwrap_model
 from ..model.modules import INTERFACE_ATTR, PIT_CONFIG_KEY, PITEmbedding, PITHead
 from .recipes import MODES
+from .residual_rotation import rotation_of
 
 FACTORS_ATTR = "pit_factors"
 
@@ -142,9 +143,15 @@ class InterfaceProbe(nn.Module):
                 self.head_interface = module.interface  # a quantized program's own head constants
         self.emb_mult = float(adapter.embedding_multiplier(model.config))
         self.logit_mult = float(adapter.logits_multiplier(model.config))
+        # a residual rotation Q (:mod:`.residual_rotation`) is folded into the embedding's output;
+        # the interface is the unrotated rows, so the probe turns them back with Qᵀ
+        rotation = rotation_of(model)
+        self.register_buffer("Qt", None if rotation is None else rotation.T.contiguous())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.embedding(input_ids)
+        if self.Qt is not None:
+            out = out @ self.Qt
         return out if self.emb_mult == 1.0 else out * self.emb_mult
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

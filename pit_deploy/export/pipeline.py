@@ -124,9 +124,12 @@ def export_model(
                     name = artifact_key(runtime, mode, scheme.name)
                     if scheme.rounding != "rtn" and "rounding" not in target.scheme_settings:
                         scheme = scheme.with_settings(rounding="rtn")  # this target rounds by its own quantizer
+                    if scheme.rotate_residual and "rotate_residual" not in target.scheme_settings:
+                        scheme = scheme.with_settings(rotate_residual=False)  # a body this target does not rotate
                     start = time.perf_counter()
                     grid = target.weight_grid(scheme, mode)
-                    source = calibration.model(prepared, mode, scheme, grid) if scheme.rounding == "gptq" else prepared
+                    body = calibration.rotated(prepared, mode) if scheme.rotate_residual else prepared
+                    source = calibration.model(body, mode, scheme, grid) if scheme.rounding == "gptq" else body
                     say(f"exporting {name}")
                     details = target.export(source, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
                                             scheme=scheme, opset=opset)
@@ -167,11 +170,22 @@ class _Calibration:
         self.source = ""
         self.codes: dict[tuple, dict] = {}
         self.models: dict[tuple, torch.nn.Module] = {}
+        self.rotations: dict[str, torch.nn.Module] = {}
+
+    def rotated(self, prepared: torch.nn.Module, mode: str) -> torch.nn.Module:
+        """``prepared`` with its residual stream rotated (:mod:`.residual_rotation`), made once per mode."""
+        if mode not in self.rotations:
+            from .residual_rotation import rotate_residual
+
+            self.rotations[mode] = rotate_residual(prepared)
+            self.say("  residual stream rotated by a randomized Hadamard matrix before rounding")
+        return self.rotations[mode]
 
     def model(self, prepared: torch.nn.Module, mode: str, scheme: Scheme, grid: WeightGrid) -> torch.nn.Module:
         from .calibrated_rounding import calibrated_model, rounded_weights
 
-        key = (scheme.dtype, scheme.group_size, scheme.int4_8bit_layers, grid.symmetric, grid.per_channel_8bit)
+        key = (scheme.dtype, scheme.group_size, scheme.int4_8bit_layers, grid.symmetric, grid.per_channel_8bit,
+               scheme.rotate_residual)
         if (mode, *key) in self.models:
             return self.models[(mode, *key)]
         if key not in self.codes and self.blocks is None:
@@ -194,6 +208,7 @@ class _Calibration:
     def forget(self, mode: str) -> None:
         """Drop the calibrated models of ``mode`` (the codes stay for the next mode)."""
         self.models = {k: v for k, v in self.models.items() if k[0] != mode}
+        self.rotations.pop(mode, None)
 
 
 def _record_expected_error(details: dict, prepared: torch.nn.Module, reference: torch.nn.Module, heldout: dict,

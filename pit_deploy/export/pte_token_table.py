@@ -34,6 +34,7 @@ from ..model.modules import PITEmbedding, PITHead
 from .passes import FACTORS_ATTR, PITFactors
 from .pte_head import ROTATION_SEED, RotatedQuantizedHead
 from .quantize_onnx import correction_matrix
+from .residual_rotation import rotation_of
 
 QMAX = 127
 #: the quantized embedding op of each table width (its kernel ships in ``kernels/quantized``)
@@ -182,6 +183,9 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
             matrix = correction_matrix(head_rows, dequantize_rows(q, scales), t)
         else:
             matrix = np.linalg.inv(t) if head_bits else factors.T_inv.to(torch.float64).numpy()
+        rotation = rotation_of(model)  # a rotated stream: factors.T_inv holds it already, the others take it
+        if rotation is not None and (correct or head_bits):
+            matrix = matrix @ rotation.to(torch.float64).numpy()
         module = QuantizedRows(q, scales, torch.from_numpy(matrix).to(factors.T.dtype), embedding.multiplier,
                                table_bits)
         model.set_input_embeddings(module)

@@ -14,6 +14,7 @@ export, and may override a quantized scheme's settings and bounds::
     pte_head_bits = 0
     pte_shared_table = true
     rounding = "gptq"
+    rotate_residual = true
     [bounds.int4]                           # overrides the scheme's bounds
     kl_mean = 0.5
 
@@ -45,7 +46,7 @@ PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 #: scheme settings a recipe may override (``None``: each scheme's own)
 SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits",
-                   "pte_shared_table", "rounding")
+                   "pte_shared_table", "rounding", "rotate_residual")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class Recipe:
     rounding: str | None = opt(None, "how the body linears are rounded: rtn (nearest grid point) or gptq "
                                "(error feedback from calibration text, in PyTorch; the exporter writes those "
                                "codes) (default: the scheme's)", group="quantization", choices=ROUNDINGS)
+    rotate_residual: bool | None = opt(None, "quantized .pte: round the body without first rotating the residual "
+                                       "stream by a randomized Hadamard matrix (int4's default rotates)",
+                                       flag="--no-rotate-residual", group="quantization")
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:

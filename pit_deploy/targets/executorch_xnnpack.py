@@ -52,7 +52,7 @@ class ExecuTorchXnnpackTarget(Target):
     primary_file = PTE_NAME
     phone = True
     ship_priority = 10
-    scheme_settings = Target.scheme_settings + ("pte_head_bits", "pte_shared_table", "rounding")
+    scheme_settings = Target.scheme_settings + ("pte_head_bits", "pte_shared_table", "rounding", "rotate_residual")
 
     def precheck(self, config: Any, recipe: Any) -> None:
         resolve("pit_deploy.export.to_executorch:precheck")(config, recipe)
