@@ -92,16 +92,21 @@ def _child(folder: str, threads: int, prompt: list[int], gen_len: int) -> dict:
             "peak_rss_mb": _peak_rss_mb(resource), "baseline_rss_mb": baseline, "tokens": tokens}
 
 
-def _rss_mb() -> float | None:
-    """This process's resident memory now (``VmRSS``, MiB), ``None`` off Linux: taken once the
-    runtime is imported and before the model loads, the runtime's own baseline."""
+def _status_mib(key: str) -> float | None:
+    """One of this process's ``/proc/self/status`` memory fields in MiB; ``None`` off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory now (``VmRSS``): taken once the runtime is imported and
+    before the model loads, the runtime's own baseline."""
+    return _status_mib("VmRSS")
 
 
 def _peak_rss_mb(resource) -> float:
@@ -109,13 +114,8 @@ def _peak_rss_mb(resource) -> float:
     ``ru_maxrss``. Linux keeps ``ru_maxrss`` across ``fork`` + ``exec``, so a child started by
     a parent holding the source model reported the parent's peak (1007 MB for every folder of
     the default model); ``VmHWM`` belongs to the new address space."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mib("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def measure(folder: Path, threads: int, prompt: list[int], gen_len: int) -> dict:

@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,37 +90,73 @@ def measure(model: nn.Module, reference: nn.Module, sets: dict[str, list[list[in
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pit", required=True, help="a PIT checkpoint of the default model")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of configurations (default: all)")
-    ap.add_argument("--out", default="studies/results/gptq_frontier.json")
-    args = ap.parse_args(argv)
+@dataclass
+class Setup:
+    """What every configuration of these studies is measured with."""
+
+    reference: nn.Module  # the fp32 PIT model the KL is taken against
+    prepared: nn.Module  # its factorized export form, which configurations round
+    sets: dict[str, list[list[int]]]  # held-out blocks by kind
+    blocks: list[torch.Tensor]  # calibration blocks
+    source: str  # what the calibration text is
+    grid: object  # the .pte target's weight grid
+
+
+def load_setup(pit: str) -> Setup:
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(args.pit)
-    reference = load_pit_model(args.pit).eval()
-    prepared = prepare(reference, "factorized")
-    sets = heldout_sets(tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(pit)
+    reference = load_pit_model(pit).eval()
     blocks, source = calibration_blocks(tokenizer, reference.config, 256)
-    grid = get_target("executorch").weight_grid(get_scheme("int4"), "factorized")
+    return Setup(reference, prepare(reference, "factorized"), heldout_sets(tokenizer), blocks, source,
+                 get_target("executorch").weight_grid(get_scheme("int4"), "factorized"))
+
+
+def measure_config(setup: Setup, body: nn.Module, rounding: str, eight: tuple[str, ...], table_bits: int) -> dict:
+    """Round ``body`` (the prepared model, or one derived from it) as the ``.pte`` does and
+    measure it: the figures of one row."""
+    scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding=rounding)
+    start = time.perf_counter()
+    rounded = calibrated_model(body, scheme, setup.grid, setup.blocks) if rounding == "gptq" else body
+    seconds = time.perf_counter() - start
+    twin, _ = quantize_linears(rounded, "int4", scheme.group_size, eight)
+    quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True)
+    return {"int4_8bit_layers": list(eight), "table_bits": table_bits,
+            "weight_mb": weight_bytes(twin, table_bits, scheme.group_size) / 1e6,
+            "rounding_seconds": round(seconds, 1), **measure(twin.eval(), setup.reference, setup.sets)}
+
+
+def report_row(row: dict) -> None:
+    print({k: (v if not isinstance(v, dict) else round(v["kl_mean"], 4)) for k, v in row.items()}, flush=True)
+
+
+def write_rows(out: str, setup: Setup, rows: list[dict], script: str, argv: list[str] | None, **extra) -> int:
+    """The study's JSON: the calibration text, the held-out token counts, ``extra``, the rows."""
+    return write_result(out, {"calibration": setup.source,
+                              "heldout_tokens": {k: sum(map(len, v)) for k, v in setup.sets.items()},
+                              **extra, "rows": rows}, script=script, argv=argv)
+
+
+def study_args(doc: str, configs: dict, out: str, argv: list[str] | None) -> argparse.Namespace:
+    """``--pit``, ``--configs`` (of ``configs``), ``--out`` (default ``out``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--pit", required=True, help="a PIT checkpoint of the default model")
+    ap.add_argument("--configs", default=",".join(configs), help="comma list of configurations (default: all)")
+    ap.add_argument("--out", default=out)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = study_args(__doc__, CONFIGS, "studies/results/gptq_frontier.json", argv)
+    setup = load_setup(args.pit)
     rows = []
     for name in args.configs.split(","):
         rounding, eight, table_bits = CONFIGS[name]
-        scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding=rounding)
-        start = time.perf_counter()
-        body = calibrated_model(prepared, scheme, grid, blocks) if rounding == "gptq" else prepared
-        seconds = time.perf_counter() - start
-        twin, _ = quantize_linears(body, "int4", scheme.group_size, eight)
-        quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True)
-        row = {"config": name, "rounding": rounding, "int4_8bit_layers": list(eight), "table_bits": table_bits,
-               "weight_mb": weight_bytes(twin, table_bits, scheme.group_size) / 1e6,
-               "rounding_seconds": round(seconds, 1), **measure(twin.eval(), reference, sets)}
-        print({k: (v if not isinstance(v, dict) else round(v["kl_mean"], 4)) for k, v in row.items()}, flush=True)
+        row = {"config": name, "rounding": rounding, **measure_config(setup, setup.prepared, rounding, eight, table_bits)}
+        report_row(row)
         rows.append(row)
-    write_result(args.out, {"calibration": source, "heldout_tokens": {k: sum(map(len, v)) for k, v in sets.items()},
-                            "rows": rows}, script=__file__, argv=argv)
+    write_rows(args.out, setup, rows, __file__, argv)
     return 0
 
 

@@ -27,30 +27,18 @@ float32 matrix before the final norm, 1.3 MB, is not in the byte counts).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
-from pit_deploy.export.calibrated_rounding import calibrated_model  # noqa: E402
-from pit_deploy.export.passes import prepare  # noqa: E402
-from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
 from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
-from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
-from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
-from pit_deploy.schemes import get_scheme  # noqa: E402
-from pit_deploy.targets import get_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from gptq_frontier import measure, weight_bytes  # noqa: E402
-from result_file import write_result  # noqa: E402
+from gptq_frontier import load_setup, measure_config, report_row, study_args, write_rows  # noqa: E402
 
 #: name -> (linears at 8 bits, token table bits, rotated)
 CONFIGS = {
@@ -63,42 +51,22 @@ CONFIGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pit", required=True, help="a PIT checkpoint of the default model")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of configurations (default: all)")
-    ap.add_argument("--out", default="studies/results/rotation_gptq.json")
-    args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(args.pit)
-    reference = load_pit_model(args.pit).eval()
-    prepared = prepare(reference, "factorized")
-    rotated = rotate_residual(prepared)
-    sets = heldout_sets(tokenizer)
-    probe = torch.tensor([sets["prose"][0][:64]])
+    args = study_args(__doc__, CONFIGS, "studies/results/rotation_gptq.json", argv)
+    setup = load_setup(args.pit)
+    rotated = rotate_residual(setup.prepared)
+    probe = torch.tensor([setup.sets["prose"][0][:64]])
     with torch.no_grad():
-        a, b = prepared(input_ids=probe).logits, rotated(input_ids=probe).logits
+        a, b = setup.prepared(input_ids=probe).logits, rotated(input_ids=probe).logits
     fp32_check = {"max_rel_logit_change": float((a - b).abs().max() / a.abs().max())}
     print("fp32 rotated vs not:", fp32_check, flush=True)
-    blocks, source = calibration_blocks(tokenizer, reference.config, 256)
-    grid = get_target("executorch").weight_grid(get_scheme("int4"), "factorized")
     rows = []
     for name in args.configs.split(","):
         eight, table_bits, rotate = CONFIGS[name]
-        scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding="gptq")
-        start = time.perf_counter()
-        body = calibrated_model(rotated if rotate else prepared, scheme, grid, blocks)
-        seconds = time.perf_counter() - start
-        twin, _ = quantize_linears(body, "int4", scheme.group_size, eight)
-        quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True)
-        row = {"config": name, "rotation": "hadamard" if rotate else None, "int4_8bit_layers": list(eight),
-               "table_bits": table_bits, "weight_mb": weight_bytes(twin, table_bits, scheme.group_size) / 1e6,
-               "rounding_seconds": round(seconds, 1), **measure(twin.eval(), reference, sets)}
-        print({k: (v if not isinstance(v, dict) else round(v["kl_mean"], 4)) for k, v in row.items()}, flush=True)
+        row = {"config": name, "rotation": "hadamard" if rotate else None,
+               **measure_config(setup, rotated if rotate else setup.prepared, "gptq", eight, table_bits)}
+        report_row(row)
         rows.append(row)
-    write_result(args.out, {"calibration": source, "heldout_tokens": {k: sum(map(len, v)) for k, v in sets.items()},
-                            "fp32_rotated": fp32_check, "rows": rows}, script=__file__, argv=argv)
+    write_rows(args.out, setup, rows, __file__, argv, fp32_rotated=fp32_check)
     return 0
 
 
