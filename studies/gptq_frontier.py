@@ -131,11 +131,10 @@ def report_row(row: dict) -> None:
     print({k: (v if not isinstance(v, dict) else round(v["kl_mean"], 4)) for k, v in row.items()}, flush=True)
 
 
-def write_rows(out: str, setup: Setup, rows: list[dict], script: str, argv: list[str] | None, **extra) -> int:
-    """The study's JSON: the calibration text, the held-out token counts, ``extra``, the rows."""
-    return write_result(out, {"calibration": setup.source,
-                              "heldout_tokens": {k: sum(map(len, v)) for k, v in setup.sets.items()},
-                              **extra, "rows": rows}, script=script, argv=argv)
+def study_result(setup: Setup, rows: list[dict], **extra) -> dict:
+    """What these studies write: the calibration text, the held-out token counts, ``extra``, the rows."""
+    return {"calibration": setup.source, "heldout_tokens": {k: sum(map(len, v)) for k, v in setup.sets.items()},
+            **extra, "rows": rows}
 
 
 def study_args(doc: str, configs: dict, out: str, argv: list[str] | None) -> argparse.Namespace:
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"config": name, "rounding": rounding, **measure_config(setup, setup.prepared, rounding, eight, table_bits)}
         report_row(row)
         rows.append(row)
-    write_rows(args.out, setup, rows, __file__, argv)
+    write_result(args.out, study_result(setup, rows), script=__file__, argv=argv)
     return 0
 
 

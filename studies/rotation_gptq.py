@@ -38,7 +38,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptq_frontier import load_setup, measure_config, report_row, study_args, write_rows  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
+from gptq_frontier import load_setup, measure_config, report_row, study_args, study_result  # noqa: E402
+from result_file import write_result  # noqa: E402
 
 #: name -> (linears at 8 bits, token table bits, rotated)
 CONFIGS = {
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                **measure_config(setup, rotated if rotate else setup.prepared, "gptq", eight, table_bits)}
         report_row(row)
         rows.append(row)
-    write_rows(args.out, setup, rows, __file__, argv, fp32_rotated=fp32_check)
+    write_result(args.out, study_result(setup, rows, fp32_rotated=fp32_check), script=__file__, argv=argv)
     return 0
 
 
