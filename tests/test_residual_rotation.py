@@ -101,3 +101,19 @@ def test_a_rotated_int4_pte_keeps_the_interface_exact_on_the_runtime(tmp_path):
     # the expected error (which scales verify's bound) is measured on the rotated model too: of the
     # same order as the unrotated one's, not the KL of a table read in the wrong basis
     assert expected[True] < 3 * expected[False] + 1e-3, expected
+
+
+def test_models_without_the_symmetry_are_named_and_exported_unrotated(tmp_path):
+    """A family outside the pre-norm RMSNorm ones, or a tied embedding and head (which would turn
+    with the table), is not rotated: :func:`rotation_blocker` says why, and ``int4``'s default
+    rotation gives way in the export instead of failing it."""
+    from pit_deploy.export.residual_rotation import rotation_blocker
+
+    assert rotation_blocker(prepare(tiny_pit_model("llama"), "factorized")) is None
+    assert "tied" in rotation_blocker(prepare(tiny_model("llama", tie_word_embeddings=True), "tied"))
+    assert "gpt2" in rotation_blocker(prepare(tiny_pit_model("gpt2"), "factorized"))
+    out = tmp_path / "exp"
+    assert main(["export", str(dense_t_pit_dir("gpt2", tmp_path)), "--out", str(out), "--runtime", "executorch",
+                 "--mode", "factorized", "--dtype", "int4", "--max-seq-len", "64"]) == 0
+    (art,) = json.loads((out / MANIFEST_NAME).read_text())["artifacts"]
+    assert "rotate_residual" not in art["details"]["scheme"]

@@ -26,6 +26,7 @@ from ..errors import PitError
 from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
+from .residual_rotation import rotate_residual, rotation_blocker
 from ..io.sources import LoadedModel, load_source
 from ..schemes import Scheme
 from ..targets import get_target
@@ -126,6 +127,9 @@ def export_model(
                         scheme = scheme.with_settings(rounding="rtn")  # this target rounds by its own quantizer
                     if scheme.rotate_residual and "rotate_residual" not in target.scheme_settings:
                         scheme = scheme.with_settings(rotate_residual=False)  # a body this target does not rotate
+                    if scheme.rotate_residual and (why := rotation_blocker(prepared)) is not None:
+                        say(f"  {name}: the residual stream is not rotated: {why}")
+                        scheme = scheme.with_settings(rotate_residual=False)
                     start = time.perf_counter()
                     grid = target.weight_grid(scheme, mode)
                     body = calibration.rotated(prepared, mode) if scheme.rotate_residual else prepared
@@ -175,8 +179,6 @@ class _Calibration:
     def rotated(self, prepared: torch.nn.Module, mode: str) -> torch.nn.Module:
         """``prepared`` with its residual stream rotated (:mod:`.residual_rotation`), made once per mode."""
         if mode not in self.rotations:
-            from .residual_rotation import rotate_residual
-
             self.rotations[mode] = rotate_residual(prepared)
             self.say("  residual stream rotated by a randomized Hadamard matrix before rounding")
         return self.rotations[mode]

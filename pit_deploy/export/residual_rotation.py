@@ -41,7 +41,8 @@ from ..errors import PitError
 from ..model.families import adapter_for
 from ..model.modules import PITEmbedding
 
-#: the model attribute (a float32 ``d×d`` buffer) that holds the rotation of a rotated model
+#: the model attribute (a plain ``d×d`` tensor, not a buffer: no constant of the exported program)
+#: that holds the rotation of a rotated model
 ROTATION_ATTR = "pit_residual_rotation"
 #: the seed of the random signs: fixed, so an export is reproducible
 ROTATION_SEED = 0
@@ -109,34 +110,51 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
     raise PitError("the final norm is not a submodule of the model")
 
 
+def _factorized(embedding: nn.Module) -> bool:
+    return isinstance(embedding, PITEmbedding) and hasattr(embedding.interface, "T_inv")
+
+
+def rotation_blocker(model: PreTrainedModel) -> str | None:
+    """Why the residual stream of ``model`` cannot be rotated exactly (``None``: it can)."""
+    from ..convert.preserve import PRESERVE_FAMILIES
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in PRESERVE_FAMILIES:
+        return (f"the rotation is a symmetry of pre-norm RMSNorm families ({', '.join(sorted(PRESERVE_FAMILIES))}), "
+                f"not of {model_type!r}")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if _factorized(embedding):
+        return None
+    if type(embedding) is not nn.Embedding:
+        return f"a {type(embedding).__name__} embedding cannot take the rotation"
+    if getattr(head, "weight", None) is embedding.weight:
+        return "the head shares the embedding's weight (a tied model), which would turn with it"
+    return None
+
+
 @torch.no_grad()
 def rotate_residual(prepared: PreTrainedModel, seed: int = ROTATION_SEED) -> PreTrainedModel:
     """A copy of a prepared float32 model whose residual stream is rotated (see the module
     docstring); ``prepared`` is not changed.
 
     Raises:
-        PitError: a family whose blocks are not pre-norm RMSNorm read only through their norms,
-            or an embedding this module does not know how to rotate.
+        PitError: :func:`rotation_blocker` names a reason.
     """
     from ..convert.preserve import PRESERVE_FAMILIES, fold_and_rotate
 
-    model_type = getattr(prepared.config, "model_type", None)
-    if model_type not in PRESERVE_FAMILIES:
-        raise PitError(f"rotate_residual covers pre-norm RMSNorm families ({', '.join(sorted(PRESERVE_FAMILIES))}), "
-                       f"not {model_type!r}; set rotate_residual = false for this model")
+    why = rotation_blocker(prepared)
+    if why is not None:
+        raise PitError(f"rotate_residual: {why}; set rotate_residual = false for this model")
     model = copy.deepcopy(prepared)
     dtype = next(model.parameters()).dtype
     q = rotation_matrix(model.config.hidden_size, seed)
-    fold_and_rotate(model, q, PRESERVE_FAMILIES[model_type])
+    fold_and_rotate(model, q, PRESERVE_FAMILIES[model.config.model_type])
     embedding = model.get_input_embeddings()
-    if isinstance(embedding, PITEmbedding) and hasattr(embedding.interface, "T_inv"):
+    if _factorized(embedding):
         t_inv = embedding.interface.T_inv
         t_inv.copy_((t_inv.to(torch.float64) @ q).to(t_inv.dtype))
-    elif type(embedding) is nn.Embedding:
-        embedding.weight.copy_((embedding.weight.to(torch.float64) @ q).to(embedding.weight.dtype))
     else:
-        raise PitError(f"rotate_residual: a {type(embedding).__name__} embedding cannot take the rotation; "
-                       "set rotate_residual = false")
+        embedding.weight.copy_((embedding.weight.to(torch.float64) @ q).to(embedding.weight.dtype))
     norm = adapter_for(model.config).final_norm(model)
     _replace(model, norm, Unrotate(q.to(dtype), norm))
     object.__setattr__(model, ROTATION_ATTR, q.to(dtype))  # a plain attribute: no constant of the program
