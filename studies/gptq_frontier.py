@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
 from pit_deploy.data.heldout import kl_parity  # noqa: E402
-from pit_deploy.export.calibrated_rounding import calibrated_model  # noqa: E402
+from pit_deploy.export.calibrated_rounding import calibrated_model, head_moments  # noqa: E402
 from pit_deploy.export.passes import prepare  # noqa: E402
 from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
 from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
@@ -113,16 +113,21 @@ def load_setup(pit: str) -> Setup:
                  get_target("executorch").weight_grid(get_scheme("int4"), "factorized"))
 
 
-def measure_config(setup: Setup, body: nn.Module, rounding: str, eight: tuple[str, ...], table_bits: int) -> dict:
+def measure_config(setup: Setup, body: nn.Module, rounding: str, eight: tuple[str, ...], table_bits: int,
+                   table_gptq: bool = False) -> dict:
     """Round ``body`` (the prepared model, or one derived from it) as the ``.pte`` does and
-    measure it: the figures of one row."""
+    measure it: the figures of one row. ``table_gptq``: the shared token table rounded by GPTQ
+    against the head input's moments on the calibration text, as the exporter now does for a
+    GPTQ body (:func:`pit_deploy.export.calibrated_rounding.head_moments`); else to nearest."""
     scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding=rounding)
     start = time.perf_counter()
     rounded = calibrated_model(body, scheme, setup.grid, setup.blocks) if rounding == "gptq" else body
+    moments = head_moments(rounded) if table_gptq else None
     seconds = time.perf_counter() - start
     twin, _ = quantize_linears(rounded, "int4", scheme.group_size, eight)
-    quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True)
-    return {"int4_8bit_layers": list(eight), "table_bits": table_bits,
+    quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True,
+                         head_moments=moments)
+    return {"int4_8bit_layers": list(eight), "table_bits": table_bits, "table_rounding": "gptq" if table_gptq else "rtn",
             "weight_mb": weight_bytes(twin, table_bits, scheme.group_size) / 1e6,
             "rounding_seconds": round(seconds, 1), **measure(twin.eval(), setup.reference, setup.sets)}
 
@@ -137,12 +142,15 @@ def study_result(setup: Setup, rows: list[dict], **extra) -> dict:
             **extra, "rows": rows}
 
 
-def study_args(doc: str, configs: dict, out: str, argv: list[str] | None) -> argparse.Namespace:
-    """``--pit``, ``--configs`` (of ``configs``), ``--out`` (default ``out``)."""
+def study_args(doc: str, configs: dict, out: str, argv: list[str] | None, **paths: str) -> argparse.Namespace:
+    """``--pit``, ``--configs`` (of ``configs``), ``--out`` (default ``out``), and a ``--NAME``
+    option for each of ``paths`` (an input file, its default the value)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--pit", required=True, help="a PIT checkpoint of the default model")
     ap.add_argument("--configs", default=",".join(configs), help="comma list of configurations (default: all)")
     ap.add_argument("--out", default=out)
+    for name, default in paths.items():
+        ap.add_argument(f"--{name}", default=default)
     return ap.parse_args(argv)
 
 

@@ -134,7 +134,10 @@ def test_gptq_export_writes_the_calibrated_codes_and_verifies(gptq_export):
         assert art["details"]["scheme"]["rounding"] == "gptq"
         assert "seed" in art["details"]["calibration"]
         assert "GPTQ" in art["details"]["expected"]["method"]
-    assert "GPTQ" in by_runtime["executorch"]["details"]["quantization"]["linear"]
+    pte_quantization = by_runtime["executorch"]["details"]["quantization"]
+    assert "GPTQ" in pte_quantization["linear"]
+    # the .pte's shared 8-bit token table: the head's codes, calibrated on the same text
+    assert pte_quantization["shared_table"] and "GPTQ" in pte_quantization["token_table"]
     onnx_art = by_runtime["onnx"]
     graph = onnx.load(str(gptq_export / onnx_art["path"] / onnx_art["details"]["decoder"]), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
@@ -165,3 +168,31 @@ def test_rounding_flag_on_a_runtime_that_ignores_it_is_a_user_error(tmp_path, ca
     assert code == 2
     err = capsys.readouterr().err
     assert "error: rounding applies to the" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_head_table_beats_round_to_nearest(bits):
+    """A ``.pte``'s quantized head re-rounded by GPTQ against the second moments of the hidden
+    states it reads (:meth:`RotatedQuantizedHead.round_calibrated`): on held-out hidden states of
+    the same kind (outlier channels) its logits are closer to the float head's than with torchao's
+    rounding, the codes stay on the head's grid, and the table read back is what the head holds."""
+    from pit_deploy.export.pte_head import RotatedQuantizedHead
+
+    d, v = 64, 512
+    gen = torch.Generator().manual_seed(5)
+    zt = torch.linalg.qr(torch.randn(v, d, generator=gen, dtype=torch.float64))[0].T.contiguous()
+    a = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    t = a @ a.T / d + 0.5 * torch.eye(d, dtype=torch.float64)
+    calib, held = _outlier_inputs(4096, d, 0), _outlier_inputs(1024, d, 2)
+    errors = {}
+    for name in ("rtn", "gptq"):
+        head = RotatedQuantizedHead(zt.float(), t.float(), bits, 32)
+        if name == "gptq":
+            head.round_calibrated(zt.float(), calib.T @ calib)
+        qdata = head.linear.weight.qdata
+        assert int(qdata.min()) >= -(2 ** (bits - 1)) and int(qdata.max()) <= 2 ** (bits - 1) - 1
+        assert head.calibrated == (name == "gptq") and ("GPTQ" in head.describe()) == (name == "gptq")
+        u = held @ head.transform()
+        exact = u @ head.rotated_rows(zt.float()).T
+        errors[name] = float((u @ torch.from_numpy(head.dequantized_rows()).T - exact).norm() / exact.norm())
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors

@@ -74,10 +74,12 @@ def test_grid_rows_pass_xnnpack_dynamic_quantization_unchanged():
 @pytest.fixture(scope="module")
 def shared_export(tmp_path_factory) -> Path:
     """``int4-shared`` in ``exp/``, and beside it in ``unshared/`` the same program with the table
-    twice (``--no-pte-shared-table``: the gather's own 4-bit table, the same 4-bit head)."""
+    twice (``--no-pte-shared-table``: the gather's own 4-bit table, the same 4-bit head). Rounded
+    to nearest (``--rounding rtn``), so that :func:`_table_bytes` can rebuild the table's bytes from
+    the checkpoint alone; the calibrated table is tested in ``tests/test_calibrated_rounding.py``."""
     root = tmp_path_factory.mktemp("shared")
     src = dense_t_pit_dir("llama", root)
-    common = ["--runtime", "executorch", "--mode", "factorized", "--max-seq-len", "64"]
+    common = ["--runtime", "executorch", "--mode", "factorized", "--max-seq-len", "64", "--rounding", "rtn"]
     assert main(["export", str(src), "--out", str(root / "exp"), "--dtype", "int4-shared", *common]) == 0
     assert main(["export", str(src), "--out", str(root / "unshared"), "--dtype", "int4-shared", "--table-bits", "4",
                  "--pte-head-bits", "4", "--no-pte-shared-table", *common]) == 0
@@ -121,10 +123,11 @@ def test_shared_table_is_stored_once_and_keeps_the_interface_exact(shared_export
 
 def test_int4_shares_an_8bit_table(tmp_path):
     """The ``int4`` scheme's ``.pte``: per-channel int8 codes of the head, which XNNPACK stores as
-    they are and ``embedding_byte`` reads with one scale a row — one blob again, exact interface."""
+    they are and ``embedding_byte`` reads with one scale a row — one blob again, exact interface
+    (rounded to nearest, as the fixture above, for :func:`_table_bytes`)."""
     out = tmp_path / "exp"
     assert main(["export", str(dense_t_pit_dir("qwen3", tmp_path)), "--out", str(out), "--runtime", "executorch",
-                 "--mode", "factorized", "--dtype", "int4", "--max-seq-len", "64"]) == 0
+                 "--mode", "factorized", "--dtype", "int4", "--max-seq-len", "64", "--rounding", "rtn"]) == 0
     art = "executorch-factorized-int4"
     table = _table_bytes(out, bits=8)
     ptd, pte = (out / art / PTD_NAME).read_bytes(), (out / art / PTE_NAME).read_bytes()

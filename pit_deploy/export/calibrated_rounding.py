@@ -281,6 +281,8 @@ def calibrate(model: nn.Module, blocks: Iterable[torch.Tensor], grid_of: Callabl
 
 #: the attribute of a calibrated model holding its :class:`RoundedWeight` codes by module name
 ROUNDED_ATTR = "pit_rounded_weights"
+#: the attribute of a calibrated model holding its calibration blocks (for :func:`head_moments`)
+BLOCKS_ATTR = "pit_calibration_blocks"
 
 
 def scheme_grids(model: nn.Module, scheme, weight_grid) -> Callable[[str], RoundingGrid | None]:
@@ -320,9 +322,43 @@ def calibrated_model(prepared: nn.Module, scheme, weight_grid, blocks: list[torc
                 weight = model.get_submodule(name).weight
                 weight.copy_(rounded.dequantize().to(weight.dtype))
     setattr(model, ROUNDED_ATTR, codes)
+    setattr(model, BLOCKS_ATTR, list(blocks))
     return model
 
 
 def rounded_weights(model: nn.Module) -> dict[str, RoundedWeight]:
     """The codes a calibrated model carries (empty for any other model)."""
     return getattr(model, ROUNDED_ATTR, None) or {}
+
+
+@torch.no_grad()
+def head_moments(model: nn.Module) -> torch.Tensor | None:
+    """``Σ hᵀh`` (float64, ``d×d``) of the hidden states a calibrated model's output head reads on
+    its calibration blocks, the body as rounded; ``None`` for a model without calibration blocks.
+
+    This is what GPTQ weighs a quantized head's table by (:meth:`pit_deploy.export.pte_head.
+    RotatedQuantizedHead.round_calibrated`): the head's logits are a linear in ``h``, so the
+    error the table's rounding leaves in them is smallest along the directions ``h`` takes on
+    real text. The forward stops at the head, whose ``V``-wide product is not needed."""
+    blocks = getattr(model, BLOCKS_ATTR, None)
+    head = model.get_output_embeddings()
+    if not blocks or head is None:
+        return None
+    d = model.config.hidden_size
+    total = torch.zeros(d, d, dtype=torch.float64)
+
+    def accumulate(_module: nn.Module, args: tuple) -> None:
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+        total.add_(x.T @ x)
+        raise _Stop
+
+    hook = head.register_forward_pre_hook(accumulate)
+    try:
+        for ids in blocks:
+            try:
+                model(input_ids=ids, use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        hook.remove()
+    return total

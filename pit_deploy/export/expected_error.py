@@ -36,7 +36,8 @@ What is not reproduced — the reasons the runtime's KL is a multiple of this on
 bounds' factor allows for (``docs/quantization.md``, "Bounds"): activations (both runtimes
 quantize a linear's input to int8 per token or per block at run time); torchao's HQQ scale
 search for 4-bit XNNPACK weights (min/max scales here, a slightly larger weight error); the
-random rotation of a quantized ``.pte`` head (the head's table is rounded unrotated here);
+random rotation of a quantized ``.pte`` head and its GPTQ rounding (the head's table is rounded
+unrotated and to nearest here, a larger error than the calibrated table's);
 onnxruntime's and XNNPACK's storage of scales (bfloat16 group scales in XNNPACK).
 """
 

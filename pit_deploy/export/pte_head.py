@@ -94,6 +94,7 @@ class RotatedQuantizedHead(nn.Module):
         d, v = zt.shape
         rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
         self.bits, self.group_size, self.seed = int(bits), int(group_size), seed
+        self.calibrated = False  # GPTQ codes (round_calibrated) in place of torchao's rounding
         s = int8_grid_rows(t.to(torch.float64) @ rotation)
         # the table's map from Z: T S⁻ᵀ (= R when S = T R exactly); a plain attribute, not part
         # of the program
@@ -118,6 +119,33 @@ class RotatedQuantizedHead(nn.Module):
         not kept: a ``V×d`` float64 table, twice the size of the fp32 ``Zᵀ``."""
         return zt.to(torch.float64).T @ self.rotation
 
+    @torch.no_grad()
+    def round_calibrated(self, zt: torch.Tensor, moments: torch.Tensor) -> None:
+        """Re-round the table ``Y`` by GPTQ (:func:`pit_deploy.export.calibrated_rounding.gptq`)
+        in place of torchao's round-to-nearest, on the same grid: symmetric 4-bit codes with a
+        bfloat16 scale a group, or 8-bit codes with one scale a row.
+
+        ``moments`` is ``Σ hᵀh`` of the hidden states the head reads on calibration text
+        (:func:`~pit_deploy.export.calibrated_rounding.head_moments`); the linear reads ``u = h S``,
+        so its inputs' second moments are ``Sᵀ (Σ hᵀh) S``. Each row's rounding error is moved
+        along the directions ``u`` rarely takes, which leaves the logits on real text closer to
+        the fp32 head's. The interface is unaffected: the embedding's correction is computed from
+        whatever codes the head holds (:func:`pit_deploy.export.pte_token_table.quantize_token_table`).
+        """
+        from .calibrated_rounding import RoundingGrid, gptq
+
+        s = self.TR.to(torch.float64)
+        grid = RoundingGrid(self.bits, self.group_size if self.bits == 4 else None, symmetric=True)
+        rounded = gptq(self.rotated_rows(zt), s.T @ moments.to(torch.float64) @ s, grid)
+        weight = self.linear.weight
+        if weight.qdata.shape != rounded.codes.shape or weight.scale.numel() != rounded.scales.numel():
+            raise RuntimeError(f"the head's GPTQ codes {tuple(rounded.codes.shape)} / scales "
+                               f"{tuple(rounded.scales.shape)} do not fit its quantized linear")
+        weight.qdata.copy_(rounded.codes.to(weight.qdata.dtype))
+        weight.scale.copy_(rounded.scales.reshape(weight.scale.shape).to(weight.scale.dtype))
+        weight.zero_point.zero_()
+        self.calibrated = True
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden @ self.TR)
 
@@ -138,8 +166,9 @@ class RotatedQuantizedHead(nn.Module):
         return self.TR.to(torch.float64).numpy()
 
     def describe(self) -> str:
-        weights = ("per-channel int8 weights (8da8w)" if self.bits == 8 else
-                   f"symmetric int4 weights in groups of {self.group_size}, HQQ scale-only scales (8da4w)")
+        rounding = "GPTQ against the head input's second moments" if self.calibrated else "HQQ scale-only scales"
+        weights = (f"per-channel int8 weights (8da8w, {rounding if self.calibrated else 'round to nearest'})"
+                   if self.bits == 8 else f"symmetric int4 weights in groups of {self.group_size}, {rounding} (8da4w)")
         rotation = "R = I (no rotation)" if self.seed is None else f"R a seeded random rotation (seed {self.seed})"
         return (f"Y = Z T S⁻ᵀ through a quantized linear: {weights}, int8 dynamic activations per token; "
                 f"S = T R on the int8 grid of its rows, float32; {rotation}")

@@ -135,7 +135,7 @@ class QuantizedRows(nn.Module):
 @torch.no_grad()
 def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool = True, *,
                          table_bits: int = 8, head_bits: int = 0, rotate: bool = True,
-                         shared: bool = False) -> dict[str, Any]:
+                         shared: bool = False, head_moments: torch.Tensor | None = None) -> dict[str, Any]:
     """Give ``model`` (a quantized twin, changed in place) a ``table_bits``-bit (8 or 4) input
     embedding.
 
@@ -153,6 +153,11 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     token table (stored once when its constants go to a named data file:
     :func:`pit_deploy.export.to_executorch.export_pte`).
 
+    ``head_moments`` (``Σ hᵀh`` of the head's input on calibration text,
+    :func:`~.calibrated_rounding.head_moments`): a quantized head's table is rounded by GPTQ
+    against them (:meth:`~.pte_head.RotatedQuantizedHead.round_calibrated`) instead of to nearest;
+    with ``shared`` the gather reads those codes too.
+
     Returns:
         details for the manifest: the table's scheme and whether the interface stays exact.
     """
@@ -163,7 +168,7 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         factors = embedding.interface
         t = factors.T.to(torch.float64).numpy()
         if head_bits:
-            head = install_quantized_head(model, factors, head_bits, group_size, rotate)
+            head = install_quantized_head(model, factors, head_bits, group_size, rotate, head_moments)
             head_rows, t = head.dequantized_rows(), head.transform()
             head_text = f"head: {head.describe()}"
         else:
@@ -222,12 +227,15 @@ def shared_rows(head: RotatedQuantizedHead) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def install_quantized_head(model: PreTrainedModel, factors: PITFactors, bits: int,
-                           group_size: int, rotate: bool = True) -> RotatedQuantizedHead:
+                           group_size: int, rotate: bool = True,
+                           moments: torch.Tensor | None = None) -> RotatedQuantizedHead:
     """Replace a factorized model's head by a :class:`RotatedQuantizedHead` (registered on the
-    model as ``pit_quantized_head``, keeping the head's multiplier and bias) and drop the fp32
-    factors, which nothing reads any more."""
+    model as ``pit_quantized_head``, keeping the head's multiplier and bias; its table rounded by
+    GPTQ against ``moments`` when given) and drop the fp32 factors, which nothing reads any more."""
     old = model.get_output_embeddings()
     head = RotatedQuantizedHead(factors.Zt, factors.T, bits, group_size, ROTATION_SEED if rotate else None)
+    if moments is not None:
+        head.round_calibrated(factors.Zt, moments)
     model.pit_quantized_head = head
     model.set_output_embeddings(PITHead(head, old.multiplier, old.bias))
     if getattr(model, FACTORS_ATTR, None) is factors:

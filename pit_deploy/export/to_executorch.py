@@ -377,13 +377,17 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
     if not scheme.quantized:
         written = export_pte(model, out_dir, recipe.max_seq_len)
     else:
+        from .calibrated_rounding import head_moments
+
+        # a GPTQ-calibrated body: a quantized head's table is calibrated on the same text
+        moments = head_moments(model) if scheme.pte_quantized_head_bits else None
         quantized, details = quantize_linears(model, scheme.dtype, scheme.group_size, scheme.int4_8bit_layers)
         # the embedding reads an 8-bit table; a factorized head stays a matmul with the fp32 Zᵀ
         # (not an nn.Linear) and the correction keeps W_out E = I exact, unless pte_head_bits
         # asks for a rotated quantized head (:mod:`.pte_token_table`, :mod:`.pte_head`)
         details.update(quantize_token_table(quantized, scheme.group_size, scheme.pit_correction,
                                             table_bits=scheme.table_bits, head_bits=scheme.pte_quantized_head_bits,
-                                            shared=scheme.pte_shared_table))
+                                            shared=scheme.pte_shared_table, head_moments=moments))
         written = {**export_pte(quantized, out_dir, recipe.max_seq_len, external_data=details["shared_table"]),
                    "quantization": details}
     return {**written, **write_runner_tokenizer(tokenizer, out_dir)}
