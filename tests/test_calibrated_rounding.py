@@ -134,6 +134,8 @@ def test_gptq_export_writes_the_calibrated_codes_and_verifies(gptq_export):
         assert art["details"]["scheme"]["rounding"] == "gptq"
         assert "seed" in art["details"]["calibration"]
         assert "GPTQ" in art["details"]["expected"]["method"]
+    # the onnx decoder's token table: rounded by GPTQ on the same text
+    assert by_runtime["onnx"]["details"]["quantization"]["table_rounding"].startswith("GPTQ")
     pte_quantization = by_runtime["executorch"]["details"]["quantization"]
     assert "GPTQ" in pte_quantization["linear"]
     # the .pte's shared 8-bit token table: the head's codes, calibrated on the same text

@@ -92,6 +92,8 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     assert art.details["builder_int8_layers"] == ["v_proj", "down_proj"]
     assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
     assert art.details["quantization"]["interface_exact"] is True
+    # int4 rounds by GPTQ: the builder rounds the body its own way, the table we write is calibrated
+    assert art.details["quantization"]["table_rounding"].startswith("GPTQ") and "seed" in art.details["calibration"]
     # int4-compact: a 4-bit table (one plane, read whole by the head) and only v_proj at 8 bits
     assert compact.path == "onnx-genai-factorized-int4-compact" and compact.details["factorized"]["table_byte_ranges"] == 1
     assert compact.details["builder_int8_layers"] == ["v_proj"] and compact.details["decoder_ops"]["MatMulNBits"] == 2 * 7 + 1

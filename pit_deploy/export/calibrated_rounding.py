@@ -362,3 +362,10 @@ def head_moments(model: nn.Module) -> torch.Tensor | None:
     finally:
         hook.remove()
     return total
+
+
+def head_moments_array(model: nn.Module):
+    """:func:`head_moments` as a float64 numpy array (or ``None``), for the ONNX targets, whose
+    token tables are rounded in numpy (:func:`pit_deploy.export.quantize_onnx.calibrated_table`)."""
+    moments = head_moments(model)
+    return None if moments is None else moments.numpy()

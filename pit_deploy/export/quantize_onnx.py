@@ -309,9 +309,47 @@ def _plane_names(graph, prefix: str, planes: Planes, gather: bool) -> list[list[
     return names
 
 
-def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: bool) -> dict[str, Any]:
+#: weight of the embedding's term in a factorized table's GPTQ rounding, each term scaled to a
+#: mean diagonal of 1 (default model, onnx-genai int4 with a 4-bit table, verify's mean KL:
+#: 0.238 rounded to nearest, 0.201 / 0.184 / 0.189 at weights 0 / 1 / 4; docs/quantization.md)
+EMBEDDING_WEIGHT = 1.0
+
+
+def calibrated_table(graph, iface: Interface, bits: int, block: int, moments: np.ndarray) -> BlockTable:
+    """The head's table rounded by GPTQ (:func:`pit_deploy.export.calibrated_rounding.gptq`) on
+    ``MatMulNBits``' grid (unsigned codes, an integer zero point and a float32 scale a block),
+    weighted by the second moments of what the head multiplies: ``h T`` in a factorized graph,
+    so ``tᵀ (Σ hᵀh) t`` with ``t`` the graph's own ``d×d`` factor, plus the embedding's term
+    ``t⁻¹ t⁻ᵀ`` (the shared rows are multiplied by ``≈ T⁻¹`` there; :data:`EMBEDDING_WEIGHT`);
+    else ``Σ hᵀh``. ``moments``: ``Σ hᵀh`` of the hidden states the head reads on calibration
+    text (:func:`~pit_deploy.export.calibrated_rounding.head_moments`)."""
+    import torch
+    from onnx import numpy_helper
+
+    from .calibrated_rounding import RoundingGrid, gptq
+
+    h = np.asarray(moments, dtype=np.float64)
+    if iface.t_name is not None:
+        t = numpy_helper.to_array(_initializers(graph)[iface.t_name]).astype(np.float64)
+        h = t.T @ h @ t
+        # the embedding reads these rows too, through T⁻¹: an error along T's small directions,
+        # cheap for the head, is what T⁻¹ amplifies; so that term weighs as much as the head's
+        t_inv = np.linalg.inv(t)
+        h_embed = t_inv @ t_inv.T
+        h = h / np.diag(h).mean() + EMBEDDING_WEIGHT * h_embed / np.diag(h_embed).mean()
+    rounded = gptq(torch.from_numpy(iface.head_rows.astype(np.float64)), torch.from_numpy(h),
+                   RoundingGrid(bits, block, symmetric=False))
+    return block_table_from_codes(rounded)
+
+
+def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: bool,
+                      head_moments: np.ndarray | None = None) -> dict[str, Any]:
     """Replace the embedding Gather by ``GatherBlockQuantized`` and the head MatMul by
     ``MatMulNBits``; in factorized mode with ``correct``, replace ``T⁻¹`` by ``M``.
+
+    ``head_moments`` (``Σ hᵀh`` of the head's input on calibration text): the head's table is
+    rounded by GPTQ against them (:func:`calibrated_table`) instead of to nearest; a shared
+    embedding reads the same codes, and the correction is computed from them.
 
     The head keeps fp32 activations in every mode (no ``accuracy_level``): in factorized mode
     so that ``W_out E = I`` holds on the runtime, and everywhere because int8 activations in the
@@ -327,7 +365,8 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     graph = model.graph
     _ensure_ms_domain(model)
     shared = np.array_equal(iface.embed_rows, iface.head_rows)
-    head_q = block_quantize(iface.head_rows, bits, block)
+    head_q = block_quantize(iface.head_rows, bits, block) if head_moments is None else \
+        calibrated_table(graph, iface, bits, block, head_moments)
     emb_q = head_q if shared else block_quantize(iface.embed_rows, bits, block)
     v, d = iface.head_rows.shape
     prefix = "pit_q"
@@ -366,7 +405,9 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
         graph.node.remove(remove)
     details: dict[str, Any] = {"token_table_shared": bool(shared), "table_bits": bits, "group_size": block,
                                "head_activations": "float32",
-                               "table_planes": len(head_planes)}
+                               "table_planes": len(head_planes),
+                               "table_rounding": "to nearest" if head_moments is None else
+                               "GPTQ against the head input's second moments on the calibration text"}
     details["interface_exact"] = iface.t_inv_name is not None and correct
     if iface.t_inv_name is not None:
         details["pit_correction"] = bool(correct)
@@ -543,10 +584,11 @@ def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: 
 
 def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool,
                    body: bool, table_bits: int | None = None,
-                   keep_8bit: tuple[str, ...] = (), codes: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+                   keep_8bit: tuple[str, ...] = (), codes: dict[str, Any] | None = None,
+                   head_moments: np.ndarray | None = None) -> tuple[Any, dict[str, Any]]:
     """Quantize one exported graph in memory: its token interface (``table_bits``, default
-    the dtype's bits) and, with ``body``, every other weight matrix (``keep_8bit``, ``codes``:
-    see :func:`quantize_body`).
+    the dtype's bits; ``head_moments``: see :func:`rewrite_interface`) and, with ``body``, every
+    other weight matrix (``keep_8bit``, ``codes``: see :func:`quantize_body`).
 
     Returns:
         ``(model, details)``.
@@ -555,7 +597,7 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
     iface = find_graph_interface(model.graph, vocab, hidden)
     keep_fp32 = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
                  {iface.t_name, iface.t_inv_name}]
-    details = rewrite_interface(model, iface, bits, block, correct)
+    details = rewrite_interface(model, iface, bits, block, correct, head_moments)
     kept = 0
     if body:
         model, kept = quantize_body(model, dtype, block, keep_fp32, keep_8bit, codes)

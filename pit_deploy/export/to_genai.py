@@ -266,7 +266,7 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
 @torch.no_grad()
 def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, dtype: str = "float32",
                  group_size: int = 32, table_bits: int | None = None, pit_correction: bool = True,
-                 int8_layers: tuple[str, ...] = ()) -> dict[str, Any]:
+                 int8_layers: tuple[str, ...] = (), head_moments: Any = None) -> dict[str, Any]:
     """Build the genai folder of ``model`` (materialized, or factorized: see the module
     docstring) into ``out_dir``; returns the manifest details. ``int8_layers``: at int4, the
     linears kept at 8 bits (:func:`int8_overrides`)."""
@@ -292,7 +292,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
     rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
-                              pit_correction) if factorized else {}
+                              pit_correction, head_moments) if factorized else {}
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
     if extra:
@@ -312,7 +312,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
 
 
 def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
-                    table_bits: int | None = None, pit_correction: bool = True) -> dict[str, Any]:
+                    table_bits: int | None = None, pit_correction: bool = True,
+                    head_moments: Any = None) -> dict[str, Any]:
     """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors.
 
     The builder's graph (read from the materialized twin) computes ``Gather(E_s, ids)`` and
@@ -330,7 +331,9 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     way the ``onnx`` target quantizes its factorized graphs (:func:`.quantize_onnx.quantize_graph`
     with ``body=False``): one block-quantized ``Ẑ`` read by ``GatherBlockQuantized`` and by the
     head's ``MatMulNBits`` (fp32 activations), stored once, and with ``pit_correction``
-    ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime.
+    ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime. With ``head_moments``
+    (``Σ hᵀh`` of the head's input on calibration text) ``Ẑ`` is rounded by GPTQ
+    (:func:`.quantize_onnx.calibrated_table`), not to nearest.
 
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
@@ -394,7 +397,7 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     quant_details: dict[str, Any] | None = None
     if dtype != "float32":
         model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
-                                      table_bits=table_bits)
+                                      table_bits=table_bits, head_moments=head_moments)
         if quant.get("pit_correction") and a * b != 1.0:
             # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
             init = next(i for i in model.graph.initializer if i.name == names["M"])
@@ -430,6 +433,13 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
                     scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
     """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
+    from .calibrated_rounding import head_moments_array
+    from .passes import FACTORS_ATTR
+
+    factorized = getattr(model, FACTORS_ATTR, None) is not None
+    # the builder rounds the body; the token table is ours, rounded by GPTQ where the model
+    # carries calibration text (the pipeline's, for a scheme that rounds by GPTQ)
     return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size,
                         table_bits=scheme.table_bits, pit_correction=scheme.pit_correction,
-                        int8_layers=scheme.int4_8bit_layers if scheme.dtype == "int4" else ())
+                        int8_layers=scheme.int4_8bit_layers if scheme.dtype == "int4" else (),
+                        head_moments=head_moments_array(model) if scheme.quantized and factorized else None)

@@ -54,6 +54,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     import onnx
     from optimum.exporters.onnx import onnx_export_from_model
 
+    from .calibrated_rounding import head_moments_array
     from .fold_onnx import fold_graph
     from .quantize_onnx import quantize_graph, save_deduplicated
 
@@ -101,7 +102,9 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
                      "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
     if dtype != "float32":
         # a calibrated model's codes go in as they are (fold_at_load schemes take no calibration)
-        quantize = fold_graph if fold_at_load else partial(quantize_graph, codes=calibrated_codes(model))
+        # and a calibrated model's token table is rounded by GPTQ too, alike in both graphs
+        quantize = fold_graph if fold_at_load else \
+            partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model))
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit)
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
