@@ -198,3 +198,23 @@ def test_gptq_head_table_beats_round_to_nearest(bits):
         exact = u @ head.rotated_rows(zt.float()).T
         errors[name] = float((u @ torch.from_numpy(head.dequantized_rows()).T - exact).norm() / exact.norm())
     assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+def test_onnx_table_by_gptq_beats_onnxruntime_rounding():
+    """The ONNX targets' token table (:func:`calibrated_table`, no ``T`` in the graph: weighted by
+    the head's input alone) on ``MatMulNBits``' 4-bit grid: on held-out hidden states with outlier
+    channels the head's outputs are closer to the float table's than with onnxruntime's own block
+    rounding, and the table dequantizes as a ``MatMulNBits`` block table."""
+    import onnx
+
+    from pit_deploy.export.quantize_onnx import Interface, block_quantize, calibrated_table
+
+    d, v = 64, 256
+    rows = torch.randn(v, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64).numpy() * 0.05
+    calib, held = _outlier_inputs(4096, d, 0).numpy(), _outlier_inputs(1024, d, 2).numpy()
+    iface = Interface(gather=None, head=None, embed_rows=rows, head_rows=rows)
+    graph = onnx.helper.make_graph([], "g", [], [])
+    tables = {"ort": block_quantize(rows, 4, 32), "gptq": calibrated_table(graph, iface, 4, 32, calib.T @ calib)}
+    errors = {name: float(np.linalg.norm(held @ (t.dequantize().astype(np.float64) - rows).T)) for name, t in tables.items()}
+    assert tables["gptq"].packed.shape == tables["ort"].packed.shape
+    assert errors["gptq"] < 0.7 * errors["ort"], errors
