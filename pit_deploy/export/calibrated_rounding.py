@@ -199,6 +199,27 @@ class _Stop(Exception):
     """Raised by a hook to end a calibration forward once the first decoder layer's inputs are known."""
 
 
+def _run_until(model: nn.Module, module: nn.Module, blocks: Iterable[torch.Tensor],
+               capture: Callable[..., None], with_kwargs: bool = False) -> None:
+    """Run ``model`` on each calibration block as far as ``module``: ``capture`` gets what
+    ``module`` is called with (``args``, and ``kwargs`` when ``with_kwargs``), and the forward
+    stops there."""
+
+    def stop(_module: nn.Module, *called) -> None:
+        capture(*called)
+        raise _Stop
+
+    hook = module.register_forward_pre_hook(stop, with_kwargs=with_kwargs)
+    try:
+        for ids in blocks:
+            try:
+                model(input_ids=ids, use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        hook.remove()
+
+
 class _LayerInputs:
     """What the first decoder layer is called with, per calibration block: the hidden states
     and the rest (position embeddings, masks), which every later layer is called with too. The
@@ -207,20 +228,7 @@ class _LayerInputs:
 
     def __init__(self, model: nn.Module, first: nn.Module, blocks: list[torch.Tensor]):
         self.calls: list[tuple[tuple, dict]] = []
-
-        def capture(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.calls.append((args, kwargs))
-            raise _Stop
-
-        hook = first.register_forward_pre_hook(capture, with_kwargs=True)
-        try:
-            for ids in blocks:
-                try:
-                    model(input_ids=ids, use_cache=False)
-                except _Stop:
-                    pass
-        finally:
-            hook.remove()
+        _run_until(model, first, blocks, lambda args, kwargs: self.calls.append((args, kwargs)), with_kwargs=True)
 
     def run(self, layer: nn.Module, advance: bool) -> None:
         """Call ``layer`` on every block's inputs; with ``advance``, its outputs become the
@@ -344,24 +352,9 @@ def head_moments(model: nn.Module) -> torch.Tensor | None:
     head = model.get_output_embeddings()
     if not blocks or head is None:
         return None
-    d = model.config.hidden_size
-    total = torch.zeros(d, d, dtype=torch.float64)
-
-    def accumulate(_module: nn.Module, args: tuple) -> None:
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
-        total.add_(x.T @ x)
-        raise _Stop
-
-    hook = head.register_forward_pre_hook(accumulate)
-    try:
-        for ids in blocks:
-            try:
-                model(input_ids=ids, use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        hook.remove()
-    return total
+    moments = _Moments(model.config.hidden_size)
+    _run_until(model, head, blocks, lambda args: moments(head, args, None))
+    return moments.h
 
 
 def head_moments_array(model: nn.Module):

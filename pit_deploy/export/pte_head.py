@@ -166,9 +166,10 @@ class RotatedQuantizedHead(nn.Module):
         return self.TR.to(torch.float64).numpy()
 
     def describe(self) -> str:
-        rounding = "GPTQ against the head input's second moments" if self.calibrated else "HQQ scale-only scales"
-        weights = (f"per-channel int8 weights (8da8w, {rounding if self.calibrated else 'round to nearest'})"
-                   if self.bits == 8 else f"symmetric int4 weights in groups of {self.group_size}, {rounding} (8da4w)")
+        calibrated = "GPTQ against the head input's second moments"
+        weights = (f"per-channel int8 weights (8da8w, {calibrated if self.calibrated else 'round to nearest'})"
+                   if self.bits == 8 else f"symmetric int4 weights in groups of {self.group_size}, "
+                   f"{calibrated if self.calibrated else 'HQQ scale-only scales'} (8da4w)")
         rotation = "R = I (no rotation)" if self.seed is None else f"R a seeded random rotation (seed {self.seed})"
         return (f"Y = Z T S⁻ᵀ through a quantized linear: {weights}, int8 dynamic activations per token; "
                 f"S = T R on the int8 grid of its rows, float32; {rotation}")
