@@ -34,21 +34,23 @@ def _outlier_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.bits}bit-{g.group}-{'sym' if g.symmetric else 'asym'}")
 def test_gptq_beats_round_to_nearest_on_outlier_inputs(grid):
-    """The error of the layer's *outputs* on held-out inputs: GPTQ's at most 70 % of plain
-    rounding's with the same grid and scale search; the codes on the grid, the scales
+    """The error of the layer's *outputs* on held-out inputs: GPTQ's, in order or by act-order,
+    at most 70 % of plain rounding's with the same grid and scale search; the codes on the grid, the scales
     bfloat16-exact on a symmetric grid."""
     cols, rows = 128, 48
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.05
     calib, held = _outlier_inputs(2048, cols, 0), _outlier_inputs(1024, cols, 2)
     h = calib.T @ calib
     errors = {}
-    for name, rounded in (("rtn", round_to_nearest(weight, grid)), ("gptq", gptq(weight, h, grid))):
+    for name, rounded in (("rtn", round_to_nearest(weight, grid)), ("gptq", gptq(weight, h, grid)),
+                          ("gptq-act-order", gptq(weight, h, grid, act_order=True))):
         assert int(rounded.codes.min()) >= grid.qmin and int(rounded.codes.max()) <= grid.qmax
         if grid.symmetric:
             assert torch.equal(rounded.zeros, torch.zeros_like(rounded.zeros))
             assert torch.equal(rounded.scales, rounded.scales.to(torch.bfloat16).to(torch.float32))
         errors[name] = float((held @ (weight - rounded.dequantize().double()).T).norm())
     assert errors["gptq"] < 0.7 * errors["rtn"], errors
+    assert errors["gptq-act-order"] < 0.7 * errors["rtn"], errors
 
 
 @pytest.mark.parametrize("grid", [RoundingGrid(4, 32, False), RoundingGrid(4, 32, True), RoundingGrid(8, 32, False)],

@@ -138,9 +138,15 @@ def round_to_nearest(weight: torch.Tensor, grid: RoundingGrid) -> RoundedWeight:
                          zero.to(torch.int16).reshape(out, -1), grid)
 
 
-def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid) -> RoundedWeight:
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, act_order: bool = False) -> RoundedWeight:
     """GPTQ rounding of ``weight`` ``(out, in)`` given its inputs' second moments ``hessian``
-    ``(in, in)`` (see the module docstring). Computed in float64."""
+    ``(in, in)`` (see the module docstring). Computed in float64.
+
+    ``act_order``: visit the columns by decreasing ``H`` diagonal (GPTQ's "act-order": the
+    largest inputs rounded first, while every other column can still absorb their error); the
+    runtimes' groups are runs of adjacent columns, so each group's scale is then chosen up front
+    from the unrounded weights ("static groups"). On the default model it does not beat the
+    in-order default (``studies/gptq_variants.py``), which the exporters use."""
     w = weight.detach().to(torch.float64).clone()
     out, cols = w.shape
     per = _groups(cols, grid)
@@ -151,17 +157,23 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid) -> Rou
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    codes = torch.zeros(out, cols, dtype=torch.float64)
+    scales = torch.zeros(out, cols // per, dtype=torch.float64)
+    zeros = torch.zeros(out, cols // per, dtype=torch.float64)
+    order = torch.arange(cols)
+    if act_order:
+        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        scale, zero = choose_params(w.reshape(out * (cols // per), per), grid)
+        scales[:], zeros[:] = scale.reshape(out, -1), zero.reshape(out, -1)
+        w, h = w[:, order], h[order][:, order]
+    elif grid.group is None:
+        scales[:, :1], zeros[:, :1] = choose_params(w, grid)
+    group_of = order // per
     h += DAMP * torch.diagonal(h).mean() * torch.eye(cols, dtype=h.dtype)
     try:
         hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except RuntimeError:  # numerically singular even after dampening: no error feedback to give
         return round_to_nearest(weight, grid)
-    codes = torch.zeros(out, cols, dtype=torch.float64)
-    scales = torch.zeros(out, cols // per, dtype=torch.float64)
-    zeros = torch.zeros(out, cols // per, dtype=torch.float64)
-    if grid.group is None:
-        scale, zero = choose_params(w, grid)
-        scales[:, :1], zeros[:, :1] = scale, zero
     for start in range(0, cols, block):
         stop = min(start + block, cols)
         w1 = w[:, start:stop].clone()
@@ -169,12 +181,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid) -> Rou
         hinv1 = hinv[start:stop, start:stop]
         for i in range(stop - start):
             col = start + i
-            if grid.group is not None and col % per == 0:
+            if grid.group is not None and not act_order and col % per == 0:
                 scale, zero = choose_params(w1[:, i:i + per], grid)
                 scales[:, col // per], zeros[:, col // per] = scale[:, 0], zero[:, 0]
-            scale, zero = scales[:, col // per], zeros[:, col // per]
+            scale, zero = scales[:, group_of[col]], zeros[:, group_of[col]]
             q = _codes(w1[:, i], scale, zero, grid)
-            codes[:, col] = q
+            codes[:, order[col]] = q
             err = (w1[:, i] - (q - zero) * scale) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = err
@@ -246,12 +258,13 @@ class _LayerInputs:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, blocks: Iterable[torch.Tensor], grid_of: Callable[[str], RoundingGrid | None],
-              method: str = "gptq", log: Callable[[str], None] | None = None) -> dict[str, RoundedWeight]:
+              method: str = "gptq", log: Callable[[str], None] | None = None,
+              act_order: bool = False) -> dict[str, RoundedWeight]:
     """Round the body linears of ``model`` in place, layer by layer; returns the codes by module name.
 
     ``grid_of(name)`` gives a linear's grid, or ``None`` to leave it in float32. ``blocks``: the
     calibration token ids, ``(1, S)`` tensors. ``method``: ``"gptq"`` or ``"rtn"`` (no
-    calibration forward at all).
+    calibration forward at all). ``act_order``: :func:`gptq`'s.
     """
     if method not in ("gptq", "rtn"):
         raise PitError(f"calibrated rounding: method must be gptq or rtn, got {method!r}")
@@ -276,7 +289,7 @@ def calibrate(model: nn.Module, blocks: Iterable[torch.Tensor], grid_of: Callabl
                     hook.remove()
         for name, module in linears.items():
             grid = grid_of(name)
-            rounded = gptq(module.weight, moments[name].h, grid) if method == "gptq" else \
+            rounded = gptq(module.weight, moments[name].h, grid, act_order) if method == "gptq" else \
                 round_to_nearest(module.weight, grid)
             module.weight.copy_(rounded.dequantize().to(module.weight.dtype))
             result[name] = rounded
@@ -314,16 +327,17 @@ def scheme_grids(model: nn.Module, scheme, weight_grid) -> Callable[[str], Round
 
 def calibrated_model(prepared: nn.Module, scheme, weight_grid, blocks: list[torch.Tensor],
                      codes: dict[str, RoundedWeight] | None = None,
-                     log: Callable[[str], None] | None = None) -> nn.Module:
+                     log: Callable[[str], None] | None = None, act_order: bool = False) -> nn.Module:
     """A copy of ``prepared`` whose body linears hold their GPTQ-rounded weights (dequantized,
     float32), with the codes in ``model.pit_rounded_weights`` for the exporters; ``prepared``
     is not changed. ``codes`` from an earlier call are reused as they are (the body of the
-    materialized and the factorized model is the same: one calibration serves both)."""
+    materialized and the factorized model is the same: one calibration serves both).
+    ``act_order``: :func:`gptq`'s."""
     import copy
 
     model = copy.deepcopy(prepared).eval()
     if codes is None:
-        codes = calibrate(model, blocks, scheme_grids(model, scheme, weight_grid), "gptq", log)
+        codes = calibrate(model, blocks, scheme_grids(model, scheme, weight_grid), "gptq", log, act_order)
     else:
         with torch.no_grad():
             for name, rounded in codes.items():
