@@ -51,21 +51,27 @@ CONFIGS = {
 }
 
 
+def sensitive_linears(setup, sensitivity: str, budget_mb: float, table_bits: int) -> tuple[str, ...]:
+    """The linears kept at 8 bits within ``budget_mb`` of weights, most sensitive per byte first
+    (:func:`int4_sensitivity.allocate` on the ``sensitivity`` file's figures), named as
+    ``int4_8bit_layers`` names them."""
+    sens = json.loads(Path(sensitivity).read_text())["sensitivity"]
+    chosen, _ = allocate(setup.prepared, sens, int(budget_mb * 1e6), table_bits, get_scheme("int4").group_size)
+    return tuple(n.removeprefix("model.") for n in chosen)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = study_args(__doc__, CONFIGS, "studies/results/table_gptq.json", argv,
                       sensitivity="studies/results/int4_sensitivity.json")
     setup = load_setup(args.pit)
     rotated = rotate_residual(setup.prepared)
-    sens = json.loads(Path(args.sensitivity).read_text())["sensitivity"]
-    group = get_scheme("int4").group_size
     rows = []
     for name in args.configs.split(","):
         eight, table_bits, table_gptq = CONFIGS[name]
         budget = None
         if isinstance(eight, str):
             budget = float(eight.split(":")[1])
-            chosen, _ = allocate(setup.prepared, sens, int(budget * 1e6), table_bits, group)
-            eight = tuple(n.removeprefix("model.") for n in chosen)
+            eight = sensitive_linears(setup, args.sensitivity, budget, table_bits)
         row = {"config": name, "rotation": "hadamard", "budget_mb": budget,
                **measure_config(setup, rotated, "gptq", eight, table_bits, table_gptq)}
         report_row({k: v for k, v in row.items() if k != "int4_8bit_layers"})
