@@ -114,17 +114,23 @@ def load_setup(pit: str) -> Setup:
 
 
 def measure_config(setup: Setup, body: nn.Module, rounding: str, eight: tuple[str, ...], table_bits: int,
-                   table_gptq: bool = False) -> dict:
+                   table_gptq: bool = False, stages: dict | None = None) -> dict:
     """Round ``body`` (the prepared model, or one derived from it) as the ``.pte`` does and
     measure it: the figures of one row. ``table_gptq``: the shared token table rounded by GPTQ
     against the head input's moments on the calibration text, as the exporter now does for a
-    GPTQ body (:func:`pit_deploy.export.calibrated_rounding.head_moments`); else to nearest."""
+    GPTQ body (:func:`pit_deploy.export.calibrated_rounding.head_moments`); else to nearest.
+    ``stages``: also measured, by held-out kind, into it on the way: the rounded body alone
+    (float activations, float table) and with the int8 dynamic activations."""
     scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding=rounding)
     start = time.perf_counter()
     rounded = calibrated_model(body, scheme, setup.grid, setup.blocks) if rounding == "gptq" else body
     moments = head_moments(rounded) if table_gptq else None
     seconds = time.perf_counter() - start
+    if stages is not None:
+        stages["body weights"] = measure(rounded.eval(), setup.reference, setup.sets)
     twin, _ = quantize_linears(rounded, "int4", scheme.group_size, eight)
+    if stages is not None:
+        stages["+ int8 activations"] = measure(twin.eval(), setup.reference, setup.sets)
     quantize_token_table(twin, scheme.group_size, True, table_bits=table_bits, head_bits=table_bits, shared=True,
                          head_moments=moments)
     return {"int4_8bit_layers": list(eight), "table_bits": table_bits, "table_rounding": "gptq" if table_gptq else "rtn",

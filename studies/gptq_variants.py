@@ -29,11 +29,11 @@ The ``breakdown`` row of the shipped configuration splits its KL into the body's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -44,12 +44,11 @@ import pit_deploy.data.calibration as calibration  # noqa: E402
 import pit_deploy.export.calibrated_rounding as calibrated_rounding  # noqa: E402
 from pit_deploy.export.calibrated_rounding import RoundedWeight  # noqa: E402
 from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
-from pit_deploy.schemes import get_scheme  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 import gptq_frontier  # noqa: E402
-from gptq_frontier import load_setup, measure, measure_config, report_row, study_args, study_result  # noqa: E402
+from gptq_frontier import load_setup, measure_config, report_row, study_args, study_result  # noqa: E402
 from result_file import write_result  # noqa: E402
 from table_gptq import sensitive_linears  # noqa: E402
 
@@ -77,9 +76,9 @@ class _TunedWeight:
     def __init__(self, rounded: RoundedWeight):
         self.rounded = rounded
         out, cols = rounded.codes.shape
-        self.groups = rounded.scales.shape[1]
+        groups = rounded.scales.shape[1]
         self.q = (rounded.codes.to(torch.float32) - rounded.zeros.to(torch.float32).repeat_interleave(
-            cols // self.groups, dim=1)).reshape(out, self.groups, cols // self.groups)
+            cols // groups, dim=1)).reshape(out, groups, cols // groups)
         self.log_factor = nn.Parameter(torch.zeros_like(rounded.scales))
 
     def scales(self) -> torch.Tensor:
@@ -96,7 +95,7 @@ def _kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor) -> torch.Tenso
 
 
 def tune_scales(model: nn.Module, teacher: nn.Module, codes: dict[str, RoundedWeight], blocks: list[torch.Tensor],
-                steps: int, lr: float = 1e-3, log: Callable[[str], None] | None = None) -> dict[str, RoundedWeight]:
+                steps: int, lr: float) -> dict[str, RoundedWeight]:
     """Learn the scales of ``codes`` (``model``'s rounded linears) for ``steps`` steps, one
     calibration block a step, each pass over the blocks in a seeded order; write the tuned
     weights into ``model`` and return the codes with their new scales (the codes unchanged).
@@ -116,7 +115,7 @@ def tune_scales(model: nn.Module, teacher: nn.Module, codes: dict[str, RoundedWe
     try:
         generator = torch.Generator().manual_seed(0)
         order: list[int] = []
-        for step in range(steps):
+        for _ in range(steps):
             if not order:  # each pass over the blocks in a new seeded order
                 order = torch.randperm(len(blocks), generator=generator).tolist()
             index = order.pop()
@@ -130,8 +129,6 @@ def tune_scales(model: nn.Module, teacher: nn.Module, codes: dict[str, RoundedWe
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if log and (step % 10 == 0 or step == steps - 1):
-                log(f"scale tuning: step {step} KL {loss.item():.4f}")
     finally:
         for p in frozen:
             p.requires_grad_(True)
@@ -171,43 +168,28 @@ def _calibrated(act_order: bool, tune: tuple[int, float] | None):
     return calibrated_model
 
 
-def breakdown(setup, body, scheme, eight: tuple[str, ...]) -> dict:
-    """The shipped configuration's KL by what is quantized: body weights, + int8 activations, + table."""
-    from pit_deploy.export.pte_token_table import quantize_token_table
-    from pit_deploy.export.to_executorch import quantize_linears
-
-    rounded = calibrated_rounding.calibrated_model(body, scheme, setup.grid, setup.blocks)
-    moments = calibrated_rounding.head_moments(rounded)
-    out = {"body weights": measure(rounded, setup.reference, setup.sets)}
-    twin, _ = quantize_linears(rounded, "int4", scheme.group_size, eight)
-    out["+ int8 activations"] = measure(twin.eval(), setup.reference, setup.sets)
-    quantize_token_table(twin, scheme.group_size, True, table_bits=TABLE_BITS, head_bits=TABLE_BITS, shared=True,
-                         head_moments=moments)
-    out["+ 4-bit table"] = measure(twin.eval(), setup.reference, setup.sets)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = study_args(__doc__, CONFIGS, "studies/results/gptq_variants.json", argv,
                       sensitivity="studies/results/int4_sensitivity.json")
-    setup = load_setup(args.pit)
-    rotated = rotate_residual(setup.prepared)
-    eight = sensitive_linears(setup, args.sensitivity, BUDGET_MB, TABLE_BITS)
-    base_blocks = setup.blocks
+    base = load_setup(args.pit)
+    rotated = rotate_residual(base.prepared)
+    eight = sensitive_linears(base, args.sensitivity, BUDGET_MB, TABLE_BITS)
     rows = []
     for name in args.configs.split(","):
         change = CONFIGS[name]
-        setup.blocks = base_blocks
+        setup = base
         if change.get("calibration"):
             from transformers import AutoTokenizer
 
             with _patched(calibration, "CALIBRATION_TOKENS", calibration.CALIBRATION_TOKENS * change["calibration"]):
-                setup.blocks, _ = calibration.calibration_blocks(AutoTokenizer.from_pretrained(args.pit),
-                                                                 setup.reference.config, 256)
+                blocks, _ = calibration.calibration_blocks(AutoTokenizer.from_pretrained(args.pit),
+                                                           base.reference.config, 256)
+            setup = dataclasses.replace(base, blocks=blocks)
         row = {"config": name, "rotation": "hadamard", "budget_mb": BUDGET_MB, "calibration_blocks": len(setup.blocks)}
         if change.get("breakdown"):
-            scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=TABLE_BITS, rounding="gptq")
-            row["breakdown"] = breakdown(setup, rotated, scheme, eight)
+            stages: dict = {}
+            last = measure_config(setup, rotated, "gptq", eight, TABLE_BITS, True, stages)
+            row["breakdown"] = {**stages, "+ 4-bit table": {k: last[k] for k in setup.sets}}
             print(name, {k: {s: round(v["kl_mean"], 4) for s, v in r.items()} for k, r in row["breakdown"].items()})
             rows.append(row)
             continue
@@ -216,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(measure_config(setup, rotated, "gptq", eight, TABLE_BITS, True))
         report_row({k: v for k, v in row.items() if k != "int4_8bit_layers"})
         rows.append(row)
-    setup.blocks = base_blocks
-    write_result(args.out, study_result(setup, rows, sensitivity=args.sensitivity), script=__file__, argv=argv)
+    write_result(args.out, study_result(base, rows, sensitivity=args.sensitivity), script=__file__, argv=argv)
     return 0
 
 
