@@ -326,3 +326,30 @@ def test_cli_train_and_plot(tmp_path, assets, capsys):
                str(tmp_path / "bad"), "--steps", "1", "--no-progress"])
     assert rc == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_interface_only_keeps_the_converted_body(tmp_path, assets):
+    """``--interface-only``: the body's linears and block norms leave training as converted (what
+    keeps a source's 4-bit grid), while T and the final norm learn. Converting again differs by
+    float noise (≈ 4e-7 here); four Adam steps at 1e-2 would move a trained weight by ≈ 1e-2."""
+    from pit_deploy.convert.conversion import convert_model, default_conversion
+
+    model, corpus = assets
+    out = tmp_path / "iface"
+    train(config(out, model, corpus, train_body=False, steps=4, eval_every=0, lr=1e-2))
+    source = load_source(str(model)).model
+    start = convert_model(source, default_conversion(source.config)).state_dict()
+    end = load_pit_model(out / "model").state_dict()
+    body = [k for k in start if ".layers." in k]
+    assert body and max(float((start[k] - end[k]).abs().max()) for k in body) < 1e-5
+    moved = [k for k in start if ".layers." not in k and float((start[k] - end[k]).abs().max()) > 1e-3]
+    assert any("norm" in k for k in moved) and any("L_" in k for k in moved), moved
+
+
+def test_interface_only_refuses_what_has_no_interface_or_trains_the_body():
+    from pit_deploy.train.config import TrainConfig, validate, with_start_defaults
+
+    for kw, needle in (({"tying": "tt"}, "--tying tt"), ({"lora": True}, "--lora"),
+                       ({"from_scratch": True}, "--from-scratch")):
+        with pytest.raises(PitError, match=needle):
+            validate(with_start_defaults(TrainConfig(out="o", steps=1, train_body=False, **kw)))

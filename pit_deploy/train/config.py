@@ -18,7 +18,7 @@ from ..options import Flag, dataclass_flags, field_default, flag_name, opt
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Options that must not change between a run and its resumption.
 RESUME_KEYS = ("model", "tying", "from_scratch", "arch", "seq_len", "batch_size", "grad_accum",
-               "seed", "data", "lora", "t_init", "train_z", "fsdp")
+               "seed", "data", "lora", "t_init", "train_z", "train_body", "fsdp")
 GROUPS = ("model", "data", "optimization", "distillation", "LoRA", "run")  # flag groups, in --help order
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 #: learning rates and warm-up left to the start (:func:`with_start_defaults`)
@@ -43,6 +43,9 @@ class TrainConfig:
                                    "where the family allows it, else output)", group="model")
     diagonal: str = opt("softplus", "map to L's diagonal: softplus | exp", group="model")
     train_z: bool = opt(False, "train Z too (polar retraction after each step)", group="model")
+    train_body: bool = opt(True, "train the interface (T; Z with --train-z) and the final norm only: the body's "
+                           "linears and block norms stay as converted (a source stored on a 4-bit grid stays on it)",
+                           group="model", flag="--interface-only")
     from_scratch: bool = opt(False, "random init of --arch instead of --model", group="model")
     arch: str = opt("tiny", "llama-0.3b | llama-0.6b | llama-1.2b | tiny", group="model")
     tokenizer: str | None = opt(None, "tokenizer source (default: that of --model)", group="model")
@@ -224,6 +227,11 @@ def validate(cfg: TrainConfig) -> None:
         raise PitError("--lora-train-t needs --tying pit")
     if cfg.train_z and cfg.tying != "pit":
         raise PitError("--train-z needs --tying pit")
+    if not cfg.train_body and cfg.tying != "pit":
+        raise PitError("--interface-only trains the PIT interface, which --tying tt has none of; drop one of them")
+    if not cfg.train_body and (cfg.lora or cfg.from_scratch):
+        raise PitError(f"--interface-only keeps the converted body; it cannot be used with "
+                       f"{'--lora' if cfg.lora else '--from-scratch'}")
 
 
 def write_config(cfg: TrainConfig, path: Path) -> Path:

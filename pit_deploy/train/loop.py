@@ -50,13 +50,14 @@ from ..errors import PitError
 from ..io.checkpoint import save_model
 from ..io.fs import check_output_dir, write_text_atomic
 from ..model.core import PITSpec
-from ..model.families import max_positions
+from ..model.families import adapter_for, max_positions
 from ..model.inspect import find_interface
 from ..model.inspect import interface_delta_ti as delta_ti
 from ..model.modules import INTERFACE_ATTR
 from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng_state,
                            save_checkpoint, set_rng_state)
 from .config import RESUME_KEYS, TrainConfig, validate, with_start_defaults
+from ..options import field_default
 from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll
 from .interface_guard import InterfaceGuard
@@ -121,6 +122,24 @@ def load_tokenizer(spec: str):
     except Exception as exc:
         raise PitError(f"cannot load a tokenizer from {spec!r} ({type(exc).__name__}); pass a model "
                        "directory or hub id that has one") from None
+
+
+def freeze_body(model: torch.nn.Module) -> None:
+    """``--interface-only``: everything but the PIT interface and the final norm stops training.
+
+    Why a user wants it: the converted body then stays bit for bit what the conversion made of the
+    source. A source stored on a 4-bit grid (the default model's GGUF is Q4_1) keeps its body on
+    that grid up to the conversion's exact rotation, so an exporter that maps it back can round it
+    without loss (``docs/quantization.md``, "A body that stays on the source's grid"); the block
+    norms are frozen too, because a trained gain in the rotated basis is no diagonal gain in the
+    source's."""
+    interface = find_interface(model)
+    if interface is None:
+        raise PitError("--interface-only needs a PIT model (this one has no PIT interface)")
+    keep = {id(p) for p in interface.parameters() if p.requires_grad}
+    keep |= {id(p) for p in adapter_for(model.config).final_norm(model).parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
 
 
 def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -235,7 +254,8 @@ class TrainingRecipe:
             self._resume_from = load_latest(self.out, self.device)
             saved = self._resume_from.state["config"]
             mine = _jsonable(cfg)
-            changed = [k for k in RESUME_KEYS if saved.get(k) != mine[k]]
+            # a key newer than the checkpoint was at its default then
+            changed = [k for k in RESUME_KEYS if saved.get(k, field_default(TrainConfig, k)) != mine[k]]
             if changed:
                 raise PitError(f"--resume with different options: {', '.join(changed)}; resume with the "
                                "options of the original run (see its run.json)")
@@ -261,6 +281,8 @@ class TrainingRecipe:
 
             model = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets,
                                train_t=cfg.lora_train_t, train_z=cfg.train_z)
+        if not cfg.train_body:
+            freeze_body(model)
         model.to(self.device).train()
         self.interface = find_interface(model)
         self.z_trains = self.interface is not None and self.interface.Z.requires_grad
