@@ -250,10 +250,15 @@ def block_smoothing(model: nn.Module, absmax: dict[str, torch.Tensor], alpha: fl
 
 
 def rows_of(label: str, path: str, source: nn.Module, tokenizer, sets, variants: bool) -> list[dict]:
-    """The four stages (module docstring) of one checkpoint; with ``variants`` two more rows, each
-    the full program changed in one more way: block smoothing; then also a table in groups of 16."""
+    """:func:`measure_rows` of the checkpoint at ``path``."""
     torch.manual_seed(0)
-    reference = load_pit_model(path).eval()
+    return measure_rows(label, load_pit_model(path).eval(), source, tokenizer, sets, variants)
+
+
+def measure_rows(label: str, reference: nn.Module, source: nn.Module, tokenizer, sets, variants: bool) -> list[dict]:
+    """The four stages (module docstring) of one fp32 PIT model, its body rounded on ``source``'s
+    grid; with ``variants`` two more rows, each the full program changed in one more way: block
+    smoothing; then also a table in groups of 16."""
     base = {"checkpoint": label, "reference_nll": mean_nll(reference, sets)}
     start = time.perf_counter()
     model, moved = grid_model(reference, source)
