@@ -94,7 +94,7 @@ def lower(form: str, layers: int, path: Path) -> dict:
     seconds = time.perf_counter() - start
     path.write_bytes(program.buffer)
     calls = [n for n in edge.exported_program().graph_module.graph.nodes if n.op == "call_function"]
-    delegates = sum("call_delegate" in str(n.target).lower() or "executorch_call_delegate" in str(n.target) for n in calls)
+    delegates = sum("call_delegate" in str(n.target).lower() for n in calls)
     outside = sorted({str(n.target) for n in calls if "delegate" not in str(n.target).lower()
                       and "getitem" not in str(n.target)})
     return {"delegates": delegates, "ops_outside_delegates": outside, "lowering_seconds": round(seconds, 1),

@@ -24,6 +24,7 @@ model and absolute NLL on the held-out kinds.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ from pit_deploy.train.loss import token_loss  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 import source_grid  # noqa: E402
-from source_grid import BLOCK, LINEARS, SourceBasis, grid_of, source_rotation  # noqa: E402
+from source_grid import BLOCK, LINEARS, SourceBasis, codes_on, grid_of, source_rotation  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 
@@ -57,11 +58,10 @@ class GridTrained(nn.Module):
 
     def __init__(self, basis: SourceBasis, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         super().__init__()
+        self.basis = basis
         self.register_buffer("codes", codes.float(), persistent=False)
         self.d = nn.Parameter(d.float().reshape(codes.shape[0], -1))
         self.m = nn.Parameter(m.float().reshape(codes.shape[0], -1))
-        self.register_buffer("a_in", None if basis.a_in is None else basis.a_in.float(), persistent=False)
-        self.register_buffer("a_out", None if basis.a_out is None else basis.a_out.float(), persistent=False)
 
     def weight_source(self) -> torch.Tensor:
         rows, cols = self.codes.shape
@@ -69,9 +69,7 @@ class GridTrained(nn.Module):
         return (q * self.d[..., None] + self.m[..., None]).reshape(rows, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = x if self.a_in is None else x @ self.a_in
-        y = u @ self.weight_source().T
-        return y if self.a_out is None else y @ self.a_out
+        return self.basis.around(x, lambda u: u @ self.weight_source().T)
 
 
 @torch.no_grad()
@@ -83,10 +81,9 @@ def on_grid(model: nn.Module, source: nn.Module) -> nn.Module:
             name = f"model.layers.{i}.{lin}"
             w_src = source.get_submodule(name).weight.double()
             d, m = grid_of(w_src)
-            codes = torch.round((w_src.reshape(-1, BLOCK) - m) / torch.where(d > 0, d, 1)).clamp(0, 15)
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr,
-                    GridTrained(SourceBasis(model, source, r, i, lin), codes.reshape(w_src.shape), d, m))
+                    GridTrained(SourceBasis(model, source, r, i, lin), codes_on(w_src, d, m), d, m))
     return model
 
 
@@ -130,13 +127,10 @@ def as_plain(model: nn.Module) -> nn.Module:
     """The trained model with plain ``nn.Linear`` body weights (in its own basis), what
     :func:`source_grid.grid_model` takes as the checkpoint and ``source`` (in the source's basis,
     with the trained ``d``, ``m``) as the grid it rounds to."""
-    import copy
-
     plain = copy.deepcopy(model)
     for name, mod in list(plain.named_modules()):
         if isinstance(mod, GridTrained):
-            w = mod.weight_source().double()
-            w = w @ mod.a_in.double().T if mod.a_out is None else mod.a_out.double().T @ w
+            w = mod.basis.weight_from_source(mod.weight_source().double())
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
             lin.weight.copy_(w.float())
             parent, _, attr = name.rpartition(".")
@@ -170,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 @torch.no_grad()
 def _grid_source(model: nn.Module, source: nn.Module) -> nn.Module:
     """A copy of ``source`` whose body weights are the trained ``d·q + m`` (its source-basis weights)."""
-    import copy
-
     twin = copy.deepcopy(source)
     for name, mod in model.named_modules():
         if isinstance(mod, GridTrained):
