@@ -92,8 +92,10 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     assert art.details["builder_int8_layers"] == ["v_proj", "down_proj"]
     assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
     assert art.details["quantization"]["interface_exact"] is True
-    # int4 rounds by GPTQ: the builder rounds the body its own way, the table we write is calibrated
+    # int4 rounds by GPTQ: the calibrated codes replace the builder's rounding of the body, and
+    # the table we write is calibrated on the same text
     assert art.details["quantization"]["table_rounding"].startswith("GPTQ") and "seed" in art.details["calibration"]
+    assert art.details["body_rounding"].startswith("GPTQ codes of 14 linears")
     # int4-compact: a 4-bit table (one plane, read whole by the head) and only v_proj at 8 bits
     assert compact.path == "onnx-genai-factorized-int4-compact" and compact.details["factorized"]["table_byte_ranges"] == 1
     assert compact.details["builder_int8_layers"] == ["v_proj"] and compact.details["decoder_ops"]["MatMulNBits"] == 2 * 7 + 1
@@ -193,3 +195,69 @@ def test_quantized_folders_record_their_expected_error_and_a_scrambled_body_fail
     assert main(["verify", str(out), "--no-record", "--json"]) == 1
     (result,) = json.loads(capsys.readouterr().out)["artifacts"]
     assert any("the error its weight rounding explains" in f for f in result["failures"]), result["failures"]
+
+
+def _builder_weight(node, inits) -> "np.ndarray":
+    """A builder ``MatMulNBits``'s weight as onnxruntime computes it: ``(code − 2^(b−1)) · scale``,
+    rows = output channels (symmetric blocks carry no zero points)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    attrs = {a.name: a.i for a in node.attribute}
+    bits, block, n = attrs["bits"], attrs["block_size"], attrs["N"]
+    packed = numpy_helper.to_array(inits[node.input[1]]).reshape(n, -1)
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1) if bits == 4 else packed
+    scales = numpy_helper.to_array(inits[node.input[2]]).reshape(n, -1)
+    q = codes.astype(np.float32).reshape(n, scales.shape[1], block) - 2 ** (bits - 1)
+    return (q * scales[..., None]).reshape(n, -1)
+
+
+def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
+    """The codes of a calibrated model, written into a folder the builder rounded by itself,
+    dequantize on onnxruntime's arithmetic to exactly the calibrated weights (4- and 8-bit
+    nodes alike), where the builder's own rounding did not; a body node without codes is an
+    internal error, not a silently twice-rounded linear."""
+    import numpy as np
+    import onnx
+    import torch
+
+    from pit_deploy.export.calibrated_rounding import RoundingGrid, round_to_nearest
+    from pit_deploy.export.to_genai import write_calibrated_body
+    from pit_deploy.targets.onnx_genai import DECODER_NAME
+
+    out = tmp_path / "exp"
+    src = _source(tmp_path, "llama")
+    assert main(["export", str(src), "--out", str(out), "--runtime", "onnx-genai", "--mode", "factorized",
+                 "--dtype", "int4", "--rounding", "rtn"]) == 0
+    folder = out / Manifest.read(out).artifacts[0].path
+    model = tiny_pit_model("llama")
+    eight = ("v_proj", "down_proj")  # the int4 scheme's 8-bit linears, as the builder was asked
+    codes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            grid = RoundingGrid(8 if name.endswith(eight) else 4, 32, symmetric=True)
+            # weights scaled column by column: codes the builder's rounding of the source never gives
+            codes[name] = round_to_nearest(module.weight.detach() * torch.linspace(0.5, 2.0, module.weight.shape[1]),
+                                           grid)
+
+    def body() -> dict[str, np.ndarray]:
+        decoder = onnx.load(str(folder / DECODER_NAME), load_external_data=True)
+        inits = {i.name: i for i in decoder.graph.initializer}
+        return {n.name: _builder_weight(n, inits) for n in decoder.graph.node
+                if n.op_type == "MatMulNBits" and n.name.startswith("/model/layers.")}
+
+    def expected(node: str) -> np.ndarray:
+        layer, proj = node.split("/")[2].split(".")[1], node.split("/")[4]
+        parent = "self_attn" if node.split("/")[3] == "attn" else "mlp"
+        return codes[f"model.layers.{layer}.{parent}.{proj}"].dequantize().numpy()
+
+    before = body()
+    assert len(before) == 14 and not all(np.array_equal(w, expected(n)) for n, w in before.items())
+    assert write_calibrated_body(folder, codes) == 14
+    after = body()
+    assert {n for n in after if n.endswith("_Q8")} == {n for n in before if n.endswith("_Q8")}
+    for node, weight in after.items():
+        assert np.array_equal(weight, expected(node)), node
+    codes.pop("model.layers.1.mlp.up_proj")
+    with pytest.raises(RuntimeError, match="no calibrated codes"):
+        write_calibrated_body(folder, codes)

@@ -123,7 +123,6 @@ def export_model(
                 target = get_target(runtime)
                 for scheme in schemes:
                     name = artifact_key(runtime, mode, scheme.name)
-                    wants_gptq = scheme.rounding == "gptq"
                     if scheme.rounding != "rtn" and "rounding" not in target.scheme_settings:
                         scheme = scheme.with_settings(rounding="rtn")  # this target rounds by its own quantizer
                     if scheme.rotate_residual and "rotate_residual" not in target.scheme_settings:
@@ -135,16 +134,12 @@ def export_model(
                     grid = target.weight_grid(scheme, mode)
                     body = calibration.rotated(prepared, mode) if scheme.rotate_residual else prepared
                     source = calibration.model(body, mode, scheme, grid) if scheme.rounding == "gptq" else body
-                    if wants_gptq and scheme.rounding != "gptq" and scheme.quantized:
-                        # a target that rounds the body itself (the genai builder): the token
-                        # table it writes is ours, calibrated on the same text
-                        source = calibration.carrying_text(body)
                     say(f"exporting {name}")
                     details = target.export(source, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
                                             scheme=scheme, opset=opset)
                     if scheme.quantized:
                         details["scheme"] = scheme.settings()
-                        if wants_gptq:
+                        if scheme.rounding == "gptq":
                             details["calibration"] = calibration.source
                     seconds = time.perf_counter() - start
                     if scheme.quantized:
@@ -197,19 +192,6 @@ class _Calibration:
             length = min(256, (limit - 1) if limit else 256)
             self.blocks, self.source = calibration_blocks(self.tokenizer, self.config, length)
             self.say(f"calibration text for GPTQ rounding: {self.source}")
-
-    def carrying_text(self, prepared: torch.nn.Module) -> torch.nn.Module:
-        """``prepared`` (a shallow copy: the same weights) carrying the calibration blocks, from
-        which an exporter that rounds the body by its own quantizer calibrates the token table
-        it writes (:func:`.calibrated_rounding.head_moments`)."""
-        import copy
-
-        from .calibrated_rounding import BLOCKS_ATTR
-
-        self._read_text()
-        model = copy.copy(prepared)
-        setattr(model, BLOCKS_ATTR, list(self.blocks or []))
-        return model
 
     def model(self, prepared: torch.nn.Module, mode: str, scheme: Scheme, grid: WeightGrid) -> torch.nn.Module:
         from .calibrated_rounding import calibrated_model, rounded_weights

@@ -7,6 +7,9 @@ quantized) together with ``genai_config.json`` and the tokenizer files that the 
 reads. We give it a plain Hugging Face checkpoint in a temporary directory and keep its folder.
 
 * **materialized** — the builder reads ``E = Z T⁻¹`` and ``W_out = T Zᵀ`` as ordinary weights.
+* **quantized** — the builder writes the body's ``MatMulNBits`` (symmetric blocks); for a scheme
+  that rounds by GPTQ the pipeline hands over a calibrated model, whose codes replace the
+  builder's own rounding node by node (:func:`write_calibrated_body`).
 * **factorized** — the builder reads the same materialized checkpoint, then the token interface
   of its graph is rewritten (:func:`factorize_graph`): the embedding ``Gather`` becomes
   ``Gather(Zᵀ, ids, axis=1) → Transpose → MatMul(M)`` with ``M = T⁻¹`` and the head ``MatMul``
@@ -29,12 +32,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -259,6 +264,99 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------
+# calibrated codes in the builder's body
+# --------------------------------------------------------------------------------------
+
+#: the builder's fused projections and the linears whose output rows each one stacks, in order
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: a body ``MatMulNBits`` of the builder: ``/model/layers.{i}/{attn|mlp}/{projection}/MatMul_Q{bits}``
+_BODY_NODE = re.compile(r"/model/layers\.(\d+)/(?:attn|mlp)/(\w+)/MatMul_Q\d+")
+#: the module path of a body linear of a Hugging Face decoder (``…layers.{i}.self_attn.q_proj``)
+_BODY_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
+
+
+def _builder_blocks(rounded: list[Any], bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(packed codes, scales)`` of a builder ``MatMulNBits`` that stacks ``rounded`` (the
+    calibrated linears it computes, output rows in order): the builder writes symmetric blocks
+    without zero points, so onnxruntime subtracts its default ``2^(b−1)`` and a code ``q`` of
+    the symmetric grid is stored as ``q + 2^(b−1)`` (4-bit ones two a byte, low nibble first).
+
+    Raises:
+        RuntimeError: codes on another grid than the node's (an internal error: the pipeline
+            calibrates on the target's own grid).
+    """
+    for r in rounded:
+        group = r.codes.shape[1] // r.scales.shape[1]
+        if r.grid.bits != bits or not r.grid.symmetric or group != block:
+            raise RuntimeError(f"calibrated codes on a {r.grid} grid (group {group}) for a {bits}-bit MatMulNBits "
+                               f"in blocks of {block}")
+    codes = torch.cat([r.codes for r in rounded]).numpy().astype(np.int32) + 2 ** (bits - 1)
+    if codes.min() < 0 or codes.max() >= 2 ** bits:
+        raise RuntimeError(f"calibrated codes outside the {bits}-bit range")
+    n, k = codes.shape
+    packed = codes.astype(np.uint8).reshape(n, k // block, block)
+    if bits == 4:
+        packed = packed[..., 0::2] | (packed[..., 1::2] << 4)
+    scales = torch.cat([r.scales for r in rounded]).numpy().astype(np.float32)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+
+
+def write_calibrated_body(folder: Path, codes: dict[str, Any]) -> int:
+    """Put a calibrated model's GPTQ codes (:func:`~pit_deploy.export.calibrated_rounding.
+    rounded_weights`, by module name) into the builder's body ``MatMulNBits`` in place of the
+    builder's own rounding; returns how many nodes were rewritten.
+
+    Why after the builder rather than through it: the builder rounds whatever weights it reads
+    to nearest on its own grid (the scale from each block's largest weight), which moves the
+    codes of any block whose largest weight GPTQ left off the grid's end; writing the codes
+    into its nodes keeps its graph (fusions, ``GroupQueryAttention``, ``accuracy_level``) and
+    makes the folder the exact twin of the calibrated model's weights.
+
+    Raises:
+        RuntimeError: a body node without codes, or codes without a node (internal errors:
+            either would leave a linear rounded twice or not as calibrated).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    by_linear: dict[tuple[int, str], Any] = {}
+    for name, rounded in codes.items():
+        match = _BODY_LINEAR.search(name)
+        if match is None:
+            raise RuntimeError(f"calibrated linear {name} is no decoder-layer projection the builder writes")
+        by_linear[(int(match.group(1)), match.group(2))] = rounded
+    path = folder / DECODER_NAME
+    model = onnx.load(str(path), load_external_data=True)
+    inits = {i.name: i for i in model.graph.initializer}
+    used: set[tuple[int, str]] = set()
+    for node in model.graph.node:
+        match = _BODY_NODE.fullmatch(node.name)
+        if node.op_type != "MatMulNBits" or match is None:
+            continue
+        layer, projection = int(match.group(1)), match.group(2)
+        parts = [(layer, p) for p in _FUSED.get(projection, (projection,))]
+        missing = [p for p in parts if p not in by_linear]
+        if missing:
+            raise RuntimeError(f"{node.name}: no calibrated codes for {missing}")
+        if len(node.input) > 3 and node.input[3]:
+            raise RuntimeError(f"{node.name} has zero points; the builder was asked for symmetric blocks")
+        attrs = {a.name: a.i for a in node.attribute}
+        packed, scales = _builder_blocks([by_linear[p] for p in parts], attrs["bits"], attrs["block_size"])
+        for name, array in ((node.input[1], packed), (node.input[2], scales)):
+            old = inits[name]
+            if array.size != int(np.prod(old.dims)):
+                raise RuntimeError(f"{node.name}: {name} holds {tuple(old.dims)}, the codes give {array.shape}")
+            old.CopyFrom(numpy_helper.from_array(array.reshape(tuple(old.dims)), name))
+        used.update(parts)
+    if used != set(by_linear):
+        raise RuntimeError(f"{len(set(by_linear) - used)} calibrated linears have no MatMulNBits in the builder's graph")
+    (folder / BUILDER_DATA).unlink()  # the external data is in memory; saving appends to an existing file
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=BUILDER_DATA, size_threshold=0)
+    return len(used)
+
+
+# --------------------------------------------------------------------------------------
 # the target's exporter
 # --------------------------------------------------------------------------------------
 
@@ -272,6 +370,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     linears kept at 8 bits (:func:`int8_overrides`)."""
     import onnx
 
+    from .calibrated_rounding import rounded_weights
     from .passes import FACTORS_ATTR
 
     if dtype not in PRECISIONS:
@@ -291,10 +390,19 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
+    calibrated = rounded_weights(model) if dtype != "float32" else {}
+    if calibrated:
+        write_calibrated_body(out_dir, calibrated)
     rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
                               pit_correction, head_moments) if factorized else {}
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
+    if calibrated:
+        details["body_rounding"] = (f"GPTQ codes of {len(calibrated)} linears written into the builder's "
+                                    "MatMulNBits (symmetric, no zero points)")
+        if "quantization" in details:
+            details["quantization"]["body"] = details["quantization"]["body"].replace(
+                "the builder's MatMulNBits", "GPTQ codes in the builder's MatMulNBits", 1)
     if extra:
         details["builder_extra_options"] = extra
     if target:
@@ -437,8 +545,8 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = N
     from .passes import FACTORS_ATTR
 
     factorized = getattr(model, FACTORS_ATTR, None) is not None
-    # the builder rounds the body; the token table is ours, rounded by GPTQ where the model
-    # carries calibration text (the pipeline's, for a scheme that rounds by GPTQ)
+    # the builder writes the body's graph; a calibrated model's GPTQ codes replace its rounding,
+    # and the token table is ours, rounded by GPTQ on the same calibration text
     return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size,
                         table_bits=scheme.table_bits, pit_correction=scheme.pit_correction,
                         int8_layers=scheme.int4_8bit_layers if scheme.dtype == "int4" else (),

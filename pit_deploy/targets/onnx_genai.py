@@ -56,11 +56,12 @@ class OnnxGenaiTarget(Target):
     #: the builder quantizes the body with the scheme's block size and keeps the scheme's 8-bit
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
-    scheme_settings = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction")
+    scheme_settings = Target.scheme_settings + ("rounding",)
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
-        (8-bit overrides too). Factorized: our token table, asymmetric at ``table_bits`` as on the
+        (8-bit overrides too; with ``rounding = "gptq"`` the codes are the calibrated model's,
+        :func:`pit_deploy.export.to_genai.write_calibrated_body`). Factorized: our token table, asymmetric at ``table_bits`` as on the
         ``onnx`` target. Materialized: the builder rounds the head like the body and keeps the
         embedding float32."""
         if mode == "factorized":
