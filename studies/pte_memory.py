@@ -17,10 +17,21 @@ memory-mapped —, and the peak ``VmHWM``):
 
 Each program runs in its own child process, so the figures do not mix.
 
+``--xnnpack-weight-cache`` measures each program a second time with the XNNPACK backend's
+weight cache switched on before the program loads. The 1.5.1 wheel's backend has one (packed
+weights kept in one cache and looked up by the constants' names, the unpacked constants released
+once packed), off by default; an application turns it on through ExecuTorch's runtime API,
+``executorch::runtime::set_option("XnnpackBackend", …)`` with the bool option
+``weight_cache_enabled``. The Python bindings and ``TextLLMRunner`` expose no backend options, so
+the child calls that exported C++ function of ``libexecutorch.so`` through ctypes, building the
+``BackendOption`` (a 64-byte key, then a ``std::variant<bool, int, std::array<char, 256>>``) as
+the wheel's ``runtime/backend/options.h`` lays it out, and reads the option back to check.
+
 Usage::
 
     python studies/pte_memory.py EXPORT/executorch-factorized-int4 [EXPORT/executorch-factorized ...]
-        [--prompt-len 64] [--gen-len 32] [--threads 2] [--out studies/results/pte_memory.json]
+        [--prompt-len 64] [--gen-len 32] [--threads 2] [--xnnpack-weight-cache]
+        [--out studies/results/pte_memory.json]
 """
 
 from __future__ import annotations
@@ -52,12 +63,36 @@ def mark(step, **extra):
     print(json.dumps({"step": step, **status(), **extra}), flush=True)
 
 path, prompt_len, gen_len, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+weight_cache = sys.argv[5] == "1"
 import torch
 torch.set_num_threads(threads)
 from executorch.runtime import Runtime
 from pit_deploy.runtime.standalone import load_llm_custom_ops, pte_data_file
 load_llm_custom_ops()
 runtime = Runtime.get()
+if weight_cache:
+    import ctypes, os, executorch
+    lib = ctypes.CDLL(os.path.join(list(executorch.__path__)[0], "lib", "libexecutorch.so"))
+
+    class Option(ctypes.Structure):  # runtime/backend/options.h: key[64], variant<bool, int, array<char, 256>>
+        _fields_ = [("key", ctypes.c_char * 64), ("value", ctypes.c_char * 256), ("index", ctypes.c_ubyte),
+                    ("pad", ctypes.c_ubyte * 3)]
+
+    class Span(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+    def call(symbol, value):
+        fn = getattr(lib, symbol)
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_char_p, Span]
+        option = (Option * 1)()
+        option[0].key, option[0].index, option[0].value = b"weight_cache_enabled", 0, bytes([value])
+        error = fn(b"XnnpackBackend", Span(ctypes.cast(option, ctypes.c_void_p), 1))
+        return error, option[0].value[0]
+
+    set_error, _ = call("_ZN10executorch7runtime10set_optionEPKcNS0_4SpanINS0_13BackendOptionEEE", 1)
+    get_error, enabled = call("_ZN10executorch7runtime10get_optionEPKcNS0_4SpanINS0_13BackendOptionEEE", 0)
+    if set_error or get_error or enabled != 1:
+        sys.exit(f"could not switch on the XNNPACK weight cache (errors {set_error}, {get_error}; read {enabled})")
 mark("runtime imported")
 start = time.perf_counter()
 data = pte_data_file(path)  # model.ptd: the constants of a program that keeps them outside the .pte
@@ -77,12 +112,12 @@ mark("decode", tokens=gen_len)
 """
 
 
-def measure(folder: Path, prompt_len: int, gen_len: int, threads: int) -> dict:
+def measure(folder: Path, prompt_len: int, gen_len: int, threads: int, weight_cache: bool = False) -> dict:
     from pit_deploy.targets.executorch_xnnpack import PTE_NAME
 
     pte = folder / PTE_NAME
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(pte), str(prompt_len), str(gen_len), str(threads)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(pte), str(prompt_len), str(gen_len), str(threads),
+                           "1" if weight_cache else "0"], capture_output=True, text=True, check=False)
     steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not steps:
         return {"folder": folder.name, "error": proc.stderr[-2000:]}
@@ -91,7 +126,7 @@ def measure(folder: Path, prompt_len: int, gen_len: int, threads: int) -> dict:
         step["above_baseline_mb"] = round(step["VmRSS"] - base, 1)
     data = pte.with_suffix(".ptd")  # a program's named data file counts as the program
     size_mb = round((pte.stat().st_size + (data.stat().st_size if data.is_file() else 0)) / 2**20, 1)
-    return {"folder": folder.name, "file_mib": size_mb, "steps": steps,
+    return {"folder": folder.name, "xnnpack_weight_cache": weight_cache, "file_mib": size_mb, "steps": steps,
             "peak_above_baseline_over_file": round((steps[-1]["VmHWM"] - base) / size_mb, 2)}
 
 
@@ -102,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "studies" / "results" / "pte_memory.json"))
+    parser.add_argument("--xnnpack-weight-cache", action="store_true",
+                        help="measure each program twice, with the XNNPACK weight cache off and on")
     args = parser.parse_args(argv)
-    rows = [measure(f, args.prompt_len, args.gen_len, args.threads) for f in args.folders]
+    caches = (False, True) if args.xnnpack_weight_cache else (False,)
+    rows = [measure(f, args.prompt_len, args.gen_len, args.threads, cache) for f in args.folders for cache in caches]
     for row in rows:
         print(json.dumps(row, indent=1))
     return write_result(args.out, {
