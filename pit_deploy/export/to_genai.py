@@ -137,47 +137,36 @@ def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tupl
 
 
 def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
-    """The plain HF model the builder reads: ``model`` itself when it is one. For a factorized
-    model, a materialized copy built from its ``pit_factors`` (the builder must see an ordinary
-    embedding and head; :func:`factorize_graph` replaces them afterwards). For a model whose
-    residual stream is rotated (:mod:`.residual_rotation`), the final norm without the
-    :class:`~.residual_rotation.Unrotate` around it (its ``Qᵀ`` goes into the graph:
-    :func:`unrotate_final_norm`)."""
+    """The plain HF model the builder reads: ``model`` itself when materialized; for a
+    factorized model, a materialized copy built from its ``pit_factors`` (the builder must see
+    an ordinary embedding and head; :func:`factorize_graph` replaces them afterwards)."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
     from ..model.families import adapter_for
     from .passes import FACTORS_ATTR
-    from .residual_rotation import Unrotate, rotation_of
 
     factors = getattr(model, FACTORS_ATTR, None)
-    if factors is None and rotation_of(model) is None:
+    if factors is None:
         return model
     config = copy.deepcopy(model.config)
-    config.tie_word_embeddings = False  # E and W_out are two matrices (as materialize says; a rotation needs it)
+    config.tie_word_embeddings = False  # E and W_out are two different matrices (as materialize says)
+    adapter = adapter_for(config)
     with no_init_weights():
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = model.state_dict()
-    for name, module in model.named_modules():
-        if isinstance(module, Unrotate):  # "<norm>.Qt", "<norm>.norm.*" -> "<norm>.*"
-            state.pop(f"{name}.Qt")
-            inner = f"{name}.norm."
-            state = {(name + "." + k[len(inner):] if k.startswith(inner) else k): v for k, v in state.items()}
-    if factors is not None:
-        adapter = adapter_for(config)
-        # drop the factors and whatever the PIT embedding/head modules hold (they read the factors)
-        modules = {id(mod): name for name, mod in model.named_modules()}
-        prefixes = (FACTORS_ATTR + ".", modules[id(model.get_input_embeddings())] + ".",
-                    modules[id(model.get_output_embeddings())] + ".")
-        state = {k: v for k, v in state.items() if not k.startswith(prefixes)}
-        zt, t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("Zt", "T", "T_inv"))
-        emb_name = next(n for n, p in plain.named_parameters() if p is plain.get_input_embeddings().weight)
-        head_name = next(n for n, p in plain.named_parameters() if p is plain.get_output_embeddings().weight)
-        state[emb_name] = ((zt.T @ t_inv) / adapter.embedding_multiplier(config)).float()
-        state[head_name] = ((t @ zt).T / adapter.logits_multiplier(config)).float()
-        bias = getattr(model.get_output_embeddings(), "bias", None)
-        if bias is not None:
-            state[head_name.rsplit(".", 1)[0] + ".bias"] = bias.detach().float()
+    # drop the factors and whatever the PIT embedding/head modules hold (they read the factors)
+    modules = {id(mod): name for name, mod in model.named_modules()}
+    prefixes = (FACTORS_ATTR + ".", modules[id(model.get_input_embeddings())] + ".",
+                modules[id(model.get_output_embeddings())] + ".")
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    zt, t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("Zt", "T", "T_inv"))
+    emb_name = next(n for n, p in plain.named_parameters() if p is plain.get_input_embeddings().weight)
+    head_name = next(n for n, p in plain.named_parameters() if p is plain.get_output_embeddings().weight)
+    state[emb_name] = ((zt.T @ t_inv) / adapter.embedding_multiplier(config)).float()
+    state[head_name] = ((t @ zt).T / adapter.logits_multiplier(config)).float()
+    bias = getattr(model.get_output_embeddings(), "bias", None)
+    if bias is not None:
+        state[head_name.rsplit(".", 1)[0] + ".bias"] = bias.detach().float()
     missing, unexpected = plain.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise PitError(f"cannot rebuild a plain twin for the builder: missing {missing}, unexpected {unexpected}")
@@ -256,15 +245,8 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
         for i, name in enumerate(node.input):
             if name == head_in:
                 node.input[i] = "hidden"
-    if any(i.name == UNROTATE_NAME for i in graph.initializer):
-        # a rotated stream (:func:`unrotate_final_norm`): the embedding's rows enter it turned
-        # by Q; the interface's W_out E compares them in the head's basis, turned back by the
-        # decoder's own Qᵀ
-        nodes.append(helper.make_node("MatMul", [emb_out, UNROTATE_NAME], ["embeddings"], name="/interface/embeddings"))
-        inits += [i for i in graph.initializer if i.name == UNROTATE_NAME]
-    else:
-        nodes.append(helper.make_node("Identity", [emb_out], ["embeddings"], name="/interface/embeddings"))
-    nodes.append(helper.make_node("Identity", ["logits"], ["head_logits"], name="/interface/logits"))
+    nodes += [helper.make_node("Identity", [emb_out], ["embeddings"], name="/interface/embeddings"),
+              helper.make_node("Identity", ["logits"], ["head_logits"], name="/interface/logits")]
     io_type = next(i for i in graph.input if i.name.startswith("past_key_values")).type.tensor_type.elem_type
     new_graph = helper.make_graph(
         nodes, "pit_interface",
@@ -285,9 +267,6 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
 # calibrated codes in the builder's body
 # --------------------------------------------------------------------------------------
 
-#: the decoder's ``Qᵀ`` of a rotated residual stream: read before the final norm, and by the
-#: interface graph after the embedding (:func:`unrotate_final_norm`)
-UNROTATE_NAME = "pit.Qt"
 #: the builder's fused projections and the linears whose output rows each one stacks, in order
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 #: a body ``MatMulNBits`` of the builder: ``/model/layers.{i}/{attn|mlp}/{projection}/MatMul_Q{bits}``
@@ -322,7 +301,7 @@ def _builder_blocks(rounded: list[Any], bits: int, block: int) -> tuple[np.ndarr
     return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
 
 
-def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
+def write_calibrated_body(folder: Path, codes: dict[str, Any]) -> int:
     """Put a calibrated model's GPTQ codes (:func:`~pit_deploy.export.calibrated_rounding.
     rounded_weights`, by module name) into the builder's body ``MatMulNBits`` in place of the
     builder's own rounding; returns how many nodes were rewritten.
@@ -337,6 +316,7 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
         RuntimeError: a body node without codes, or codes without a node (internal errors:
             either would leave a linear rounded twice or not as calibrated).
     """
+    import onnx
     from onnx import numpy_helper
 
     by_linear: dict[tuple[int, str], Any] = {}
@@ -345,6 +325,8 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
         if match is None:
             raise RuntimeError(f"calibrated linear {name} is no decoder-layer projection the builder writes")
         by_linear[(int(match.group(1)), match.group(2))] = rounded
+    path = folder / DECODER_NAME
+    model = onnx.load(str(path), load_external_data=True)
     inits = {i.name: i for i in model.graph.initializer}
     used: set[tuple[int, str]] = set()
     for node in model.graph.node:
@@ -368,68 +350,10 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
         used.update(parts)
     if used != set(by_linear):
         raise RuntimeError(f"{len(set(by_linear) - used)} calibrated linears have no MatMulNBits in the builder's graph")
-    return len(used)
-
-
-def unrotate_final_norm(model: Any, rotation: torch.Tensor) -> None:
-    """Turn the stream back before the builder's final norm: ``MatMul(·, Qᵀ)`` on each of its
-    stream inputs (the residual and the last layer's output, which its fused add sums), ``Qᵀ``
-    stored once as :data:`UNROTATE_NAME`.
-
-    The builder read a model whose residual stream is rotated by ``Q`` (block norms' gains
-    folded into the linears, the embedding's rows turned: :mod:`.residual_rotation`) and whose
-    final norm keeps its diagonal gain, which is no symmetry of ``Q``; the PyTorch twin wraps
-    that norm in :class:`~.residual_rotation.Unrotate`, and these nodes are its graph. Two
-    ``d×d`` products a token, against the body's ~100 ``d×d`` equivalents.
-
-    Raises:
-        PitError: no final norm of the kinds the builder writes, or one whose summed stream
-            (``SkipSimplifiedLayerNormalization``'s output 3) another node reads.
-    """
-    from onnx import helper, numpy_helper
-
-    graph = model.graph
-    index, norm = next(((i, n) for i, n in enumerate(graph.node) if "/final_norm_layernorm/" in n.name), (-1, None))
-    kinds = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2}
-    if norm is None or norm.op_type not in kinds:
-        raise PitError("the builder's graph has no SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization "
-                       "final norm to turn the rotated stream back before")
-    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    if any(out and out in read for out in list(norm.output)[1:]):
-        raise PitError(f"{norm.name}: another node reads its summed stream, which the rotation would change")
-    graph.initializer.append(numpy_helper.from_array(rotation.T.contiguous().to(torch.float32).numpy(), UNROTATE_NAME))
-    nodes = []
-    for k in range(kinds[norm.op_type]):
-        out = f"/pit/unrotate/MatMul_{k}/output_0"
-        nodes.append(helper.make_node("MatMul", [norm.input[k], UNROTATE_NAME], [out], name=f"/pit/unrotate/MatMul_{k}"))
-        norm.input[k] = out
-    ordered = list(graph.node)
-    del graph.node[:]
-    graph.node.extend(ordered[:index] + nodes + ordered[index:])
-
-
-def finish_decoder(folder: Path, codes: dict[str, Any], rotation: torch.Tensor | None) -> dict[str, Any]:
-    """The builder's decoder with a calibrated model's codes (:func:`write_calibrated_body`) and
-    a rotated stream turned back before the final norm (:func:`unrotate_final_norm`), saved in
-    place; returns the manifest details (none when there is nothing to do)."""
-    import onnx
-
-    if not codes and rotation is None:
-        return {}
-    path = folder / DECODER_NAME
-    model = onnx.load(str(path), load_external_data=True)
-    details: dict[str, Any] = {}
-    if codes:
-        details["body_rounding"] = (f"GPTQ codes of {write_calibrated_body(model, codes)} linears written into "
-                                    "the builder's MatMulNBits (symmetric, no zero points)")
-    if rotation is not None:
-        unrotate_final_norm(model, rotation)
-        details["residual_rotation"] = (f"the residual stream rotated by Q ({rotation.shape[0]}x{rotation.shape[1]}, "
-                                        f"randomized Hadamard); {UNROTATE_NAME} = Q^T before the final norm")
     (folder / BUILDER_DATA).unlink()  # the external data is in memory; saving appends to an existing file
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=BUILDER_DATA, size_threshold=0)
-    return details
+    return len(used)
 
 
 # --------------------------------------------------------------------------------------
@@ -448,7 +372,6 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
 
     from .calibrated_rounding import rounded_weights
     from .passes import FACTORS_ATTR
-    from .residual_rotation import rotation_of
 
     if dtype not in PRECISIONS:
         raise PitError(f"the onnx-genai target exports {', '.join(PRECISIONS)}, not {dtype}")
@@ -467,16 +390,19 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
-    rotation = rotation_of(model)
-    finished = finish_decoder(out_dir, rounded_weights(model) if dtype != "float32" else {}, rotation)
+    calibrated = rounded_weights(model) if dtype != "float32" else {}
+    if calibrated:
+        write_calibrated_body(out_dir, calibrated)
     rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
-                              pit_correction, head_moments, rotation) if factorized else {}
+                              pit_correction, head_moments) if factorized else {}
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
-    details.update(finished)
-    if "body_rounding" in finished and "quantization" in details:
-        details["quantization"]["body"] = details["quantization"]["body"].replace(
-            "the builder's MatMulNBits", "GPTQ codes in the builder's MatMulNBits", 1)
+    if calibrated:
+        details["body_rounding"] = (f"GPTQ codes of {len(calibrated)} linears written into the builder's "
+                                    "MatMulNBits (symmetric, no zero points)")
+        if "quantization" in details:
+            details["quantization"]["body"] = details["quantization"]["body"].replace(
+                "the builder's MatMulNBits", "GPTQ codes in the builder's MatMulNBits", 1)
     if extra:
         details["builder_extra_options"] = extra
     if target:
@@ -495,7 +421,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
 
 def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
                     table_bits: int | None = None, pit_correction: bool = True,
-                    head_moments: Any = None, rotation: torch.Tensor | None = None) -> dict[str, Any]:
+                    head_moments: Any = None) -> dict[str, Any]:
     """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors.
 
     The builder's graph (read from the materialized twin) computes ``Gather(E_s, ids)`` and
@@ -516,10 +442,6 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime. With ``head_moments``
     (``Σ hᵀh`` of the head's input on calibration text) ``Ẑ`` is rounded by GPTQ
     (:func:`.quantize_onnx.calibrated_table`), not to nearest.
-
-    ``rotation``: the ``Q`` of a rotated residual stream, which ``factors.T_inv`` holds already
-    (``T⁻¹ Q``) and the correction takes after it (``M Q``), so that the embedding's rows enter
-    the rotated stream.
 
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
@@ -584,14 +506,10 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     if dtype != "float32":
         model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
                                       table_bits=table_bits, head_moments=head_moments)
-        if quant.get("pit_correction") and (a * b != 1.0 or rotation is not None):
-            # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ Q / a,
-            # Q a rotated stream's (the factors' T⁻¹ holds it, the correction starts from T)
+        if quant.get("pit_correction") and a * b != 1.0:
+            # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
             init = next(i for i in model.graph.initializer if i.name == names["M"])
-            corrected = numpy_helper.to_array(init).astype(np.float64) / (a * b)
-            if rotation is not None:
-                corrected = corrected @ rotation.to(torch.float64).numpy()
-            init.CopyFrom(numpy_helper.from_array(corrected.astype(np.float32), names["M"]))
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) / (a * b), names["M"]))
         # the body is the builder's (symmetric, its block size and accuracy level), not ours
         quant.pop("body_8bit", None)
         quant["body"] = (f"the builder's MatMulNBits ({dtype}, symmetric, block {group_size}, accuracy_level 4)")

@@ -56,14 +56,12 @@ class OnnxGenaiTarget(Target):
     #: the builder quantizes the body with the scheme's block size and keeps the scheme's 8-bit
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
-    scheme_settings = Target.scheme_settings + ("rounding", "rotate_residual")
+    scheme_settings = Target.scheme_settings + ("rounding",)
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
         (8-bit overrides too; with ``rounding = "gptq"`` the codes are the calibrated model's,
-        :func:`pit_deploy.export.to_genai.write_calibrated_body`; with ``rotate_residual`` the
-        builder reads the rotated model and the stream turns back before the final norm,
-        :func:`pit_deploy.export.to_genai.unrotate_final_norm`). Factorized: our token table, asymmetric at ``table_bits`` as on the
+        :func:`pit_deploy.export.to_genai.write_calibrated_body`). Factorized: our token table, asymmetric at ``table_bits`` as on the
         ``onnx`` target. Materialized: the builder rounds the head like the body and keeps the
         embedding float32."""
         if mode == "factorized":
