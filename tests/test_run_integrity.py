@@ -274,7 +274,7 @@ def test_a_checkpoint_of_other_settings_or_of_a_copied_run_is_not_resumed(tmp_pa
     """Training resumes only from a checkpoint saved with the options a resumed run must keep;
     in a copied run directory the converted model's path differs, so the job starts over
     instead of failing ("--resume with different options")."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from pit_deploy.run.pipeline import checkpoint_mismatch
     from pit_deploy.run.stages import jsonable
@@ -286,6 +286,11 @@ def test_a_checkpoint_of_other_settings_or_of_a_copied_run_is_not_resumed(tmp_pa
     saved = jsonable(asdict(cfg))
     (checkpoint / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
     assert checkpoint_mismatch(checkpoint, cfg) == []
+    # a checkpoint saved before an option existed ran with its default: it still resumes
+    older = {k: v for k, v in saved.items() if k != "train_body"}
+    (checkpoint / "state.json").write_text(json.dumps({"step": 4, "config": older}))
+    assert checkpoint_mismatch(checkpoint, cfg) == []
+    assert checkpoint_mismatch(checkpoint, replace(cfg, train_body=False)) == ["train_body"]
     saved.update(model="/elsewhere/1-convert/model", seq_len=7)
     (checkpoint / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
     assert checkpoint_mismatch(checkpoint, cfg) == ["model", "seq_len"]

@@ -361,12 +361,11 @@ def checkpoint_mismatch(checkpoint: Path, cfg: Any) -> list[str]:
     run that saved ``checkpoint``: changed training settings, or the converted model's path in
     a copied or moved run directory. Such a checkpoint cannot be resumed; the job starts over.
     An unreadable ``state.json`` is left to the loader, which skips damaged checkpoints."""
-    from ..train.config import RESUME_KEYS
+    from ..train.config import changed_resume_keys
 
     try:
         saved = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["config"]
-        mine = jsonable(asdict(cfg))
-        return [k for k in RESUME_KEYS if saved.get(k) != mine.get(k)]
+        return changed_resume_keys(saved, jsonable(asdict(cfg)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
 

@@ -56,8 +56,7 @@ from ..model.inspect import interface_delta_ti as delta_ti
 from ..model.modules import INTERFACE_ATTR
 from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng_state,
                            save_checkpoint, set_rng_state)
-from .config import RESUME_KEYS, TrainConfig, validate, with_start_defaults
-from ..options import field_default
+from .config import TrainConfig, changed_resume_keys, validate, with_start_defaults
 from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll
 from .interface_guard import InterfaceGuard
@@ -254,8 +253,7 @@ class TrainingRecipe:
             self._resume_from = load_latest(self.out, self.device)
             saved = self._resume_from.state["config"]
             mine = _jsonable(cfg)
-            # a key newer than the checkpoint was at its default then
-            changed = [k for k in RESUME_KEYS if saved.get(k, field_default(TrainConfig, k)) != mine[k]]
+            changed = changed_resume_keys(saved, mine)
             if changed:
                 raise PitError(f"--resume with different options: {', '.join(changed)}; resume with the "
                                "options of the original run (see its run.json)")
