@@ -91,6 +91,17 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
                                                      for p in ("attn/v_proj", "mlp/down_proj")}
     assert art.details["builder_int8_layers"] == ["v_proj", "down_proj"]
     assert art.details["factorized"]["table_byte_ranges"] == 2  # the 8-bit table's two nibble planes, once
+    # the table holds Z R: the head's factor is T R, an orthogonal turn of T (same T Tᵀ), not T itself
+    from onnx import numpy_helper
+
+    from pit_deploy.io.checkpoint import load_pit_model
+
+    reference = load_pit_model(out / "reference")
+    t = reference.get_input_embeddings().interface.transform().detach().double().numpy()
+    inits = {i.name: i for i in onnx.load(str(out / art.path / "model.onnx")).graph.initializer}
+    tr = numpy_helper.to_array(inits["pit.T"]).astype("float64")
+    assert "Z R" in art.details["factorized"]["table_rotation"]
+    assert abs(tr @ tr.T - t @ t.T).max() < 1e-4 * abs(t @ t.T).max() and abs(tr - t).max() > 1e-3 * abs(t).max()
     assert art.details["quantization"]["interface_exact"] is True
     # int4 rounds by GPTQ: the calibrated codes replace the builder's rounding of the body, and
     # the table we write is calibrated on the same text
