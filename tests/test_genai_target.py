@@ -251,8 +251,9 @@ def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
             codes[name] = round_to_nearest(module.weight.detach() * torch.linspace(0.5, 2.0, module.weight.shape[1]),
                                            grid)
 
+    decoder = onnx.load(str(folder / DECODER_NAME), load_external_data=True)
+
     def body() -> dict[str, np.ndarray]:
-        decoder = onnx.load(str(folder / DECODER_NAME), load_external_data=True)
         inits = {i.name: i for i in decoder.graph.initializer}
         return {n.name: _builder_weight(n, inits) for n in decoder.graph.node
                 if n.op_type == "MatMulNBits" and n.name.startswith("/model/layers.")}
@@ -264,11 +265,11 @@ def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
 
     before = body()
     assert len(before) == 14 and not all(np.array_equal(w, expected(n)) for n, w in before.items())
-    assert write_calibrated_body(folder, codes) == 14
+    assert write_calibrated_body(decoder, codes) == 14
     after = body()
     assert {n for n in after if n.endswith("_Q8")} == {n for n in before if n.endswith("_Q8")}
     for node, weight in after.items():
         assert np.array_equal(weight, expected(node)), node
     codes.pop("model.layers.1.mlp.up_proj")
     with pytest.raises(RuntimeError, match="no calibrated codes"):
-        write_calibrated_body(folder, codes)
+        write_calibrated_body(decoder, codes)

@@ -301,10 +301,11 @@ def _builder_blocks(rounded: list[Any], bits: int, block: int) -> tuple[np.ndarr
     return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
 
 
-def write_calibrated_body(folder: Path, codes: dict[str, Any]) -> int:
+def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
     """Put a calibrated model's GPTQ codes (:func:`~pit_deploy.export.calibrated_rounding.
-    rounded_weights`, by module name) into the builder's body ``MatMulNBits`` in place of the
-    builder's own rounding; returns how many nodes were rewritten.
+    rounded_weights`, by module name) into the body ``MatMulNBits`` of the builder's decoder
+    ``model`` (loaded with its external data), in place of the builder's own rounding; returns
+    how many nodes were rewritten.
 
     Why after the builder rather than through it: the builder rounds whatever weights it reads
     to nearest on its own grid (the scale from each block's largest weight), which moves the
@@ -316,7 +317,6 @@ def write_calibrated_body(folder: Path, codes: dict[str, Any]) -> int:
         RuntimeError: a body node without codes, or codes without a node (internal errors:
             either would leave a linear rounded twice or not as calibrated).
     """
-    import onnx
     from onnx import numpy_helper
 
     by_linear: dict[tuple[int, str], Any] = {}
@@ -325,8 +325,6 @@ def write_calibrated_body(folder: Path, codes: dict[str, Any]) -> int:
         if match is None:
             raise RuntimeError(f"calibrated linear {name} is no decoder-layer projection the builder writes")
         by_linear[(int(match.group(1)), match.group(2))] = rounded
-    path = folder / DECODER_NAME
-    model = onnx.load(str(path), load_external_data=True)
     inits = {i.name: i for i in model.graph.initializer}
     used: set[tuple[int, str]] = set()
     for node in model.graph.node:
@@ -350,10 +348,17 @@ def write_calibrated_body(folder: Path, codes: dict[str, Any]) -> int:
         used.update(parts)
     if used != set(by_linear):
         raise RuntimeError(f"{len(set(by_linear) - used)} calibrated linears have no MatMulNBits in the builder's graph")
-    (folder / BUILDER_DATA).unlink()  # the external data is in memory; saving appends to an existing file
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=BUILDER_DATA, size_threshold=0)
     return len(used)
+
+
+def save_decoder(model: Any, folder: Path) -> None:
+    """Write the decoder ``model`` (its external data loaded) back over the folder's, every
+    initializer in :data:`BUILDER_DATA`."""
+    import onnx
+
+    (folder / BUILDER_DATA).unlink()  # the external data is in memory; saving appends to an existing file
+    onnx.save_model(model, str(folder / DECODER_NAME), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=BUILDER_DATA, size_threshold=0)
 
 
 # --------------------------------------------------------------------------------------
@@ -391,18 +396,20 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
     calibrated = rounded_weights(model) if dtype != "float32" else {}
-    if calibrated:
-        write_calibrated_body(out_dir, calibrated)
-    rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size, table_bits,
-                              pit_correction, head_moments) if factorized else {}
+    if factorized:  # the codes go in while the interface is rewritten: the decoder is read and written once
+        rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size,
+                                  table_bits, pit_correction, head_moments, calibrated)
+    else:
+        rewrite = {}
+        if calibrated:
+            decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=True)
+            write_calibrated_body(decoder, calibrated)
+            save_decoder(decoder, out_dir)
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
     if calibrated:
         details["body_rounding"] = (f"GPTQ codes of {len(calibrated)} linears written into the builder's "
                                     "MatMulNBits (symmetric, no zero points)")
-        if "quantization" in details:
-            details["quantization"]["body"] = details["quantization"]["body"].replace(
-                "the builder's MatMulNBits", "GPTQ codes in the builder's MatMulNBits", 1)
     if extra:
         details["builder_extra_options"] = extra
     if target:
@@ -421,8 +428,9 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
 
 def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
                     table_bits: int | None = None, pit_correction: bool = True,
-                    head_moments: Any = None) -> dict[str, Any]:
-    """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors.
+                    head_moments: Any = None, codes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors
+    (and, with ``codes``, its body's rounding by a calibrated model's: :func:`write_calibrated_body`).
 
     The builder's graph (read from the materialized twin) computes ``Gather(E_s, ids)`` and
     ``MatMul(h, W_s)`` (``MatMulNBits`` when quantized) with the *stored* weights
@@ -465,6 +473,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
 
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)
+    if codes:
+        write_calibrated_body(model, codes)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     _, head_in = _interface_tensors(graph)
@@ -528,14 +538,14 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) / (a * b), names["M"]))
         # the body is the builder's (symmetric, its block size and accuracy level), not ours
         quant.pop("body_8bit", None)
-        quant["body"] = (f"the builder's MatMulNBits ({dtype}, symmetric, block {group_size}, accuracy_level 4)")
+        quant["body"] = (f"{'GPTQ codes in ' if codes else ''}the builder's MatMulNBits ({dtype}, symmetric, "
+                         f"block {group_size}, accuracy_level 4)")
         quant_details = quant
-    (folder / BUILDER_DATA).unlink()
     if dtype != "float32":
+        (folder / BUILDER_DATA).unlink()
         save_deduplicated(model, path, BUILDER_DATA)  # the gather's and the head's table: one byte range
     else:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=BUILDER_DATA, size_threshold=0)
+        save_decoder(model, folder)
     saved = onnx.load(str(path), load_external_data=False)
     # the tensors the embedding's gathers (input 0) and the head's matmuls (input 1) read as the
     # token table, and the byte ranges of the data file they occupy: one per table plane

@@ -149,12 +149,12 @@ def with_start_defaults(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, lr=lr, warmup_steps=warmup)
 
 
-
 def changed_resume_keys(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
     """The :data:`RESUME_KEYS` on which a checkpoint's config ``saved`` differs from ``mine``
     (both as written to JSON). A key newer than the checkpoint counts as its default, which is
     what the run that saved it did: a run saved before an option existed still resumes."""
     return [k for k in RESUME_KEYS if saved.get(k, field_default(TrainConfig, k)) != mine.get(k)]
+
 
 def validate(cfg: TrainConfig) -> None:
     """Reject inconsistent or out-of-range options before anything slow happens (exit 2)."""
