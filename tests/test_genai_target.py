@@ -100,7 +100,7 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     t = reference.get_input_embeddings().interface.transform().detach().double().numpy()
     inits = {i.name: i for i in onnx.load(str(out / art.path / "model.onnx")).graph.initializer}
     tr = numpy_helper.to_array(inits["pit.T"]).astype("float64")
-    assert "Z R" in art.details["factorized"]["table_rotation"]
+    assert "Z R" in art.details["quantization"]["table_rotation"]
     assert abs(tr @ tr.T - t @ t.T).max() < 1e-4 * abs(t @ t.T).max() and abs(tr - t).max() > 1e-3 * abs(t).max()
     assert art.details["quantization"]["interface_exact"] is True
     # int4 rounds by GPTQ: the calibrated codes replace the builder's rounding of the body, and

@@ -65,6 +65,8 @@ def test_factorized_table_is_stored_once(quantized_export):
     for dtype in QUANTIZED:
         details = arts[f"onnx-factorized-{dtype}"]["details"]["quantization"]
         assert details["token_table_shared"] is True and details["pit_correction"] is True
+        assert "Z R" in details["table_rotation"]  # the factorized table is turned before it is rounded
+        assert "table_rotation" not in arts[f"onnx-materialized-{dtype}"]["details"]["quantization"]
         assert not arts[f"onnx-materialized-{dtype}"]["details"]["quantization"]["token_table_shared"]
     # int4 < int8 < fp32 on disk, and the factorized int4 artifact is the smallest of all
     size = {p: a_bytes(a) for p, a in arts.items()}
@@ -182,6 +184,71 @@ def test_nibble_planes_reproduce_the_8bit_table_on_onnxruntime():
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     want = x.astype(np.float64) @ table.dequantize().astype(np.float64).T
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _factorized_interface_graph(v: int, d: int, seed: int = 0):
+    """A factorized token interface as the exporters write it: ``Gather(Zᵀ, ids, axis=1) →
+    Transpose → MatMul(T⁻¹)`` and ``MatMul(h, T) → MatMul(Zᵀ)``, with ``T`` SPD."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    z, _ = np.linalg.qr(rng.standard_normal((v, d)))
+    z[:, 3] *= 6.0  # a few large coordinates in every row, as the default model's Z has
+    a = rng.standard_normal((d, d))
+    t = a @ a.T / d + np.eye(d)
+    inits = [numpy_helper.from_array(z.T.astype(np.float32), "Zt"), numpy_helper.from_array(t.astype(np.float32), "T"),
+             numpy_helper.from_array(np.linalg.inv(t).astype(np.float32), "T_inv")]
+    nodes = [helper.make_node("Gather", ["Zt", "ids"], ["g"], axis=1),
+             helper.make_node("Transpose", ["g"], ["gt"], perm=[1, 2, 0]),
+             helper.make_node("MatMul", ["gt", "T_inv"], ["emb"]),
+             helper.make_node("MatMul", ["h", "T"], ["ht"]),
+             helper.make_node("MatMul", ["ht", "Zt"], ["logits"])]
+    graph = helper.make_graph(nodes, "interface", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "s"]),
+                                                   helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "s", d])],
+                              [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, "s", d]),
+                               helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", v])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_rotated_table_computes_the_same_interface_on_onnxruntime():
+    """The factorized table turned by R (Z R, T R, Rᵀ T⁻¹): the graph's embedding rows and
+    logits are unchanged to fp32 rounding on onnxruntime, T Tᵀ is T's, and the rows' largest
+    coordinate shrinks (what the 4-bit scales gain); a quantized table then keeps W_out E = I."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from pit_deploy.export.quantize_onnx import find_graph_interface, rewrite_interface, rotate_table
+
+    v, d = 200, 64
+    model = _factorized_interface_graph(v, d)
+    turned = onnx.ModelProto()
+    turned.CopyFrom(model)
+    iface = find_graph_interface(turned.graph, v, d)
+    before = np.abs(iface.head_rows).max()
+    assert rotate_table(turned.graph, iface)
+    assert np.abs(iface.head_rows).max() < 0.6 * before
+    feeds = {"ids": np.array([[0, 7, 199, 42, 7]], np.int64),
+             "h": np.random.default_rng(1).standard_normal((1, 5, d)).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+           for m in (model, turned)]
+    for want, got in zip(*run):
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    inits = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in turned.graph.initializer}
+    t = numpy_helper.to_array(model.graph.initializer[1]).astype(np.float64)
+    assert np.abs(inits["T"] @ inits["T"].T - t @ t.T).max() < 1e-5 * np.abs(t @ t.T).max()
+    assert np.abs(inits["T"] - t).max() > 1e-2 * np.abs(t).max()
+    # quantized at 4 bits after the turn: on the runtime W_out E = I (W_out the logits of h = I,
+    # E the embedding of every token), the correction computed from the turned factor
+    iface = find_graph_interface(model.graph, v, d)
+    details = rewrite_interface(model, iface, 4, 32, correct=True)
+    assert "Z R" in details["table_rotation"]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    emb, _ = session.run(None, {"ids": np.arange(v)[None], "h": np.zeros((1, v, d), np.float32)})
+    _, w_out = session.run(None, {"ids": np.zeros((1, d), np.int64), "h": np.eye(d, dtype=np.float32)[None]})
+    assert np.abs(w_out[0].astype(np.float64) @ emb[0] - np.eye(d)).max() < 1e-4
 
 
 def test_without_the_correction_the_identity_drifts(tmp_path):

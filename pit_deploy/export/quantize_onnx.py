@@ -351,6 +351,58 @@ def calibrated_table(graph, iface: Interface, bits: int, block: int, moments: np
 _LAST_TABLE: dict[str, Any] = {}
 
 
+def rotate_table(graph, iface: Interface) -> bool:
+    """Turn a factorized graph's token table by ``R`` before it is quantized: the table's rows
+    become ``Z R``, the head's factor ``T R`` and the embedding's ``Rᵀ T⁻¹`` (``R`` the
+    randomized Hadamard matrix of :func:`.residual_rotation.rotation_matrix`), so that
+    ``h T Zᵀ = (h T R)(Z R)ᵀ`` and ``z T⁻¹ = (z R)(Rᵀ T⁻¹)``: the graph computes the same
+    function, with nothing added at run time (``T`` and ``T⁻¹`` are ``d×d`` products it has
+    anyway), and the correction computed afterwards from the graph's own factor keeps
+    ``W_out E = I``.
+
+    Why: a token's row has a few large coordinates, and one 4-bit scale a block of 32 spends its
+    range on them; ``R`` spreads them over every coordinate (incoherence processing, as in QuIP,
+    Chee et al., 2023, arXiv:2307.13304, and QuaRot, Ashkboos et al., 2024, arXiv:2404.00456).
+    Default model: ``docs/quantization.md``, "GPTQ in the builder's body".
+
+    Returns:
+        whether the table was turned: only a factorized graph whose table and factors no node
+        but the interface's reads (a graph where something else reads them keeps them as they are).
+    """
+    from onnx import numpy_helper
+
+    from .residual_rotation import rotation_matrix
+
+    if iface.t_name is None or iface.t_inv_name is None:
+        return False
+    inits = _initializers(graph)
+    table_names = {iface.gather.input[0], iface.head.input[1]}
+    if not table_names <= set(inits):
+        return False
+    t_reader = _producer(graph, iface.head.input[0])
+    transpose = _consumers(graph, iface.gather.output[0])
+    t_inv_reader = _consumers(graph, transpose[0].output[0]) if len(transpose) == 1 else []
+    own = {id(iface.gather), id(iface.head), id(t_reader), *(id(n) for n in t_inv_reader)}
+    for name in (*table_names, iface.t_name, iface.t_inv_name):
+        if any(id(n) not in own for n in _consumers(graph, name)):
+            return False
+    r = rotation_matrix(iface.head_rows.shape[1]).numpy()
+
+    def put(name: str, value: np.ndarray) -> None:
+        inits[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+
+    t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
+    t_inv = numpy_helper.to_array(inits[iface.t_inv_name]).astype(np.float64)
+    put(iface.t_name, t @ r)
+    put(iface.t_inv_name, r.T @ t_inv)
+    iface.embed_rows = np.ascontiguousarray((iface.embed_rows.astype(np.float64) @ r).astype(np.float32))
+    iface.head_rows = np.ascontiguousarray((iface.head_rows.astype(np.float64) @ r).astype(np.float32))
+    put(iface.gather.input[0], iface.embed_rows.T)  # factorized: the gather reads Zᵀ (d, V) along axis 1
+    if iface.head.input[1] != iface.gather.input[0]:
+        put(iface.head.input[1], iface.head_rows.T)
+    return True
+
+
 def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: bool,
                       head_moments: np.ndarray | None = None) -> dict[str, Any]:
     """Replace the embedding Gather by ``GatherBlockQuantized`` and the head MatMul by
@@ -373,6 +425,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
 
     graph = model.graph
     _ensure_ms_domain(model)
+    rotated = rotate_table(graph, iface)
     shared = np.array_equal(iface.embed_rows, iface.head_rows)
     head_q = block_quantize(iface.head_rows, bits, block) if head_moments is None else \
         calibrated_table(graph, iface, bits, block, head_moments)
@@ -417,6 +470,9 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
                                "table_planes": len(head_planes),
                                "table_rounding": "to nearest" if head_moments is None else
                                "GPTQ against the head input's second moments on the calibration text"}
+    if rotated:
+        details["table_rotation"] = ("the table holds Z R (R a randomized Hadamard d x d); "
+                                     "T R on the head's side, R^T T^-1 on the embedding's")
     details["interface_exact"] = iface.t_inv_name is not None and correct
     if iface.t_inv_name is not None:
         details["pit_correction"] = bool(correct)

@@ -451,15 +451,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     (``Σ hᵀh`` of the head's input on calibration text) ``Ẑ`` is rounded by GPTQ
     (:func:`.quantize_onnx.calibrated_table`), not to nearest.
 
-    A quantized table holds the rows of ``Z R`` (``R`` the randomized Hadamard matrix of
-    :func:`.residual_rotation.rotation_matrix`), with ``T R`` on the head's side and ``Rᵀ T⁻¹``
-    on the embedding's: ``h T Zᵀ = (h T R)(Z R)ᵀ`` and ``z T⁻¹ = (z R) Rᵀ T⁻¹``, so the program
-    computes the same function and the correction, computed from the graph's own ``T R`` and
-    table, keeps ``W_out E = I``. Why: a token's row has a few large coordinates, and one 4-bit
-    scale a block of 32 spends its range on them; ``R`` spreads them over every coordinate
-    (incoherence processing, as in QuIP, Chee et al., 2023, arXiv:2307.13304, and QuaRot) at no
-    cost at run time, ``T`` and ``M`` being ``d×d`` products the graph has anyway (default model:
-    ``docs/quantization.md``, "GPTQ in the builder's body").
+    A quantized table holds the rows of ``Z R``, with ``T R`` and ``Rᵀ T⁻¹`` beside it: the
+    rotation both ONNX targets give their factorized tables (:func:`.quantize_onnx.rotate_table`).
 
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
@@ -469,7 +462,6 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
 
     from ..model.families import adapter_for
     from .quantize_onnx import quantize_graph, save_deduplicated
-    from .residual_rotation import rotation_matrix
 
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)
@@ -489,9 +481,6 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     zt = factors.Zt.detach().to(torch.float64)
     m = factors.T_inv.detach().to(torch.float64) / a
     th = factors.T.detach().to(torch.float64) / b
-    if dtype != "float32":  # the quantized table holds the rotated rows Z R (see the docstring)
-        r = rotation_matrix(zt.shape[0]).to(torch.float64)
-        zt, m, th = r.T @ zt, r.T @ m, th @ r
     names = {"Zt": "pit.Zt", "M": "pit.M", "T": "pit.T"}
     for key, value in (("Zt", zt), ("M", m), ("T", th)):
         graph.initializer.append(numpy_helper.from_array(value.to(torch.float32).numpy(), names[key]))
@@ -528,8 +517,6 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
                                "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}
     quant_details: dict[str, Any] | None = None
     if dtype != "float32":
-        details["table_rotation"] = ("the table holds Z R (R a randomized Hadamard d x d); "
-                                     "T R on the head's side, R^T T^-1 on the embedding's")
         model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
                                       table_bits=table_bits, head_moments=head_moments)
         if quant.get("pit_correction") and a * b != 1.0:
