@@ -62,8 +62,8 @@ class OnnxGenaiTarget(Target):
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
         (8-bit overrides too; with ``rounding = "gptq"`` the codes are the calibrated model's,
         :func:`pit_deploy.export.to_genai.write_calibrated_body`). Factorized: our token table,
-        asymmetric at ``table_bits`` as on the ``onnx`` target. Materialized: the builder rounds the head like the body and keeps the
-        embedding float32."""
+        asymmetric at ``table_bits`` as on the ``onnx`` target. Materialized: the builder rounds
+        the head like the body and keeps the embedding float32."""
         if mode == "factorized":
             return WeightGrid(symmetric=True, per_channel_8bit=False, head_bits=scheme.table_bits,
                               embed_bits=scheme.table_bits, full_range=True, table_symmetric=False)
