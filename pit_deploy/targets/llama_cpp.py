@@ -61,6 +61,9 @@ class LlamaCppTarget(Target):
     default_export = False
     #: the quantized schemes read only the PIT correction of the head/table pair
     scheme_settings = ("pit_correction",)
+    families = tuple(ARCHITECTURES)
+    modes = ("materialized",)
+    schemes = tuple(FILE_TYPES)
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse, before any slow work: a family llama.cpp has no architecture for here, a

@@ -57,6 +57,7 @@ class OnnxGenaiTarget(Target):
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
     scheme_settings = Target.scheme_settings + ("rounding",)
+    families = tuple(BUILDER_FAMILIES)
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
