@@ -13,7 +13,7 @@ FP32 bounds (``docs/definitions.md``, "Parity"): full-sequence and step-by-step 
 relative L2 ``1e-4`` of the PyTorch reference, 100 % top-1 agreement, an identical 32-token
 greedy continuation, and ``delta_ti ≤ 1e-5`` from the runtime's own embedding and head.
 
-Quantized bounds (``docs/quantization.md``, "Bounds"): the KL divergence of the runtime's
+Quantized bounds (``docs/quantization.md``, "Verification bounds"): the KL divergence of the runtime's
 next-token distribution from the fp32 reference on the held-out set (mean and 99th percentile),
 the same-top-1 rate, the perplexity ratio and — for factorized artifacts with the PIT
 correction — ``delta_ti``. The built-in values were set from the default model's measurements
@@ -83,7 +83,7 @@ class QuantizedBounds:
         costs (measured at export, :mod:`pit_deploy.export.expected_error`). Why a factor: the
         runtimes also quantize activations, which the expected figure leaves out; why a floor:
         an expected error near zero would otherwise leave no room for that rounding. Both were
-        set from measurements (``docs/quantization.md``, "Bounds")."""
+        set from measurements (``docs/quantization.md``, "Verification bounds")."""
         return (max(self.expected_factor * expected_mean, self.expected_floor),
                 max(self.expected_factor_p99 * expected_p99, self.expected_floor_p99))
 
@@ -285,17 +285,17 @@ def bounds_for(name: str, overrides: dict[str, Any] | None = None, rounding: str
     return apply_bounds(name, get_scheme(name).bounds_of(rounding), overrides)
 
 
-# Default-model measurements behind these values: docs/quantization.md ("Bounds").
+# Default-model measurements behind these values: docs/quantization.md ("Verification bounds").
 INT4_BOUNDS = QuantizedBounds(kl_mean=0.5, kl_p99=4.0, same_top1=0.6, ppl_ratio=1.6)
 register_scheme(Scheme("float32", "float32", ParityBounds(), "full precision"))
 # int8's scaled factor is 10, not 4: XNNPACK's 8da8w rounds every linear's input to int8 per token,
 # which the expected error leaves out and which dominates when the weights are 8-bit (default
-# model .pte: 4.3× the expected kl_mean); docs/quantization.md, "Scaled to the model".
+# model .pte: 4.3× the expected kl_mean); studies/quantized-scaling.md.
 register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1,
                                                        expected_factor=10.0, expected_factor_p99=10.0),
                        "8-bit weights and token tables"))
 # int4's .pte: the head an 8-bit linear over the gather's own 8-bit table, stored once (model.ptd);
-# measured on the default model: the fp32 head's KL at 104.6 MB instead of 222.9 (docs/quantization.md).
+# measured on the default model: the fp32 head's KL at 104.6 MB instead of 222.9 (studies/pte-head-and-table.md).
 # int4's body is GPTQ-rounded where the target writes calibrated codes (.pte, onnx, and onnx-genai into
 # the builder's nodes; docs/quantization.md, "Calibrated rounding"). GPTQ artifacts are held to bounds set
 # from their own measurements on the default model: .pte 0.0550 / 0.407 / 89.3 % / 1.035, onnx 0.0354 /
@@ -304,9 +304,9 @@ register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5,
 # 2.7x on the mean KL, 2.6x on the p99, 6.8 points on the top-1 rate; the bounds are left as they are.
 # The main job's int4 .pte under 90 MB (a GPTQ-rounded 4-bit table, the recipe's 56 8-bit linears):
 # 0.0665 / 0.516 / 87.8 % / 1.058, a margin of 1.8x on the mean KL, 1.7x on the p99, 5.8 points on
-# the top-1 rate (docs/quantization.md, "Under 90 MB"); left as they are. The main job's genai folder with
+# the top-1 rate (studies/int4-frontier.md, "Under 90 MB"); left as they are. The main job's genai folder with
 # GPTQ codes in the builder's body and the rotated 4-bit table (99.7 MB): 0.0585 / 0.428 / 87.6 % / 1.041, a
-# margin of 2.1x on the mean KL and the p99, 5.6 points on the top-1 rate (docs/quantization.md, "GPTQ in
+# margin of 2.1x on the mean KL and the p99, 5.6 points on the top-1 rate (studies/onnx-genai-int4.md, "GPTQ in
 # the builder's body"); left as they are.
 INT4_GPTQ_BOUNDS = QuantizedBounds(kl_mean=0.12, kl_p99=0.9, same_top1=0.82, ppl_ratio=1.1)
 register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
@@ -319,7 +319,7 @@ register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
                        "the bound)",
                        table_bits=4, int4_8bit_layers=("v_proj",), rounding="gptq", runtimes=("onnx", "onnx-genai")))
-# int4 with one 4-bit token table for the .pte's gather and head (docs/quantization.md, "One token
+# int4 with one 4-bit token table for the .pte's gather and head (studies/pte-head-and-table.md, "One token
 # table for the gather and the head"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
 # stored once in model.ptd; smaller than int4's .pte, at a higher KL. Rotated and GPTQ-rounded (the table
 # too) as int4 is: studies/table_gptq.py measured 0.055 / 0.115 / 0.111 (code / prose / chat) in eager.
@@ -330,8 +330,8 @@ register_scheme(Scheme("int4-shared", "int4", INT4_BOUNDS,
                        rounding="gptq", rotate_residual=True, runtimes=("executorch",)))
 # The web schemes: the same codes as int8/int4 on the onnx target, dequantized by standard operators
 # that onnxruntime folds at load, because onnxruntime-web's default WASM build lacks
-# GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/export.md, "The folder
-# transformers.js loads"). No activation is rounded at run time, so the int8 scheme's factor of 10
+# GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/web.md). No activation is
+# rounded at run time, so the int8 scheme's factor of 10
 # (for XNNPACK's int8 activations) does not apply: the default factor of 4.
 register_scheme(Scheme("int8-web", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1),
                        "8-bit codes folded to float32 when the session loads: runs in onnxruntime-web's default "

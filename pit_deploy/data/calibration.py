@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-#: calibration tokens in all (at least); measured on the default model: docs/quantization.md,
-#: "Calibrated rounding"
+#: calibration tokens in all (at least); measured on the default model: studies/gptq.md
 CALIBRATION_TOKENS = 8192
 CALIBRATION_SEED = 1
 #: chat turns (user question, no answer: the prompt format the runner feeds)

@@ -29,7 +29,7 @@ FP32 bounds (``docs/definitions.md``, :mod:`pit_deploy.schemes`): ``logits_rel_l
 Quantized artifacts are judged by KL figures on the manifest's held-out blocks instead: against
 the scheme's absolute bounds and, where the export recorded it, against a multiple of the
 artifact's own expected quantization error (its weights rounded to the scheme's grid in PyTorch,
-measured at export without the artifact: ``docs/quantization.md``, "Bounds"). Absolute bounds
+measured at export without the artifact: ``docs/quantization.md``, "Verification bounds"). Absolute bounds
 set on one model say little about another; the scaled check is what catches an artifact that is
 further from fp32 than its quantization explains.
 """

@@ -33,7 +33,7 @@ only its token tables are rounded here; the runtime's KL is then bounded relativ
 calibrated model's own.
 
 What is not reproduced — the reasons the runtime's KL is a multiple of this one, which the
-bounds' factor allows for (``docs/quantization.md``, "Bounds"): activations (both runtimes
+bounds' factor allows for (``docs/quantization.md``, "Verification bounds"): activations (both runtimes
 quantize a linear's input to int8 per token or per block at run time); torchao's HQQ scale
 search for 4-bit XNNPACK weights (min/max scales here, a slightly larger weight error); the
 random rotation of a quantized ``.pte`` head and its GPTQ rounding (the head's table is rounded

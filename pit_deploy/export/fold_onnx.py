@@ -5,8 +5,8 @@ Why not the ``onnx`` target's own int8/int4 graphs there: their operators (``Mat
 ``GatherBlockQuantized``) are contrib ops. onnxruntime-web's default WASM build has no
 ``GatherBlockQuantized`` at all, so the folder does not load in a browser, and its
 ``MatMulNBits`` is an order of magnitude slower than an fp32 ``MatMul`` at one token (measured in
-headless Chromium: ``studies/web_int8.py``, ``docs/export.md``, "The folder transformers.js
-loads"). Here every weight matrix is stored as codes with block scales and zero points, and the
+headless Chromium: ``studies/web_int8.py``, ``docs/web.md``). Here every weight matrix is
+stored as codes with block scales and zero points, and the
 graph dequantizes it with standard operators (``BitShift``, ``Sub``, ``Cast``, ``Mul``,
 ``Reshape``, ``Transpose``) whose inputs are all initializers: onnxruntime's constant
 folding computes the fp32 weight once, when the session is created, in native builds and in

@@ -3,8 +3,8 @@
 Why: lowered with the Hugging Face ``StaticCache`` and SDPA, every layer of a ``.pte`` breaks
 into many pieces — the cache write (``index_put``), the causal mask (``where``,
 ``any``, ``logical_not``), the grouped-query ``expand`` and ``view`` copies run on portable
-kernels between XNNPACK partitions (measured on a 2-layer Llama: ``docs/export.md``,
-"Export"). Lowering time grows with the number of partitions (``to_backend`` copies the
+kernels between XNNPACK partitions (measured on a 2-layer Llama: ``studies/pte-lowering.md``,
+"Custom ops and rewrites"). Lowering time grows with the number of partitions (``to_backend`` copies the
 graph once per partition), and the attention spans every cache slot whatever the position.
 ExecuTorch's own Llama export uses two custom ops instead (``extension/llm/custom_ops``,
 registered by the ``executorch`` runtime as ``llama::update_cache`` and ``llama::custom_sdpa``):

@@ -17,7 +17,7 @@ Inference in Rotated LLMs"; SpinQuant, Liu et al. 2024), so one int8 scale per t
 little: on the default model the rotation flattens the input's outliers and cuts the mean KL
 a quantized head adds to its int4 program, at 8 and at 4 bits (PyTorch eager,
 ``studies/pte_head_rotation.py``; the lowered programs measure the same; figures in
-``docs/quantization.md``). With transpose tying the head reads the table the
+``studies/pte-head-and-table.md``). With transpose tying the head reads the table the
 embedding reads, so a rotation has to turn the whole residual stream (QuaRot folds the norms and
 rotates every layer); in the factorized PIT head it is local: only ``T`` and ``Z`` change.
 

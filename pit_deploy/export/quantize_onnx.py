@@ -9,7 +9,7 @@ Everything quantizes through onnxruntime's own tools (``onnxruntime.quantization
 * **token tables** (the embedding's ``Gather`` and the head's ``MatMul``): block-quantized
   (``table_bits``: 8 by default for both dtypes, as llama.cpp's Q4_K_M keeps its output
   matrix at 6 bits; a 4-bit table costs mean KL on the default model's factorized int4
-  artifact and makes it the smallest, ``docs/quantization.md``) with the same onnxruntime
+  artifact and makes it the smallest, ``studies/onnx-quantized-decode.md``) with the same onnxruntime
   routine (``DefaultWeightOnlyQuantizer.qbits_block_quant``, blocks along ``d``), the embedding read by ``com.microsoft.GatherBlockQuantized`` and the head by
   ``MatMulNBits``. Both ops take the table in the same packed layout (rows = tokens, two 4-bit
   values per byte low nibble first), so where the head and the embedding read the same table
@@ -241,7 +241,7 @@ def split_nibbles(table: BlockTable) -> tuple[BlockTable, BlockTable]:
 
     Why: onnxruntime's ``MatMulNBits`` has no fused CPU kernel for 8-bit weights with fp32
     activations (it dequantizes the whole table on every call, far slower on the default model's
-    head than a 4-bit table; ``benchmarks/onnx_head_kernels.py``, ``docs/quantization.md``,
+    head than a 4-bit table; ``benchmarks/onnx_head_kernels.py``, ``studies/onnx-quantized-decode.md``,
     "Measured on the default model"). Two 4-bit
     products of the nibble planes give the 8-bit product with fp32 activations, in the same
     bytes as the 8-bit table.
@@ -311,7 +311,7 @@ def _plane_names(graph, prefix: str, planes: Planes, gather: bool) -> list[list[
 
 #: weight of the embedding's term in a factorized table's GPTQ rounding, each term scaled to a
 #: mean diagonal of 1 (default model, onnx-genai int4 with a 4-bit table, verify's mean KL:
-#: 0.238 rounded to nearest, 0.201 / 0.184 / 0.189 at weights 0 / 1 / 4; docs/quantization.md)
+#: 0.238 rounded to nearest, 0.201 / 0.184 / 0.189 at weights 0 / 1 / 4; studies/int4-frontier.md)
 EMBEDDING_WEIGHT = 1.0
 
 
@@ -363,7 +363,7 @@ def rotate_table(graph, iface: Interface) -> bool:
     Why: a token's row has a few large coordinates, and one 4-bit scale a block of 32 spends its
     range on them; ``R`` spreads them over every coordinate (incoherence processing, as in QuIP,
     Chee et al., 2023, arXiv:2307.13304, and QuaRot, Ashkboos et al., 2024, arXiv:2404.00456).
-    Default model: ``docs/quantization.md``, "GPTQ in the builder's body".
+    Default model: ``studies/onnx-genai-int4.md``, "GPTQ in the builder's body".
 
     Returns:
         whether the table was turned: only a factorized graph whose table and factors no node
@@ -415,7 +415,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     The head keeps fp32 activations in every mode (no ``accuracy_level``): in factorized mode
     so that ``W_out E = I`` holds on the runtime, and everywhere because int8 activations in the
     head measured a larger mean KL on the default model's materialized exports, failing the
-    bounds (``docs/quantization.md``). An 8-bit table is stored as its two nibble
+    bounds (``studies/onnx-quantized-decode.md``). An 8-bit table is stored as its two nibble
     planes (:func:`split_nibbles`); where the embedding reads the same table it gathers both.
 
     Returns:
@@ -618,7 +618,7 @@ def quantize_body(model, dtype: str, block: int, exclude: list[str], keep_8bit: 
 
     Not ``quantize_dynamic``: its per-tensor uint8 activations measured a far larger mean KL on
     the default model (SmolLM2's activation outliers) than 8-bit weights alone
-    (``docs/quantization.md``, "What is quantized, and how").
+    (``studies/onnx-quantized-decode.md``, "What is quantized, and how").
 
     ``codes``: a calibrated model's codes by weight digest (:func:`write_calibrated_matmuls`),
     written as they are before the quantizer rounds what is left.

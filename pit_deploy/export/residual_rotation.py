@@ -4,7 +4,7 @@ Why: XNNPACK's ``8da4w``/``8da8w`` linears quantize their input to int8 per toke
 default model's residual stream has a few channels far larger than the rest; a rotation spreads
 them over every channel (QuaRot, Ashkboos et al., arXiv:2404.00456; SpinQuant, Liu et al.,
 arXiv:2405.16406), and together with calibrated rounding it lowers the KL of the int4 program
-(``docs/quantization.md``, "Rotation with GPTQ", for the measurements).
+(``studies/rotation.md`` for the measurements).
 
 What it does to a prepared (factorized or materialized) model, in float32, with no change to what
 the model computes:

@@ -306,13 +306,13 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     scale-only search, and the linears named in ``keep_8bit`` (:func:`~pit_deploy.schemes.names_linear`; by default
     ``v_proj`` and ``down_proj``, the tensors llama.cpp's Q4_K_M also keeps at higher precision)
     get 8-bit weights: measured on the default model, each lowers the mean KL, the 8-bit layers
-    most (``docs/quantization.md``, "What is quantized, and how").
+    most (``studies/pte-head-and-table.md``, "What is quantized, and how").
 
     The head stays fp32: a factorized head reads ``Zᵀ`` through a plain matmul, and a
     materialized or tied ``lm_head`` is left out of the quantization — XNNPACK's quantized
     linears quantize their input to int8 per token, and on the default model's materialized
     head that measured a mean KL far over the bounds at 8 and 4 bits, failing verification
-    (``docs/quantization.md``). The input embedding is quantized separately
+    (``studies/pte-head-and-table.md``). The input embedding is quantized separately
     (:func:`.pte_token_table.quantize_token_table`).
     """
     import copy

@@ -65,7 +65,7 @@ KV_CACHE_TYPES = {"F32": "f32", "F16": "f16", "Q8_0": "f16", "Q4_0": "f16", "Q4_
 #: multiple of 256) makes its matmul round the head's *input* to 8 bits per block of 32, and the final
 #: norm's gains of a ``preserve`` conversion (up to 1.2e5 on the default model) put a few channels far
 #: above the rest of their block: Q8_0 head 0.065 mean KL, BF16 head 0.0033 (body Q8_0 both; F32 head
-#: 0.0033 at twice BF16's bytes; F16 overflows). docs/llama_cpp.md, "The head's type".
+#: 0.0033 at twice BF16's bytes; F16 overflows). docs/llama_cpp.md, "The head in BF16".
 HEAD_TYPE = "BF16"
 
 #: llama.cpp's ``llama_ftype`` of the types its quantizer makes here (llama.h)

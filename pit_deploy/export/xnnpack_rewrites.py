@@ -2,8 +2,8 @@
 
 Why: lowered as Hugging Face writes them, each layer of the default model broke into several
 XNNPACK partitions with portable operators between them, and the lowering copies the graph for
-every partition: side by side, the rewrites cut both (``docs/export.md``, "Where ``.pte``
-export time goes"). The breaks came from operators the XNNPACK partitioner refuses (its
+every partition: side by side, the rewrites cut both (``studies/pte-lowering.md``). The breaks
+came from operators the XNNPACK partitioner refuses (its
 operator configs in ``executorch/backends/xnnpack/partition/config``):
 
 * **RMSNorm's** ``mean(x², dim=-1, keepdim=True)``: XNNPACK's mean only covers 4-D inputs
@@ -17,7 +17,7 @@ operator configs in ``executorch/backends/xnnpack/partition/config``):
   the same thing (:func:`inferred_view_sizes`, an edge transform pass).
 
 What remains outside the delegates per layer is what has to: the cache update and attention
-custom ops (:mod:`.llm_ops`). Measured on the default model: ``docs/export.md``.
+custom ops (:mod:`.llm_ops`). Measured on the default model: ``studies/pte-lowering.md``.
 
 The module and function swaps are undone when the context manager exits, so the caller's model
 is unchanged after export.

@@ -31,7 +31,7 @@ PTD_NAME = DATA_TAG + ".ptd"
 #: hidden vectors one call of its ``head`` takes; verification calls them in chunks. Memory
 #: planning sizes each method's buffers for its largest call, and the runtime allocates them when
 #: the program is loaded: with all ``V`` ids at once the default model's ``embed`` planned 216 MiB
-#: that every process loading the program held (``docs/export.md``, "Where a `.pte`'s memory goes").
+#: that every process loading the program held (``studies/pte-memory.md``).
 INTERFACE_IDS = 1024
 INTERFACE_HIDDEN_ROWS = 64
 #: the ``variant`` of the benchmark cells timed through the stock runner

@@ -129,7 +129,7 @@ def freeze_body(model: torch.nn.Module) -> None:
     Why a user wants it: the converted body then stays bit for bit what the conversion made of the
     source. A source stored on a 4-bit grid (the default model's GGUF is Q4_1) keeps its body on
     that grid up to the conversion's exact rotation, so an exporter that maps it back can round it
-    without loss (``docs/quantization.md``, "A body that stays on the source's grid"); the block
+    without loss (``studies/source-grid.md``); the block
     norms are frozen too, because a trained gain in the rotated basis is no diagonal gain in the
     source's."""
     interface = find_interface(model)
