@@ -1,0 +1,5 @@
+"""``pit-deploy run``: run recipes (:mod:`.recipe`), the stages and their order
+(:mod:`.pipeline`), stage records that let a rerun skip what is up to date (:mod:`.stages`),
+the greedy answers (:mod:`.answers`) and the report (:mod:`.report`). See ``docs/run.md`` and
+``docs/recipes.md``.
+"""
