@@ -1,6 +1,6 @@
 """How the calibration mix of the `preserve` conversion (corpus tokens, number of chat prompts)
 moves its held-out KL on the default model: the measurement behind the default calibration
-(docs/conversion.md, "Calibration"). Fits from token-weighted mixes of calibration statistics;
+(studies/conversion-preserve.md). Fits from token-weighted mixes of calibration statistics;
 held-out code and chat sets as in ``studies/conversion.py``.
 
     python studies/preserve_calibration_mix.py [--out studies/results/preserve_calibration_mix.json]

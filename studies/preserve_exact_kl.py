@@ -1,7 +1,7 @@
 """Fitting the `preserve` conversion's symmetric gain G to the exact KL of the calibration tokens
 (L-BFGS from the second-order closed form) against the closed form itself, on held-out code and
 chat text of the default model: the measurement behind "fitting the exact KL overfits"
-(docs/conversion.md). Calibration: the first default (8 chat prompts, 2048 tokens in all).
+(studies/conversion-preserve.md). Calibration: the first default (8 chat prompts, 2048 tokens in all).
 
     python studies/preserve_exact_kl.py [--threads 1] [--iterations 30] [--out studies/results/preserve_exact_kl.json]
 

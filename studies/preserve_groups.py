@@ -1,6 +1,6 @@
 """How the `preserve` fit's statistics are grouped moves its held-out fidelity on the default
-model: the measurement behind the grouped fit and ``FIRST_ANSWER_WEIGHT`` (docs/conversion.md,
-"Calibration"). One default calibration set (32 chat prompts + corpus, 4096 tokens); every
+model: the measurement behind the grouped fit and ``FIRST_ANSWER_WEIGHT`` (studies/conversion-preserve.md,
+"One term per group of positions"). One default calibration set (32 chat prompts + corpus, 4096 tokens); every
 variant is fitted from its statistics and scored on the held-out code and chat sets of
 ``studies/conversion.py``: mean KL, top-1 agreement, the first answer token of the 16
 held-out chat prompts, and the first answer token of "What is the capital of France?" (one of

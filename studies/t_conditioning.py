@@ -18,7 +18,7 @@ how ``T`` is parameterized, clamped or floored, or in its learning rate:
 
 Per run: the held-out loss at the end, the mean training loss of the last ten steps, the largest
 ``delta_ti`` and ``cond(T)``, the smallest eigenvalue of ``T``, the steps at which the floor
-acted and the median step time. Figures: ``docs/training.md`` ("Keeping T well conditioned").
+acted and the median step time. Figures: ``studies/t-conditioning.md``.
 
     python studies/t_conditioning.py --seeds 10 --lrs 3e-3,1e-2
     python studies/t_conditioning.py --families     # every tiny family at lr 0.1, floor off / on
@@ -203,7 +203,7 @@ def families(args: argparse.Namespace, work: Path) -> dict:
 
 
 def table(result: dict) -> str:
-    """The markdown tables of ``docs/training.md`` from a result file: per learning rate, each
+    """The markdown tables of ``studies/t-conditioning.md`` from a result file: per learning rate, each
     candidate's held-out loss and its difference from ``none``'s run of the same seed (median,
     and mean ± sd, over the seeds: one seed's divergence moves the mean a lot)."""
     lines = []

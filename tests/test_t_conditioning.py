@@ -128,7 +128,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_identity_holds_at_a_high_learning_rate(tmp_path, corpus, family) -> None:
     """lr 0.1 for five steps from the default conversion. Without the floor granite, gpt2 and
-    gemma lose the identity here (docs/training.md, studies/t_conditioning.py --families)."""
+    gemma lose the identity here (studies/t-conditioning.md, studies/t_conditioning.py --families)."""
     out = tmp_path / "run"
     result = train(config(out, make_model_dir(tmp_path, family), corpus, steps=5, lr=0.1, warmup_steps=0,
                           eval_every=0))

@@ -185,7 +185,7 @@ def chat_calibration(model: PreTrainedModel, tokenizer: Any, prompts: Iterable[s
 
     Prompts are generated ``batch`` at a time, left-padded with an attention mask: for the 32
     default prompts on the default model one batch of 32 was the fastest of the batch sizes
-    timed, with identical rows (``docs/conversion.md``, "Measured"). A forward pre-hook on the final norm
+    timed, with identical rows (``studies/conversion-preserve.md``). A forward pre-hook on the final norm
     keeps each step's hidden states, so the calibration statistics need no second pass over
     these rows: every position's state is computed during generation except the last token of a
     row that was still generating at the final step (that position is left out).

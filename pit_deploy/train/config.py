@@ -25,8 +25,8 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 SCRATCH_LR = 3e-4
 CPT_LR = 1e-5
 CPT_WARMUP = 4
-#: defaults of ``--t-max-cond`` and ``--max-delta-ti`` (measured in ``docs/training.md``, "Keeping T
-#: well conditioned")
+#: defaults of ``--t-max-cond`` and ``--max-delta-ti`` (``docs/training.md``, "Keeping T well
+#: conditioned"; measured in ``studies/t-conditioning.md``)
 T_MAX_COND = 1e3
 MAX_DELTA_TI = 1e-4
 
@@ -139,7 +139,7 @@ def with_start_defaults(cfg: TrainConfig) -> TrainConfig:
     pretrained model — PIT from the source-preserving conversion or the TT baseline, which both
     start at the source's loss — takes :data:`CPT_LR` after :data:`CPT_WARMUP` steps: the
     rate at which PIT ended best and rose least above its start in the measured
-    sweep (``docs/training.md``); a from-scratch rate there undoes what the conversion kept."""
+    sweep (``studies/continued-pretraining.md``); a from-scratch rate there undoes what the conversion kept."""
     from dataclasses import replace
 
     paper_init = cfg.tying == "pit" and cfg.t_init in ("identity", "input", "output")

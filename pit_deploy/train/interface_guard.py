@@ -5,8 +5,8 @@ defect is ``W_out E − I = T Δ T⁻¹``: it grows with ``cond(T)``. AdamW move
 by about the learning rate whatever its size, and nothing in the Cholesky parameterization stops
 those steps from lining up into a near-singular ``L`` while its diagonal stays where it was.
 Then ``T``'s smallest eigenvalue collapses and ``delta_ti`` grows by orders of magnitude
-(``docs/training.md``, "Keeping T well conditioned", has the reproduction and the measured
-choice among the remedies).
+(``docs/training.md``, "Keeping T well conditioned"; ``studies/t-conditioning.md`` has the
+reproduction and the measured choice among the remedies).
 
 :class:`InterfaceGuard` does three things after every optimizer step, with ``d×d`` work only:
 
