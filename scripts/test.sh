@@ -7,6 +7,8 @@ bash scripts/setup.sh
 bash scripts/setup_web.sh
 # llama-cpp-python for the gguf target, built once from its sdist into a wheel cache (minutes on 2 cores)
 bash scripts/setup_llama_cpp.sh
+# qemu 10.x, an arm64 Python and the aarch64 onnxruntime wheels, cached, for verify --isa aarch64
+bash scripts/setup_aarch64.sh
 export HF_HUB_OFFLINE=1
 # Two workers (pytest-xdist), one per core of the CI machine; a test file, and the runtime suite as
 # a whole, stays on one worker (tests/conftest.py). PIT_TEST_WORKERS=0 runs in this process.
