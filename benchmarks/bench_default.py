@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 
 def dir_bytes(folder: Path) -> int:

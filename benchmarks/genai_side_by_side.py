@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 #: our int4 schemes, each against the builder's int4: ``int4`` (8-bit table and v/down

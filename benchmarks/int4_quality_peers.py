@@ -47,7 +47,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pte_anchors import size_mb  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 BLOCK = 255
 LLAMA_TYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}

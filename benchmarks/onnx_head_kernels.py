@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, BLOCK = 49152, 576, 32

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from bench_default import pit_deploy
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("onnx", "onnx-genai")

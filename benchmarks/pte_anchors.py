@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from genai_side_by_side import _peak_rss_mb, _rss_mb, builder_folders, prompt_ids  # noqa: E402
 from genai_side_by_side import measure as measure_genai  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

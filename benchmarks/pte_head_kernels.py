@@ -40,7 +40,7 @@ import time
 import torch
 from torch import nn
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 V, D, GROUP = 49152, 576, 32
 

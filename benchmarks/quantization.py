@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = "float32,int8,int4"

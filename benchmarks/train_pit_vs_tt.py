@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 
 def interleaved_step_times(args, device: torch.device) -> dict:

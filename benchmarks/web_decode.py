@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from result_file import write_result
+from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed "

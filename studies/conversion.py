@@ -13,9 +13,7 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -26,8 +24,7 @@ from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import interface_delta_ti  # noqa: E402
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 CHAT_PROMPTS = (
     "What is the capital of Japan?", "Name three primary colors.", "How many legs does a spider have?",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -30,8 +29,7 @@ from pit_deploy.convert.conversion import convert_model
 from pit_deploy.io.sources import load_source
 from pit_deploy.model.core import T_INITS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 # A fixed, small slice of the stdlib: the same files on every CPython 3.x.
 SAMPLE_FILES = ("textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py", "shlex.py")

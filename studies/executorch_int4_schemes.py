@@ -19,7 +19,6 @@ import copy
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -35,8 +34,7 @@ from torchao.quantization.quantize_.workflows import IntxChooseQParamsAlgorithm 
 
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 HQQ = IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY
 VARIANTS = {

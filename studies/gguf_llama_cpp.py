@@ -29,10 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import sys
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 from pit_deploy.evaluate.verify import GREEDY_TOKENS, load_reference, make_prompts, reference_run
 from pit_deploy.export.to_gguf import EMBED, HEAD, corrected_table, delta_ti

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,8 +39,7 @@ from pit_deploy.runtime.torch_driver import TorchDriver  # noqa: E402
 from pit_deploy.schemes import get_scheme  # noqa: E402
 from pit_deploy.targets import get_target  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 #: name -> (rounding, linears at 8 bits, token table bits)
 CONFIGS = {

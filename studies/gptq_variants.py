@@ -46,10 +46,9 @@ from pit_deploy.export.calibrated_rounding import RoundedWeight  # noqa: E402
 from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 import gptq_frontier  # noqa: E402
 from gptq_frontier import load_setup, measure_config, report_row, study_args, study_result  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 from table_gptq import sensitive_linears  # noqa: E402
 
 #: the shipped configuration's weight budget (MB) and token table bits

@@ -47,10 +47,9 @@ from pit_deploy.train.loop import cosine_lr  # noqa: E402
 from pit_deploy.train.loss import token_loss  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 import source_grid  # noqa: E402
 from source_grid import BLOCK, LINEARS, SourceBasis, codes_on, grid_of, source_rotation  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 
 class GridTrained(nn.Module):

@@ -48,9 +48,8 @@ from pit_deploy.schemes import get_scheme  # noqa: E402
 from pit_deploy.targets import get_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from gptq_frontier import gather_scale_bytes, linear_bytes, measure, weight_bytes  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 #: held-out blocks per kind that the sensitivity pass reads (the measured configurations read all)
 SENSITIVITY_BLOCKS = 3

@@ -12,12 +12,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from conversion import chat_sequences  # noqa
 from pit_deploy.convert.preserve import CALIB_PROMPTS, calibration_set, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
-from result_file import write_result  # noqa
+from pit_deploy.io.result_file import write_result  # noqa
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--threads", type=int, default=1)

@@ -13,12 +13,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from conversion import chat_sequences  # noqa
 from preserve_probe import SourceHead  # noqa
 import pit_deploy.convert.preserve as pp  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa
-from result_file import write_result  # noqa
+from pit_deploy.io.result_file import write_result  # noqa
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="studies/results/preserve_groups.json")

@@ -17,7 +17,6 @@ import copy
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -32,8 +31,7 @@ from pit_deploy.export.recipes import Recipe  # noqa: E402
 from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
 
 from executorch_int4_schemes import export_run, kl_figures  # noqa: E402
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 VARIANTS = {"fp32 head": (0, True), "8-bit head, R = I": (8, False), "8-bit head, rotated": (8, True),
             "4-bit head, R = I": (4, False), "4-bit head, rotated": (4, True)}

@@ -29,14 +29,12 @@ import copy
 import functools
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

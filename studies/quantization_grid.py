@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +47,7 @@ from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import find_interface  # noqa: E402
 from pit_deploy.tiny import FAMILIES, tiny_model  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 BLOCK = 32
 

@@ -1,7 +1,7 @@
 """How far is a quantized artifact's runtime KL from the error its weight rounding alone explains,
 honest and with random bytes in every quantized body weight? The measurement behind the scaled
 KL bound of ``verify`` (``QuantizedBounds.expected_factor`` and ``expected_floor``,
-``docs/quantization.md``, "Bounds").
+``docs/quantization.md``, "Verification bounds").
 
     python studies/quantized_scaling.py [--families llama,qwen3,granite,gpt2]
         [--runtimes onnx,executorch] [--dtypes int8,int4] [--default-export DIR ...]
@@ -32,9 +32,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared result writer
 sys.path.insert(0, str(ROOT / "tests"))  # the scrambling helpers the tests use
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 from scramble import rehash, scramble_onnx_body, scrambled_pte_linears  # noqa: E402
 
 from pit_deploy.cli import main as cli  # noqa: E402

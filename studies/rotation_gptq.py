@@ -38,9 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from gptq_frontier import load_setup, measure_config, report_row, study_args, study_result  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 #: name -> (linears at 8 bits, token table bits, rotated)
 CONFIGS = {

@@ -39,13 +39,12 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.model.core import PITInterface  # noqa: E402
 from pit_deploy.train.loop import TrainConfig, TrainingRecipe  # noqa: E402
-from pit_deploy.train.metrics import read_metrics  # noqa: E402
+from pit_deploy.io.metrics import read_metrics  # noqa: E402
 
 Hook = Callable[[PITInterface], None]
 

@@ -34,10 +34,9 @@ from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
 from pit_deploy.schemes import get_scheme  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
 from gptq_frontier import load_setup, measure_config, report_row, study_args, study_result  # noqa: E402
 from int4_sensitivity import allocate  # noqa: E402
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 #: name -> (linears at 8 bits, or "sens:MB"; token table bits; the table rounded by GPTQ)
 CONFIGS = {

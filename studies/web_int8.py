@@ -44,7 +44,6 @@ import argparse
 import collections
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,8 +52,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared result writer
-from result_file import write_result  # noqa: E402
+from pit_deploy.io.result_file import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = "pit_factors.Zt"  # [d, V]: the embedding gathers its columns (axis=1), the head multiplies by it

@@ -49,8 +49,8 @@ VERSIONED = ("torch", "transformers", "onnxruntime", "executorch", "optimum-onnx
 
 
 def run_benchmark(name: str, argv: list[str]) -> int:
-    """``benchmarks/NAME.py``'s ``main(argv)``, loaded from its file (it imports its neighbour
-    ``result_file`` as a script would)."""
+    """``benchmarks/NAME.py``'s ``main(argv)``, loaded from its file (some import a neighbouring
+    script, as they would when run)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
@@ -265,12 +265,12 @@ def test_train_pit_vs_tt(work, tmp_path):
 # -- the layout of benchmarks/ and studies/ (no model needed) ------------------------------------
 
 SCRIPTS = sorted(p for p in (*BENCHMARKS.glob("*.py"), *STUDIES.glob("*.py")))
-HELPERS = {"result_file.py", "preserve_probe.py"}  # the writer itself; shared code of the preserve studies
+HELPERS = {"preserve_probe.py"}  # shared code of the preserve studies
 
 
 @pytest.mark.parametrize("script", [p for p in SCRIPTS if p.name not in HELPERS], ids=lambda p: p.name)
 def test_one_writer(script):
-    """Every benchmark and study writes its result through ``result_file.write_result`` and
+    """Every benchmark and study writes its result through ``pit_deploy.io.result_file.write_result`` and
     never writes JSON itself."""
     text = script.read_text(encoding="utf-8")
     assert "write_result(" in text
@@ -279,7 +279,7 @@ def test_one_writer(script):
 
 def test_every_benchmark_is_smoked():
     smoked = {name.removeprefix("test_").removesuffix("_as_a_script") for name in globals() if name.startswith("test_")}
-    benchmarks = {p.stem for p in BENCHMARKS.glob("*.py")} - {"result_file"}
+    benchmarks = {p.stem for p in BENCHMARKS.glob("*.py")}
     assert benchmarks <= smoked, f"not smoked: {sorted(benchmarks - smoked)}"
 
 

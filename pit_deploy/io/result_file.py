@@ -12,7 +12,8 @@ Every result written through :func:`write_result` carries ``provenance``:
   onnxruntime-genai (``null`` where not installed);
 * ``timestamp`` (UTC, ISO 8601) and ``machine`` (platform, Python, CPU count).
 
-Scripts in ``studies/`` import it with ``benchmarks/`` put on ``sys.path``.
+Scripts import it as ``from pit_deploy.io.result_file import write_result``; the commit recorded
+is the one of the git checkout that holds the running script.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _installed(name: str) -> str | None:
@@ -38,19 +38,25 @@ def _installed(name: str) -> str | None:
         return None
 
 
-def _git(*args: str) -> str | None:
+def _git(cwd: Path, *args: str) -> str | None:
     try:
-        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
 
 
-def code_version() -> dict[str, Any]:
-    """The git commit of this checkout and whether tracked files differ from it (both ``None``
-    outside a git checkout), and the installed ``pit-deploy`` version."""
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+def checkout_root(path: Path) -> Path | None:
+    """The top folder of the git checkout that holds ``path`` (``None`` outside one)."""
+    top = _git(path if path.is_dir() else path.parent, "rev-parse", "--show-toplevel")
+    return Path(top.strip()) if top else None
+
+
+def code_version(root: Path | None) -> dict[str, Any]:
+    """The git commit of the checkout at ``root`` and whether tracked files differ from it (both
+    ``None`` outside a git checkout), and the installed ``pit-deploy`` version."""
+    commit = _git(root, "rev-parse", "HEAD") if root is not None else None
+    status = _git(root, "status", "--porcelain", "--untracked-files=no") if commit else None
     return {"git_commit": commit.strip() if commit else None,
             "git_dirty": bool(status.strip()) if status is not None else None,
             "pit_deploy": _installed("pit-deploy")}
@@ -68,11 +74,12 @@ def provenance(script: str | Path, argv: list[str] | None = None) -> dict[str, A
     running script's ``__file__``; ``argv`` its arguments (``sys.argv[1:]`` when ``None``)."""
     args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     path = Path(script).resolve()
-    shown = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    root = checkout_root(path)
+    shown = path.relative_to(root).as_posix() if root is not None and path.is_relative_to(root) else str(path)
     return {
         "command": shlex.join(["python", shown, *args]),
         "argv": args,
-        "code_version": code_version(),
+        "code_version": code_version(root),
         "versions": library_versions(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()},
