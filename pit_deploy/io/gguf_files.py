@@ -3,8 +3,7 @@
 ``transformers`` reads a GGUF file through gguf-py's ``GGUFReader``, which builds a NumPy view
 for every element of every metadata array — the 49,152 tokens and 48,900 merges of the default
 SmolLM2-135M file among them. One parse of that file is slow, and loading its config, weights
-and tokenizer parsed it five times (before this module; timings: ``docs/conventions.md``,
-"Reading GGUF files, and the converted-model cache"). Every stage that loads the default model paid that. So:
+and tokenizer parsed it five times (before this module; timings: ``studies/gguf-loading.md``). Every stage that loads the default model paid that. So:
 
 * :func:`gguf_tensor_names` reads only the file's header (the GGUF format: magic, version,
   counts, key/value metadata, tensor infos; the GGUF specification in the ggml repository), skipping the metadata
