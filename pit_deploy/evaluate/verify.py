@@ -47,7 +47,7 @@ import torch
 from ..errors import PitError
 from ..export.recipes import MODES, parse_list
 from ..io.checkpoint import load_pit_model
-from ..io.fs import confined, json_text, write_json_atomic
+from ..io.fs import confined, json_text, lock_target, write_json_atomic
 from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests, pin_sha256,
                            read_manifest_json)
 from ..model.core import identity_defect
@@ -558,6 +558,30 @@ def verify_directory(
         results.append(result)
     report = VerifyReport(str(directory), results, pin)
     if record:
+        record_results(directory, pin, selected, results)
+    return report
+
+
+#: seconds a ``verify`` waits to record its results while another command holds the export's lock
+RECORD_WAIT_S = 30.0
+
+
+def record_results(directory: Path, pin: str, selected: Sequence[Any], results: Sequence[ArtifactResult]) -> None:
+    """Merge ``results`` into the ``verification`` entry of ``directory``'s manifest, under the
+    export's lock (:func:`~pit_deploy.io.fs.lock_target`, which ``export`` holds while it writes
+    the directory): two verifications recording at once both keep their results. Only into the
+    export that was measured: the manifest's pin (``pin``, read before the measurement) must be
+    the one on disk.
+
+    Raises:
+        PitError: the export was replaced or its manifest changed while it was verified (the
+            results are not recorded), or another command kept the lock for
+            :data:`RECORD_WAIT_S` seconds.
+    """
+    with lock_target(directory, "verify", wait=RECORD_WAIT_S):
+        if pin_sha256(directory) != pin:
+            raise PitError(f"{directory} was replaced or its {MANIFEST_NAME} changed while it was being verified "
+                           "(another export into it?); the results were not recorded — verify it again")
         data = read_manifest_json(directory / MANIFEST_NAME)
         previous = data.get("verification") or {}
         by_key = {artifact_key(r["runtime"], r["mode"], r.get("scheme") or r.get("dtype", "float32")): r
@@ -570,5 +594,4 @@ def verify_directory(
             "artifacts": list(by_key.values()),
         }
         write_json_atomic(directory / MANIFEST_NAME, data)
-    return report
 

@@ -97,7 +97,7 @@ def export_model(
     schemes = recipe.schemes()
     quantized = [s for s in schemes if s.quantized]
 
-    with atomic_directory(out, force) as tmp:
+    with atomic_directory(out, force, lock="export") as tmp:  # a second export of out is refused
         say(f"saving the {'tied' if keep_tying else 'PIT'} reference checkpoint to {REFERENCE_DIR}/")
         save_model(model, tmp / REFERENCE_DIR, loaded.tokenizer)
         reference = {

@@ -10,11 +10,20 @@ directory that looks complete (``docs/conventions.md``). The temporary siblings 
 PID, and the next write of the same target removes it (never one of a live process). A write
 that fails for a reason the user can fix (full disk, file size limit, read-only target) ends as
 a :class:`~pit_deploy.errors.WriteError` naming the target and the cause.
+
+A directory that replaces another (``--force``) is swapped in one step where the system allows
+it (``renameat2(RENAME_EXCHANGE)`` on Linux): no reader ever finds the path missing, and the old
+directory, now under the temporary name, is removed. Elsewhere it takes two renames, the old one
+parked under a partial name of this process (so that a crash in between leaves nothing the next
+write does not clean up). Commands that replace a directory or rewrite its manifest take
+:func:`lock_target`, a lock beside the directory that outlives its replacement.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -22,7 +31,9 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -31,6 +42,7 @@ from ..errors import PitError, WriteError, as_write_error
 log = logging.getLogger(__name__)
 PARTIAL = ".partial-"  #: ``.NAME.partial-PID-XXXX``: a temporary sibling of ``NAME`` being written by PID
 LOCK_NAME = ".pit-deploy.lock"  #: the lock file :func:`lock_directory` holds inside a directory
+LOCK_SUFFIX = ".pit-deploy.lock"  #: ``.NAME.pit-deploy.lock``: the lock :func:`lock_target` holds beside ``NAME``
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
@@ -137,11 +149,12 @@ def pid_alive(pid: int) -> bool:
 
 def remove_stale_partials(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
     """Remove the ``.NAME.partial-PID…`` siblings in ``directory`` (of ``name`` only, or of any
-    name) whose writer PID is no longer alive: what a killed command left behind. Returns what
-    was removed; a partial of a live process is never touched."""
+    name) whose writer PID is no longer alive: what a killed command left behind (and the
+    ``.NAME.old-PID`` directories that replacements by earlier versions could leave). Returns
+    what was removed; a partial of a live process is never touched."""
     directory = Path(directory)
     stem = re.escape(name) if name is not None else r".+"
-    pattern = re.compile(rf"^\.{stem}{re.escape(PARTIAL)}(\d+)(?:-[^/]*)?$")
+    pattern = re.compile(rf"^\.{stem}(?:{re.escape(PARTIAL)}|\.old-)(\d+)(?:-[^/]*)?$")
     removed: list[Path] = []
     try:
         entries = list(directory.iterdir())
@@ -190,6 +203,71 @@ def lock_directory(directory: str | os.PathLike, what: str = "run") -> Iterator[
         os.close(fd)  # closing the descriptor releases the lock
 
 
+def target_lock_path(target: str | os.PathLike) -> Path:
+    """The lock file of ``target`` (an export directory): ``.NAME.pit-deploy.lock`` beside it
+    (symbolic links resolved, so that every path to one directory names one lock)."""
+    target = Path(target).resolve()
+    return target.with_name(f".{target.name}{LOCK_SUFFIX}")
+
+
+@contextlib.contextmanager
+def lock_target(target: str | os.PathLike, what: str, wait: float = 0.0) -> Iterator[Path | None]:
+    """Hold an exclusive lock on ``target`` (a directory that may not exist yet, or may be
+    replaced while the lock is held) for the block: an OS lock on the file
+    :func:`target_lock_path` beside it, which records the holder's PID and is removed when the
+    block ends. The OS releases the lock when the process exits, however it exits; a lock file
+    left by a killed holder is taken over.
+
+    ``wait`` seconds: how long to wait for another holder to finish (0: refuse at once). A
+    directory whose parent cannot be written (a read-only export) is used without a lock, with a
+    warning: nothing can replace it then.
+
+    Raises:
+        PitError: another process holds the lock (named with its PID and ``what`` it runs)
+            after ``wait`` seconds.
+    """
+    path = target_lock_path(target)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                log.warning("cannot lock %s (%s); another command writing it at once would not be detected",
+                            target, exc.strerror)
+                yield None
+                return
+            raise as_write_error(exc, path) or exc
+        if _try_lock(fd, path):
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # its last holder removed that file: lock the one that replaced it
+            continue
+        holder = _read_pid(path)
+        os.close(fd)
+        if time.monotonic() >= deadline:
+            raise PitError(f"another pit-deploy command (pid {holder or 'unknown'}) is writing {target}; wait for it "
+                           f"to finish, then run the {what} again")
+        time.sleep(0.1)
+    try:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {what}\n".encode())
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # before the release: a waiter that opened it sees it is gone and retries
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 def _try_lock(fd: int, path: Path) -> bool:
     """Take an exclusive, non-blocking lock on ``fd``: ``False`` when another process holds it.
     A file system without locks (some network mounts) is used without one, with a warning."""
@@ -217,20 +295,44 @@ def _read_pid(path: Path) -> str | None:
         text = path.read_text().strip()
     except OSError:
         return None
-    return text if text.isdigit() else None
+    pid, _, what = text.partition(" ")
+    if not pid.isdigit():
+        return None
+    return f"{pid}, {what}" if what else pid
 
 
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike, force: bool = False,
-                     protect: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
+                     protect: tuple[str | os.PathLike, ...] = (), lock: str | None = None) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
     On any exception the temporary directory is removed and ``out`` is untouched; a write that
     failed for a reason the user can fix (full disk, file size limit, read-only target) is
     raised as a :class:`~pit_deploy.errors.WriteError` naming ``out``. With ``force`` an
-    existing ``out`` is replaced only after the new one is complete. Partial directories of
-    ``out`` left by killed processes are removed first.
+    existing ``out`` is replaced only after the new one is complete, in one step where the
+    system allows it (:func:`replace_directory`). Partial directories of ``out`` left by killed
+    processes are removed first.
+
+    ``lock`` (the command's name, e.g. ``"export"``): hold :func:`lock_target` on ``out`` for the
+    whole block, so that a second command writing ``out`` at the same time is refused (exit 2,
+    naming the first) instead of replacing or losing its work; ``out`` is checked again under it.
     """
+    if lock is None:
+        with _atomic_directory(out, force, protect) as tmp:
+            yield tmp
+        return
+    out = check_output_dir(out, force, protect).absolute()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _raise_as_write_error(exc, out)
+        raise
+    with lock_target(out, lock), _atomic_directory(out, force, protect) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _atomic_directory(out: str | os.PathLike, force: bool, protect: tuple[str | os.PathLike, ...]) -> Iterator[Path]:
     out = check_output_dir(out, force, protect).absolute()
     tmp: Path | None = None
     try:
@@ -239,10 +341,7 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{PARTIAL}{os.getpid()}-", dir=out.parent))
         yield tmp
         if out.exists():
-            trash = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(trash)
-            tmp.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
+            replace_directory(tmp, out)
         else:
             tmp.rename(out)
     except BaseException as exc:
@@ -250,6 +349,57 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
             shutil.rmtree(tmp, ignore_errors=True)
         _raise_as_write_error(exc, out, tmp)
         raise
+
+
+def replace_directory(new: Path, out: Path) -> None:
+    """Put the directory ``new`` at ``out`` (which exists) and remove the old ``out``.
+
+    One step where the system can exchange two paths (:func:`exchange_paths`): ``out`` is never
+    missing, and the old directory, now at ``new``'s temporary name, is removed. Otherwise two
+    renames, the old directory parked as a partial of this process (``.NAME.partial-PID-old``,
+    removed here, or by the next write of ``out`` if this process dies in between); a failure of
+    the second rename puts the old one back."""
+    if exchange_paths(new, out):
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    trash = out.with_name(f".{out.name}{PARTIAL}{os.getpid()}-old")
+    if trash.exists():
+        shutil.rmtree(trash)
+    out.rename(trash)
+    try:
+        new.rename(out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            trash.rename(out)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
+    ``False`` where the system or the file system cannot (then nothing was changed).
+
+    Raises:
+        OSError: the exchange was possible but failed (e.g. permissions).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc < 2.28, musl)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> Path:
