@@ -16,13 +16,16 @@ from typing import Any
 
 
 def opt(default: Any, help: str = "", *, group: str = "options", flag: str | None = None,
-        choices: tuple[str, ...] | None = None, cli: bool = True, parse: str | None = None) -> Any:
+        choices: tuple[str, ...] | None = None, cli: bool = True, parse: str | None = None,
+        metavar: str | None = None) -> Any:
     """A dataclass field with what its command-line flag needs.
 
     ``flag`` names a flag other than ``--field-name`` (e.g. ``--no-progress`` for a field that
     defaults to true); ``cli=False`` keeps a field off the command line; ``parse`` names the
-    parser of :data:`PARSERS` when the field's annotation does not say it."""
-    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "cli": cli, "parse": parse}
+    parser of :data:`PARSERS` when the field's annotation does not say it; ``metavar`` names the
+    flag's value in ``--help`` (default: the field name in capitals)."""
+    meta = {"help": help, "group": group, "flag": flag, "choices": choices, "cli": cli, "parse": parse,
+            "metavar": metavar}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -95,6 +98,8 @@ def dataclass_flags(cls: type, *, defaults: bool = True, required: tuple[str, ..
             kwargs["default"] = default if defaults else None
             if meta.get("choices"):
                 kwargs["choices"] = meta["choices"]
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
             if f.name in required:
                 kwargs["required"] = True
         flags.append(Flag(flag=meta.get("flag") or flag_name(f.name), dest=f.name, group=meta["group"], kwargs=kwargs))

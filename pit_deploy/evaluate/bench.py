@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from ..errors import PitError
 from ..io.fs import check_output_file, confined, json_text
 from ..io.manifest import REFERENCE_DIR, Manifest
+from ..options import opt
 from ..runtime.standalone import first_divergence
 from ..targets import get_target
 from .bench_rows import (ROW_FIELDS, check_context, export_names, printable, reference_positions, row_problem,
@@ -40,14 +41,21 @@ MAX_THREADS, MAX_TOKENS, MAX_REPS = 256, 32768, 1000
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """What to measure (validated on construction)."""
+    """What to measure (validated on construction): the one declaration of these options.
 
-    threads: tuple[int, ...] = (1,)
-    prompt_lens: tuple[int, ...] = (64,)
-    gen_len: int = 128
-    reps: int = 5
-    torch_model: str | None = None
-    cell_timeout_s: float = 3600.0
+    ``pit-deploy bench``'s flags are generated from these fields (``--torch``, ``--threads``,
+    ``--prompt-len``, ``--gen-len``, ``--reps``), :func:`pit_deploy.bench` takes its keyword
+    defaults from them, and a run recipe's ``[bench]`` table defaults to them
+    (:func:`run_table_defaults`). ``--threads`` and ``--prompt-len`` take their comma list as
+    text, parsed by :func:`int_list`, so a bad value is one ``error:`` line naming the flag."""
+
+    torch_model: str | None = opt(None, "also measure this model in PyTorch eager", flag="--torch")
+    threads: tuple[int, ...] = opt((1,), "comma list of thread counts (default 1)", parse="str")
+    prompt_lens: tuple[int, ...] = opt((64,), "comma list of prompt lengths (default 64)", flag="--prompt-len",
+                                       parse="str", metavar="PROMPT_LEN")
+    gen_len: int = opt(128, "tokens generated per pass (default 128)")
+    reps: int = opt(5, "measured passes after one warm-up (default 5)")
+    cell_timeout_s: float = opt(3600.0, cli=False)
 
     def __post_init__(self) -> None:
         for name, values, top in (("threads", self.threads, MAX_THREADS), ("prompt length", self.prompt_lens, MAX_TOKENS)):
@@ -60,8 +68,33 @@ class BenchOptions:
             raise PitError(f"--reps must be from 1 to {MAX_REPS}, got {self.reps}")
 
 
+def int_list(value: Any, flag: str) -> tuple[int, ...]:
+    """``"1,2"``, ``2`` or ``[1, 2]`` as a tuple of integers (checked by :class:`BenchOptions`).
+
+    Raises:
+        PitError: text that is not comma-separated integers (naming ``flag``).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str):
+        try:
+            return tuple(int(x) for x in value.split(",") if x.strip())
+        except ValueError:
+            raise PitError(f"{flag} takes comma-separated integers, got {value!r}") from None
+    return tuple(value)
+
+
+def run_table_defaults() -> dict[str, Any]:
+    """The defaults of a run recipe's ``[bench]`` keys: ``pit-deploy bench``'s own (a run
+    measures one prompt length, so ``prompt_len`` is one number)."""
+    d = BenchOptions()
+    return {"threads": list(d.threads), "prompt_len": d.prompt_lens[0], "gen_len": d.gen_len, "reps": d.reps}
+
+
 def bench_options(table: dict[str, Any]) -> BenchOptions:
-    """The options of a run recipe's ``[bench]`` table (``threads``, ``prompt_len``, ``gen_len``, ``reps``)."""
+    """The options of a run recipe's ``[bench]`` table (``threads``, ``prompt_len``, ``gen_len``, ``reps``;
+    a key it lacks takes :func:`run_table_defaults`)."""
+    table = {**run_table_defaults(), **table}
     threads = table["threads"] if isinstance(table["threads"], (list, tuple)) else [table["threads"]]
     return BenchOptions(threads=tuple(threads), prompt_lens=(table["prompt_len"],), gen_len=table["gen_len"],
                         reps=table["reps"])

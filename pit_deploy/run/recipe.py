@@ -52,7 +52,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # from an export recipe, whose own values then stand unless this table sets them
     "export": {"recipe": None, "modes": ["factorized"]},
     "verify": {"enabled": True},
-    "bench": {"enabled": True, "threads": [1, 2], "prompt_len": 64, "gen_len": 32, "reps": 3},
+    # and threads, prompt_len, gen_len, reps with `pit-deploy bench`'s defaults (_bench_defaults)
+    "bench": {"enabled": True},
     "report": {"prompts": ["What is the capital of France?",
                            "Write a Python function that adds two numbers."],
                "max_new_tokens": 24, "val_loss_warn_nats": 0.5},
@@ -154,7 +155,16 @@ def table_keys(table: str) -> list[str]:
         from ..export.recipes import recipe_fields
 
         keys += [k for k in recipe_fields() if k not in keys]
+    elif table == "bench":
+        keys += [k for k in _bench_defaults() if k not in keys]
     return keys
+
+
+def _bench_defaults() -> dict[str, Any]:
+    """``[bench]``'s measurement keys with ``pit-deploy bench``'s defaults (``BenchOptions``)."""
+    from ..evaluate.bench import run_table_defaults
+
+    return run_table_defaults()
 
 
 def default_of(table: str, key: str) -> Any:
@@ -170,6 +180,8 @@ def default_of(table: str, key: str) -> Any:
         from ..options import field_default
 
         return field_default(Recipe, key)
+    if table == "bench":
+        return _bench_defaults().get(key)
     return None
 
 
@@ -234,6 +246,7 @@ def load_run_recipe(name: str = "default", overrides: list[str] | None = None) -
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise PitError(f"cannot parse run recipe {path}: {exc}") from None
     recipe = RunRecipe(name=path.stem, tables=copy.deepcopy(DEFAULTS))
+    recipe.tables["bench"].update(_bench_defaults())
     for table, values in data.items():
         if not isinstance(values, dict):
             if table == "description":
