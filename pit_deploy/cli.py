@@ -65,52 +65,13 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .io.fs import check_output_dir
-    from .io.checkpoint import save_model
-    from .model.core import DIAGONAL_MAPS, PITSpec
-    from .convert.conversion import CONVERSIONS, convert_model
-    from .model.inspect import interface_delta_ti
-    from .io.sources import load_source
+    from .api import convert
 
-    if args.t_init is not None and args.t_init not in CONVERSIONS:
-        raise PitError(f"unknown --t-init {args.t_init!r}; choose one of {', '.join(CONVERSIONS)}")
-    if args.calib_tokens < 1:
-        raise PitError(f"--calib-tokens must be at least 1, got {args.calib_tokens}")
-    if args.diagonal not in DIAGONAL_MAPS:
-        raise PitError(f"unknown --diagonal {args.diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
-    check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
     terminate_like_interrupt()
-    stage(f"loading {args.model}")
-    loaded = load_source(args.model, trust_remote_code=args.trust_remote_code)
-    if loaded.is_pit:
-        raise PitError(f"{args.model} is already a PIT model; nothing to convert")
-    from .convert.conversion import default_conversion
-
-    t_init = args.t_init or default_conversion(loaded.model.config)
-    why = "" if args.t_init or t_init == "preserve" else f"; {loaded.model.config.model_type} is not covered by preserve"
-    stage(f"converting to PIT (T init: {t_init}{why})")
-    before = _heldout(loaded)
-    model = convert_model(
-        loaded.model, t_init, PITSpec(diagonal=args.diagonal, train_z=args.train_z), loaded.source,
-        tokenizer=loaded.tokenizer, calib=args.calib, calib_tokens=args.calib_tokens,
-    )
-    after = _heldout(loaded)
-    if before is not None and after is not None:
-        stage(f"held-out NLL (default corpus, 8×256 tokens): source {before:.3f}, converted {after:.3f} "
-              f"({after - before:+.3f} nats/token)")
-    stage(f"delta_ti = {interface_delta_ti(model):.3e}; saving to {args.out}")
-    save_model(model, args.out, loaded.tokenizer, force=args.force)
-    stage("done")
+    convert(args.model, args.out, t_init=args.t_init, calib=args.calib, calib_tokens=args.calib_tokens,
+            diagonal=args.diagonal, train_z=args.train_z, force=args.force,
+            trust_remote_code=args.trust_remote_code, say=stage)
     return 0
-
-
-def _heldout(loaded) -> float | None:
-    """Held-out NLL on the default corpus (what a conversion cost), when there is a tokenizer."""
-    if loaded.tokenizer is None:
-        return None
-    from .train.evaluation import heldout_nll
-
-    return heldout_nll(loaded.model, loaded.tokenizer, "default", 256, 8)
 
 
 # --------------------------------------------------------------------------------------
@@ -224,26 +185,14 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .io.fs import check_output_dir
-    from .export.recipes import Recipe, load_recipe, recipe_fields
+    from .api import export
+    from .export.recipes import recipe_fields
 
-    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
-    recipe = recipe.override(**{name: getattr(args, name) for name in recipe_fields() if hasattr(args, name)})
-    check_output_dir(args.out, args.force, protect=(args.model,))  # fail before the slow load
+    recipe = {name: getattr(args, name) for name in recipe_fields() if hasattr(args, name)}
     terminate_like_interrupt()
-    from .export.pipeline import export_model, load_pit_source
-
-    stage(f"loading {args.model}")
-    if args.keep_tying:
-        from .io.sources import load_source
-
-        loaded = load_source(args.model)
-    else:
-        loaded = load_pit_source(args.model, args.t_init, progress=stage)
-    manifest = export_model(loaded, args.out, recipe, force=args.force, progress=stage, keep_tying=args.keep_tying)
-    total = sum(a.bytes for a in manifest.artifacts)
-    stage(f"done: {len(manifest.artifacts)} artifact(s), {total / 2**20:.1f} MiB in {args.out}; "
-          f"run `pit-deploy verify {args.out}`")
+    export(args.model, args.out, recipe=args.recipe, runtime=recipe.pop("runtimes"), mode=recipe.pop("modes"),
+           dtype=recipe.pop("dtype"), t_init=args.t_init, keep_tying=args.keep_tying, force=args.force, say=stage,
+           **recipe)
     return 0
 
 
@@ -271,11 +220,10 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from .evaluate.verify import verify_directory
+    from .api import verify
 
-    stage(f"verifying {args.directory}")
-    report = verify_directory(args.directory, args.runtime, args.mode, record=not args.no_record,
-                              expect_sha256=args.expect_sha256, dtypes=args.dtype, web=args.web)
+    report = verify(args.directory, runtime=args.runtime, mode=args.mode, dtype=args.dtype, record=not args.no_record,
+                    expect_sha256=args.expect_sha256, web=args.web, say=stage)
     print(report.to_json() if args.json else report)
     return 0 if report.passed else 1
 
@@ -307,18 +255,17 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from .api import train
     from .io.fs import json_text
-    from .train.loop import TrainConfig, train
+    from .train.config import TrainConfig
 
-    from .train.config import read_config
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     terminate_like_interrupt()
-    cfg = read_config(args.config) if args.config else TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    result = train(cfg)
+    if args.config:
+        result = train(config=args.config, say=stage)
+    else:
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        result = train(say=stage, **{k: v for k, v in vars(args).items() if k in fields})
     if result is not None:
-        stage(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
-              + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
         print(json_text(dataclasses.asdict(result)))
     return 0
 
@@ -354,13 +301,14 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
+    """The measurement flags are generated from :class:`~pit_deploy.evaluate.bench.BenchOptions`."""
+    from .evaluate.bench import BenchOptions
+    from .options import dataclass_flags
+
     p = sub.add_parser("bench", help="latency, memory and size of exported artifacts on this machine")
     p.add_argument("directories", nargs="*", help="export directories written by `pit-deploy export`")
-    p.add_argument("--torch", dest="torch_model", default=None, help="also measure this model in PyTorch eager")
-    p.add_argument("--threads", default="1", help="comma list of thread counts (default 1)")
-    p.add_argument("--prompt-len", default="64", help="comma list of prompt lengths (default 64)")
-    p.add_argument("--gen-len", type=int, default=128, help="tokens generated per pass (default 128)")
-    p.add_argument("--reps", type=int, default=5, help="measured passes after one warm-up (default 5)")
+    for flag in dataclass_flags(BenchOptions):  # --torch, --threads, --prompt-len, --gen-len, --reps
+        p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
     p.add_argument("--json", action="store_true", help="print one JSON object with a `rows` list")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--plot", default=None, help="write a PNG chart")
@@ -379,64 +327,15 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_bench)
 
 
-def _int_list(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in str(text).split(",") if x.strip())
-    except ValueError:
-        raise PitError(f"{flag} takes comma-separated integers, got {text!r}") from None
-
-
 def run_bench(args: argparse.Namespace) -> int:
-    from .evaluate.bench import BenchOptions, bench_directories, ingest_rows, write_bundle
+    from .api import bench
 
-    opts = BenchOptions(threads=_int_list(args.threads, "--threads"),
-                        prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
-                        gen_len=args.gen_len, reps=args.reps, torch_model=args.torch_model)
-    from .analysis.plotting import check_image_path
-    from .io.fs import check_output_file
-
-    inputs = tuple(args.directories) + tuple(args.ingest)
-    if args.out is not None:
-        check_output_file(args.out, "--out", inputs=inputs)
-    if args.plot is not None:
-        check_image_path(args.plot, "--plot", inputs=inputs)
-    if args.force and not args.bundle:
-        raise PitError("--force applies to --bundle only (--out and --plot are replaced as they are)")
-    if args.bundle and args.ingest:
-        raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
-                       "use one at a time")
-    if args.adb:
-        clash = [f for f, v in (("--bundle", args.bundle), ("--ingest", args.ingest), ("--torch", args.torch_model)) if v]
-        if clash:
-            raise PitError(f"--adb measures on a phone; it does not combine with {', '.join(clash)}")
-        if not args.runner:
-            raise PitError("--adb needs --runner PATH: ExecuTorch's llama_main built for the phone (docs/bench.md)")
-    elif args.serial or args.runner or args.device_dir:
-        raise PitError("--serial, --runner and --device-dir apply to --adb only")
-    if args.bundle:
-        path = write_bundle(args.bundle, args.directories, opts, progress=stage, force=args.force)
-        stage(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
-              "then `pit-deploy bench --ingest rows.json`")
-        return 0
-    if args.adb:
-        from .evaluate.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions, bench_adb
-
-        result = bench_adb(args.directories, opts, AdbOptions(runner=args.runner, serial=args.serial,
-                                                              device_dir=args.device_dir or DEFAULT_DEVICE_DIR),
-                           progress=stage)
-    elif args.ingest:
-        if args.directories or args.torch_model:
-            raise PitError("--ingest reads rows measured elsewhere; do not also pass directories or --torch")
-        result = ingest_rows(args.ingest)
-    else:
-        result = bench_directories(args.directories, opts, progress=stage)
-    if args.out:
-        from .io.fs import write_text_atomic
-
-        write_text_atomic(args.out, result.to_json(indent=2) + "\n")
-    if args.plot:
-        stage(f"wrote {result.plot(args.plot)}")
-    print(result.to_json(indent=2) if args.json else result)
+    result = bench(*args.directories, torch=args.torch_model, threads=args.threads, prompt_len=args.prompt_lens,
+                   gen_len=args.gen_len, reps=args.reps, out=args.out, plot=args.plot, bundle=args.bundle,
+                   force=args.force, ingest=args.ingest, adb=args.adb, runner=args.runner, serial=args.serial,
+                   device_dir=args.device_dir, say=stage)
+    if not args.bundle:
+        print(result.to_json(indent=2) if args.json else result)
     return 0
 
 
@@ -461,29 +360,16 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def run_run(args: argparse.Namespace) -> int:
-    from .run.pipeline import run_pipeline
-    from .run.recipe import load_run_recipe
+    from .api import run
 
-    overrides = list(args.overrides)
-    if args.model is not None:
-        overrides.append(f"run.model={_toml_string(args.model)}")
-    if args.data is not None:
-        overrides.append(f"run.data={_toml_string(args.data)}")
-    recipe = load_run_recipe(args.recipe, overrides)
-    out = args.out or f"runs/{recipe.name}"
-    stage(f"run {recipe.name} → {out}")
     terminate_like_interrupt()
-    result = run_pipeline(recipe, out, from_stage=args.from_stage, force=args.force, say=stage)
+    result = run(args.recipe, model=args.model, data=args.data, out=args.out, overrides=args.overrides,
+                 from_stage=args.from_stage, force=args.force, say=stage)
     if result.report:
         print(f"report: {result.report} (and {Path(result.report).with_suffix('.html')})")
     if result.exit_code:
         print(f"error: stage {result.failed_stage} failed: {result.message}", file=sys.stderr)
     return result.exit_code
-
-
-def _toml_string(value: str) -> str:
-    """``value`` as a TOML basic string (for ``--set``-style overrides built from flags)."""
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # --------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("export",),
     ("evaluate",),
     ("run",),
+    ("api",),
     ("cli", "tiny"),
     ("__main__",),
 )

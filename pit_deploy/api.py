@@ -1,0 +1,483 @@
+"""The Python API: one function per pipeline command, with the command's options and defaults.
+
+``pit_deploy.convert``, ``train``, ``export``, ``verify``, ``bench`` and ``run`` are these
+functions (``import pit_deploy`` loads this module on first use). Each takes the command's
+positional arguments positionally and its flags as keyword arguments named like the flags
+(``--calib-tokens`` is ``calib_tokens=``; a flag that takes a comma list takes a list or that
+text), so what ``docs/python-api.md`` and the command docs say of a flag holds for the keyword.
+The ``pit-deploy`` commands are thin wrappers over these functions: both surfaces validate
+alike and raise the same errors.
+
+* A user's mistake (a path, a model, an option) raises :class:`~pit_deploy.errors.PitError`
+  before any slow work, with the message the command prints (it names the flag); the command
+  turns it into exit code 2.
+* Progress lines go to ``say``: by default :func:`print_progress` (stderr, as the commands
+  print them); ``say=None`` is silent, any callable taking one string receives them.
+* The return value is what a program reads: the conversion's figures, the training result,
+  the export manifest, the verify report, the bench rows, the run's exit code and report.
+
+Nothing here changes the process's signal handlers or logging: the command line does that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from .errors import PitError
+from .evaluate.bench import BenchOptions
+from .options import PARSERS, field_default, flag_name
+
+if TYPE_CHECKING:  # the result types, imported where they are used (they pull in torch)
+    from .evaluate.bench import BenchResult
+    from .evaluate.verify import VerifyReport
+    from .io.manifest import Manifest
+    from .run.pipeline import RunResult
+    from .train.loop import TrainResult
+
+__all__ = ["Conversion", "Say", "bench", "convert", "export", "print_progress", "run", "train", "verify"]
+
+Say = Callable[[str], None]
+PathLike = str | os.PathLike
+
+
+def print_progress(message: str) -> None:
+    """A progress line on stderr, time-stamped as the commands print it (stdout stays clean)."""
+    print(f"[pit-deploy {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _sayer(say: Say | None) -> Say:
+    return say if say is not None else (lambda _message: None)
+
+
+def _closest(name: str, choices: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    """``value`` for field ``name`` of options dataclass ``cls``: the text of a list-valued flag
+    (``"onnx,executorch"``, ``"0.9,0.95"``) parsed as the command line parses it; anything else
+    as given (the dataclass validates it)."""
+    f = next(f for f in fields(cls) if f.name == name)
+    kind = f.metadata.get("parse") or str(f.type).replace(" | None", "")
+    if not isinstance(value, str) or kind not in ("list[str]", "tuple[str, ...]", "tuple[float, float]"):
+        return value
+    try:
+        return PARSERS[kind](value)
+    except argparse.ArgumentTypeError as exc:
+        raise PitError(f"{f.metadata.get('flag') or flag_name(name)}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------
+# convert
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversion:
+    """What :func:`convert` wrote and measured."""
+
+    out: Path  #: the PIT checkpoint directory written
+    t_init: str  #: the conversion used (``preserve`` where the family allows it, unless asked otherwise)
+    delta_ti: float  #: ``‖W_out E − I‖_F`` of the converted model (float32 rounding: ~1e-7)
+    #: held-out NLL on the default corpus (8×256 tokens, nats/token) before and after; ``None``
+    #: without a tokenizer
+    source_nll: float | None = None
+    converted_nll: float | None = None
+    source: dict[str, Any] = field(default_factory=dict)  #: where the model came from (recorded in config.json)
+
+
+def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib: str = "default",
+            calib_tokens: int = 4096, diagonal: str = "softplus", train_z: bool = False, force: bool = False,
+            trust_remote_code: bool = False, say: Say | None = print_progress) -> Conversion:
+    """Convert a causal LM into a PIT checkpoint in ``out`` (``pit-deploy convert``, docs/conversion.md).
+
+    ``model`` is ``"default"``, a GGUF file, a Hugging Face directory or a hub id; ``t_init``
+    ``None`` picks ``preserve`` where the family allows it (the source's logits kept), else
+    ``output``. The held-out loss is measured before and after, so a program sees what the
+    conversion cost without loading the checkpoint again.
+
+    Raises:
+        PitError: an unknown ``t_init`` or ``diagonal``, ``calib_tokens`` < 1, an ``out`` that
+            exists without ``force``, an unusable source, a source that is already PIT.
+    """
+    from .convert.conversion import CONVERSIONS
+    from .model.core import DIAGONAL_MAPS
+
+    say = _sayer(say)
+    model, out = os.fspath(model), os.fspath(out)
+    if t_init is not None and t_init not in CONVERSIONS:
+        raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")
+    if not isinstance(calib_tokens, int) or isinstance(calib_tokens, bool) or calib_tokens < 1:
+        raise PitError(f"--calib-tokens must be at least 1, got {calib_tokens}")
+    if diagonal not in DIAGONAL_MAPS:
+        raise PitError(f"unknown --diagonal {diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
+    from .io.fs import check_output_dir
+
+    check_output_dir(out, force, protect=(model,))  # fail before the slow load
+    from .convert.conversion import convert_model, default_conversion
+    from .io.checkpoint import save_model
+    from .io.sources import load_source
+    from .model.core import PITSpec
+    from .model.inspect import interface_delta_ti
+
+    say(f"loading {model}")
+    loaded = load_source(model, trust_remote_code=trust_remote_code)
+    if loaded.is_pit:
+        raise PitError(f"{model} is already a PIT model; nothing to convert")
+    chosen = t_init or default_conversion(loaded.model.config)
+    why = "" if t_init or chosen == "preserve" else f"; {loaded.model.config.model_type} is not covered by preserve"
+    say(f"converting to PIT (T init: {chosen}{why})")
+    before = _heldout(loaded)
+    converted = convert_model(loaded.model, chosen, PITSpec(diagonal=diagonal, train_z=train_z), loaded.source,
+                              tokenizer=loaded.tokenizer, calib=calib, calib_tokens=calib_tokens)
+    after = _heldout(loaded)
+    if before is not None and after is not None:
+        say(f"held-out NLL (default corpus, 8×256 tokens): source {before:.3f}, converted {after:.3f} "
+            f"({after - before:+.3f} nats/token)")
+    delta_ti = interface_delta_ti(converted)
+    say(f"delta_ti = {delta_ti:.3e}; saving to {out}")
+    path = save_model(converted, out, loaded.tokenizer, force=force)
+    say("done")
+    return Conversion(out=Path(path), t_init=chosen, delta_ti=delta_ti, source_nll=before, converted_nll=after,
+                      source=dict(loaded.source))
+
+
+def _heldout(loaded: Any) -> float | None:
+    """Held-out NLL on the default corpus (what a conversion cost), when there is a tokenizer."""
+    if loaded.tokenizer is None:
+        return None
+    from .train.evaluation import heldout_nll
+
+    return heldout_nll(loaded.model, loaded.tokenizer, "default", 256, 8)
+
+
+# --------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------
+
+
+def train(model: PathLike | None = None, out: PathLike | None = None, *, config: PathLike | None = None,
+          say: Say | None = print_progress, **options: Any) -> TrainResult | None:
+    """Train as ``pit-deploy train`` does (docs/training.md); returns the run's result.
+
+    ``options`` are the fields of :class:`~pit_deploy.train.config.TrainConfig`, the flags of
+    ``pit-deploy train`` by their field names (``tying="pit"``, ``data="default"``,
+    ``steps=20``; ``--interface-only`` is ``train_body=False``, ``--no-progress``
+    ``progress=False``); ``model`` defaults to ``"default"``, ``out`` (the run directory) is
+    required. ``config`` reads every option from a JSON file instead (what ``pit-deploy run``
+    hands a ``torchrun`` child). Under ``torchrun`` only rank 0 returns the result; the other
+    ranks return ``None``.
+
+    Returns:
+        :class:`~pit_deploy.train.loop.TrainResult`: ``out``, ``steps``, ``tokens``,
+        ``final_train_loss``, ``initial_val_loss``/``final_val_loss`` (``None`` without
+        evaluation), ``median_step_time_s``, ``tokens_per_s``.
+
+    Raises:
+        PitError: an unknown or out-of-range option, unusable data or model, a non-finite loss;
+            its subclass ``IdentityLost`` (exit 1 on the command line) when ``delta_ti`` exceeds
+            ``max_delta_ti``.
+    """
+    from .train.config import TrainConfig, read_config
+    from .train.loop import train as run_training
+
+    say = _sayer(say)
+    if config is not None:
+        if model is not None or out is not None or options:
+            raise PitError("config= reads every training option from its file; pass no other option")
+        cfg = read_config(config)
+    else:
+        known = [f.name for f in fields(TrainConfig)]
+        for name in options:
+            if name not in known:
+                raise PitError(f"unknown training option {name!r}{_closest(name, known)} (the options are the "
+                               "fields of TrainConfig, the flags of `pit-deploy train`)")
+        given = {name: _coerce(TrainConfig, name, value) for name, value in options.items()}
+        for name, value in (("model", model), ("out", out)):
+            if value is not None:
+                given[name] = os.fspath(value)
+        cfg = TrainConfig(**given)
+    result = run_training(cfg)
+    if result is not None:
+        say(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
+            + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------
+
+#: recipe fields that :func:`export` takes under their flag's name
+_RECIPE_FLAG_NAMES = {"runtimes": "runtime", "modes": "mode"}
+
+
+def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = None,
+           runtime: str | Sequence[str] | None = None, mode: str | Sequence[str] | None = None,
+           dtype: str | Sequence[str] | None = None, t_init: str | None = None, keep_tying: bool = False,
+           force: bool = False, say: Say | None = print_progress, **recipe_fields: Any) -> Manifest:
+    """Export a model for its runtimes as ``pit-deploy export`` does (docs/export.md).
+
+    ``model`` is a PIT directory or a plain model (converted first, ``t_init`` as in
+    :func:`convert`). ``recipe`` names an export recipe (or is a path, or an
+    :class:`~pit_deploy.export.recipes.Recipe`); the keywords override it: ``runtime``, ``mode``
+    and ``dtype`` take a list or a comma list (``runtime="onnx"``, ``dtype=["float32", "int4"]``),
+    and ``recipe_fields`` are the recipe's other fields by name (``max_seq_len=64``,
+    ``group_size=32``, ``pit_correction=False`` for ``--no-pit-correction``, …). A keyword left
+    ``None`` keeps the recipe's value. ``keep_tying`` exports the source unconverted (mode
+    ``tied``), the baseline PIT is compared with.
+
+    Returns:
+        the written :class:`~pit_deploy.io.manifest.Manifest` (``artifacts``: runtime, mode,
+        dtype, scheme, path, files with their sha256 and size, ``bytes``).
+
+    Raises:
+        PitError: an unknown runtime, mode, scheme or recipe field, an inconsistent recipe, an
+            ``out`` that exists without ``force``, an unusable model.
+    """
+    from .export.recipes import Recipe, load_recipe
+    from .export.recipes import recipe_fields as names
+
+    say = _sayer(say)
+    model, out = os.fspath(model), os.fspath(out)
+    allowed = [n for n in names() if n not in _RECIPE_FLAG_NAMES and n != "dtype"]
+    for name in recipe_fields:
+        if name not in allowed:
+            hint = (f"; pass {_RECIPE_FLAG_NAMES[name]}= (the flag's name)" if name in _RECIPE_FLAG_NAMES
+                    else _closest(name, allowed + ["runtime", "mode", "dtype"]))
+            raise PitError(f"unknown export option {name!r}{hint}")
+    if recipe is None or isinstance(recipe, Recipe):
+        base = recipe or Recipe()
+    else:
+        base = load_recipe(os.fspath(recipe))
+    changes = {"runtimes": runtime, "modes": mode, "dtype": dtype, **recipe_fields}
+    built = base.override(**{k: _coerce(Recipe, k, v) for k, v in changes.items()})
+    from .io.fs import check_output_dir
+
+    check_output_dir(out, force, protect=(model,))  # fail before the slow load
+    from .export.pipeline import export_model, load_pit_source
+
+    say(f"loading {model}")
+    if keep_tying:
+        from .io.sources import load_source
+
+        loaded = load_source(model)
+    else:
+        loaded = load_pit_source(model, t_init, progress=say)
+    manifest = export_model(loaded, out, built, force=force, progress=say, keep_tying=keep_tying)
+    total = sum(a.bytes for a in manifest.artifacts)
+    say(f"done: {len(manifest.artifacts)} artifact(s), {total / 2**20:.1f} MiB in {out}; run `pit-deploy verify {out}`")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------------------
+
+
+def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, mode: str | Sequence[str] | None = None,
+           dtype: str | Sequence[str] | None = None, record: bool = True, expect_sha256: str | None = None,
+           web: str | Sequence[str] | None = None, isa: str | Sequence[str] | None = None,
+           arm_cpu: str | Sequence[str] | None = None, kleidiai: str | Sequence[str] | None = None,
+           say: Say | None = print_progress) -> VerifyReport:
+    """Run every artifact of an export directory on its runtime against the PyTorch reference,
+    as ``pit-deploy verify`` does (docs/verify.md).
+
+    ``runtime``, ``mode``, ``dtype`` select artifacts (a list or a comma list; default: all);
+    ``record=False`` is ``--no-record`` (the manifest is left as it is); ``expect_sha256`` pins
+    the manifest; ``web`` also runs the onnx folders through transformers.js (``"node"``,
+    ``"chromium"``); ``isa`` ``"aarch64"`` (or ``"x86_64,aarch64"``) runs the ONNX artifacts on
+    onnxruntime's aarch64 kernels under emulation, on each ``arm_cpu`` profile and ``kleidiai``
+    setting (``--isa``, ``--arm-cpu``, ``--kleidiai``).
+
+    Returns:
+        :class:`~pit_deploy.evaluate.verify.VerifyReport`: ``passed`` (every selected artifact
+        within its bounds: what the command's exit code 0 or 1 says), ``artifacts`` (one
+        :class:`~pit_deploy.evaluate.verify.ArtifactResult` each, with its figures, ``passed``
+        and ``failures``), ``manifest_sha256``, ``to_dict()``; ``str(report)`` is the command's
+        table. A failed bound is a report with ``passed`` false, not an exception.
+
+    Raises:
+        PitError: not an export directory, a digest mismatch, a pin that does not match, an
+            unknown runtime/mode/dtype, a selection of no artifact, a read-only directory with
+            ``record``.
+    """
+    from .evaluate.verify import verify_directory
+
+    say = _sayer(say)
+    directory = os.fspath(directory)
+    say(f"verifying {directory}")
+    isas = {k: v for k, v in (("isa", isa), ("arm_cpu", arm_cpu), ("kleidiai", kleidiai)) if v is not None}
+    return verify_directory(directory, runtime, mode, record=record, expect_sha256=expect_sha256, dtypes=dtype,
+                            web=web, **isas)
+
+
+# --------------------------------------------------------------------------------------
+# bench
+# --------------------------------------------------------------------------------------
+
+_BENCH = {f.name: field_default(BenchOptions, f.name) for f in fields(BenchOptions)}
+
+
+def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
+          threads: int | str | Sequence[int] = _BENCH["threads"],
+          prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
+          reps: int = _BENCH["reps"], out: PathLike | None = None, plot: PathLike | None = None,
+          bundle: PathLike | None = None, force: bool = False, ingest: PathLike | Sequence[PathLike] = (),
+          adb: bool = False, runner: str | None = None, serial: str | None = None, device_dir: str | None = None,
+          say: Say | None = print_progress) -> BenchResult | Path:
+    """Latency, memory and size of every artifact of ``directories``, as ``pit-deploy bench``
+    does (docs/bench.md); the defaults are :class:`~pit_deploy.evaluate.bench.BenchOptions`'.
+
+    ``torch`` also measures a model in PyTorch eager; ``threads`` and ``prompt_len`` take an
+    integer, a list or a comma list; each cell runs in its own process. ``out`` also writes the
+    rows as JSON, ``plot`` a chart. The other modes of the command are keywords too:
+    ``ingest`` reads the rows a bundle's ``run_bench.py`` wrote instead of measuring; ``adb``
+    (with ``runner``, ``serial``, ``device_dir``) measures the ``.pte`` artifacts on an Android
+    phone; ``bundle`` packs the artifacts for another device instead of measuring (``force``
+    replaces an existing archive) and returns the archive's path.
+
+    Returns:
+        :class:`~pit_deploy.evaluate.bench.BenchResult`: ``rows`` (one dict per cell: artifact,
+        runtime, mode, dtype, tying, threads, prompt_len, gen_len, ``prefill_tok_s``,
+        ``decode_tok_s``, ``ttft_ms``, ``decode_ms_p50``/``p90``, ``load_s``, ``peak_rss_mb``,
+        ``size_mb``, ``verified``, …; a figure that was not measured is NaN), ``ratios()``
+        (PIT/TT), ``warnings``, ``machine``, ``to_json()``, ``plot(path)``; with ``bundle``, the
+        :class:`~pathlib.Path` of the archive written.
+
+    Raises:
+        PitError: options out of range, an unwritable ``out``/``plot``, modes that do not
+            combine, an unusable export directory or rows file.
+    """
+    from .evaluate.bench import bench_directories, ingest_rows, int_list, write_bundle
+
+    say = _sayer(say)
+    opts = BenchOptions(threads=int_list(threads, "--threads"), prompt_lens=int_list(prompt_len, "--prompt-len"),
+                        gen_len=gen_len, reps=reps, torch_model=torch)
+    from .analysis.plotting import check_image_path
+    from .io.fs import check_output_file
+
+    ingested = [ingest] if isinstance(ingest, (str, os.PathLike)) else list(ingest or ())
+    inputs = tuple(directories) + tuple(ingested)
+    if out is not None:
+        check_output_file(out, "--out", inputs=inputs)
+    if plot is not None:
+        check_image_path(plot, "--plot", inputs=inputs)
+    if force and not bundle:
+        raise PitError("--force applies to --bundle only (--out and --plot are replaced as they are)")
+    if bundle and ingested:
+        raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
+                       "use one at a time")
+    if adb:
+        clash = [f for f, v in (("--bundle", bundle), ("--ingest", ingested), ("--torch", torch)) if v]
+        if clash:
+            raise PitError(f"--adb measures on a phone; it does not combine with {', '.join(clash)}")
+        if not runner:
+            raise PitError("--adb needs --runner PATH: ExecuTorch's llama_main built for the phone (docs/bench.md)")
+    elif serial or runner or device_dir:
+        raise PitError("--serial, --runner and --device-dir apply to --adb only")
+    if bundle:
+        path = write_bundle(bundle, directories, opts, progress=say, force=force)
+        say(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
+            "then `pit-deploy bench --ingest rows.json`")
+        return path
+    if adb:
+        from .evaluate.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions, bench_adb
+
+        result = bench_adb(directories, opts, AdbOptions(runner=runner, serial=serial,
+                                                         device_dir=device_dir or DEFAULT_DEVICE_DIR), progress=say)
+    elif ingested:
+        if directories or torch:
+            raise PitError("--ingest reads rows measured elsewhere; do not also pass directories or --torch")
+        result = ingest_rows(ingested)
+    else:
+        result = bench_directories(directories, opts, progress=say)
+    if out:
+        from .io.fs import write_text_atomic
+
+        write_text_atomic(out, result.to_json(indent=2) + "\n")
+    if plot:
+        say(f"wrote {result.plot(plot)}")
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------------------
+
+
+def run(recipe: PathLike = "default", *, model: PathLike | None = None, data: PathLike | None = None,
+        out: PathLike | None = None, overrides: Mapping[str, Any] | Sequence[str] | str | None = None,
+        from_stage: str | None = None, force: bool = False, say: Say | None = print_progress) -> RunResult:
+    """convert → train → export → verify → bench → report in one run directory, as
+    ``pit-deploy run`` does (docs/run.md).
+
+    ``recipe`` is a shipped run recipe (``default``, ``smoke``, ``gpu-cpt``, ``lora``) or a
+    ``.toml`` file; ``out`` defaults to ``runs/<recipe>``. ``overrides`` are ``--set``: a list
+    of ``"TABLE.KEY=VALUE"`` texts (the value read as TOML) or a mapping
+    ``{"train.steps": 5, "bench.enabled": False}``; ``from_stage`` is ``--from``.
+
+    Returns:
+        :class:`~pit_deploy.run.pipeline.RunResult`: ``exit_code`` (0, or the failed stage's:
+        1 a verification bound, 2 unusable input, 3 an internal error), ``failed_stage`` and
+        ``message``, ``stages`` (each stage's ``ran``/``skipped``/``failed``…), ``report`` (the
+        path of ``report.md``, ``None`` if none was written), ``out``. A failed stage is a result,
+        not an exception: the run still writes its report.
+
+    Raises:
+        PitError: an unknown recipe, table, key or value (before any stage runs), an unknown
+            ``from_stage``, a run directory that belongs to another recipe (without ``force``) or
+            that another run holds.
+    """
+    from .run.pipeline import run_pipeline
+    from .run.recipe import load_run_recipe
+
+    say = _sayer(say)
+    assignments = _assignments(overrides)
+    if model is not None:
+        assignments.append(f"run.model={_toml_value(os.fspath(model))}")
+    if data is not None:
+        assignments.append(f"run.data={_toml_value(os.fspath(data))}")
+    loaded = load_run_recipe(os.fspath(recipe), assignments)
+    where = os.fspath(out) if out else f"runs/{loaded.name}"
+    say(f"run {loaded.name} → {where}")
+    return run_pipeline(loaded, where, from_stage=from_stage, force=force, say=say)
+
+
+def _assignments(overrides: Mapping[str, Any] | Sequence[str] | str | None) -> list[str]:
+    """``--set`` texts from a list of them, one of them, or a mapping of ``TABLE.KEY`` to values."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return [overrides]
+    if isinstance(overrides, Mapping):
+        return [f"{key}={_toml_value(value)}" for key, value in overrides.items()]
+    return [str(o) for o in overrides]
+
+
+def _toml_value(value: Any) -> str:
+    """A Python value as TOML text (what ``--set`` reads)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")) if not math.isfinite(value) else repr(value)
+    if isinstance(value, (str, os.PathLike)):  # a JSON string is a TOML basic string
+        return json.dumps(os.fspath(value), ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise PitError(f"cannot pass {value!r} as a run recipe value; use a number, text, true/false or a list")

@@ -1,0 +1,149 @@
+"""The Python API (``pit_deploy.convert``, ``train``, ``export``, ``verify``, ``bench``, ``run``) on
+a tiny model: each call returns what a program reads, and a user's mistake is a ``PitError``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pit_deploy
+from pit_deploy import PitError
+
+from scramble import rehash
+from train_fixtures import make_corpus, make_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api-assets")
+    return make_model_dir(root), make_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def converted(assets, tmp_path_factory):
+    model, _ = assets
+    out = tmp_path_factory.mktemp("api-convert") / "pit"
+    lines: list[str] = []
+    return pit_deploy.convert(model, out, calib_tokens=256, say=lines.append), lines
+
+
+@pytest.fixture(scope="module")
+def exported(converted, tmp_path_factory):
+    conversion, _ = converted
+    out = tmp_path_factory.mktemp("api-export") / "exp"
+    manifest = pit_deploy.export(conversion.out, out, runtime="onnx", mode="factorized", dtype="float32",
+                                 max_seq_len=32, say=None)
+    return manifest, out
+
+
+def test_import_loads_no_heavy_library_and_the_calls_stay_callable():
+    code = (
+        "import sys, pit_deploy as p\n"
+        "heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert {'convert', 'train', 'export', 'verify', 'bench', 'run', 'PitError', '__version__'} <= set(dir(p))\n"
+        # a sub-package named like a call is callable however it was imported, and keeps its modules
+        "import pit_deploy.run.recipe, pit_deploy.train.config, pit_deploy.export.recipes\n"
+        "assert callable(p.run) and callable(p.train) and callable(p.export)\n"
+        "assert p.export.recipes.Recipe and p.train.config.TrainConfig\n"
+        "heavy = [m for m in ('torch', 'onnx', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_convert_returns_the_checkpoint_and_its_figures(converted, assets, tmp_path):
+    conversion, lines = converted
+    assert callable(pit_deploy.convert) and pit_deploy.convert.convert_model  # the sub-package, callable
+    assert conversion.t_init == "preserve"
+    assert (conversion.out / "config.json").is_file()
+    assert conversion.delta_ti < 1e-5
+    assert conversion.source_nll is not None and conversion.converted_nll is not None
+    assert any(line.startswith("held-out NLL") for line in lines) and lines[-1] == "done"
+    with pytest.raises(PitError, match="--calib-tokens"):
+        pit_deploy.convert(assets[0], tmp_path / "x", calib_tokens=0, say=None)
+    with pytest.raises(PitError, match="--force"):  # an existing non-empty out, before any load
+        pit_deploy.convert(assets[0], conversion.out, say=None)
+    assert not (tmp_path / "x").exists()
+
+
+def test_train_takes_the_flags_as_keywords(converted, assets, tmp_path):
+    conversion, _ = converted
+    _, corpus = assets
+    lines: list[str] = []
+    result = pit_deploy.train(conversion.out, tmp_path / "run", data=corpus, steps=2, seq_len=32, batch_size=2,
+                              betas="0.9,0.95", val_fraction=0.2, progress=False, plot=False, say=lines.append)
+    assert result.steps == 2 and result.final_train_loss > 0
+    assert lines == [f"done: 2 steps, final train loss {result.final_train_loss:.4f}"]
+    with pytest.raises(PitError, match="did you mean 'steps'"):
+        pit_deploy.train(conversion.out, tmp_path / "run2", stepz=2, say=None)
+    with pytest.raises(PitError, match="--out is required"):
+        pit_deploy.train(conversion.out, steps=2, say=None)
+
+
+def test_export_returns_the_manifest(exported, converted, tmp_path):
+    manifest, out = exported
+    assert [(a.runtime, a.mode, a.dtype) for a in manifest.artifacts] == [("onnx", "factorized", "float32")]
+    assert (out / "manifest.json").is_file() and manifest.artifacts[0].bytes > 0
+    with pytest.raises(PitError, match="unknown runtime 'nope'"):
+        pit_deploy.export(converted[0].out, tmp_path / "e", runtime="onnx,nope", say=None)
+    with pytest.raises(PitError, match="runtime="):
+        pit_deploy.export(converted[0].out, tmp_path / "e", runtimes=["onnx"], say=None)
+    assert not (tmp_path / "e").exists()
+
+
+def test_verify_passes_an_honest_export_and_fails_a_corrupted_one(exported, tmp_path):
+    _, out = exported
+    report = pit_deploy.verify(out, record=False, say=None)
+    assert report.passed is True
+    assert report.result("onnx", "factorized").logits_rel_l2 < 1e-4
+    with pytest.raises(PitError, match="unknown runtime"):
+        pit_deploy.verify(out, runtime="nope", say=None)
+    # the reference's weights changed and the digests re-recorded: only the numbers can tell
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "corrupted"
+    shutil.copytree(out, bad)
+    weights = bad / "reference" / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k, v in tensors.items() if "layers.0" in k and v.ndim == 2)
+    tensors[name] = tensors[name] * 3.0
+    save_file(tensors, weights, metadata={"format": "pt"})
+    rehash(bad)
+    report = pit_deploy.verify(bad, say=None)
+    assert report.passed is False and report.artifacts[0].failures
+
+
+def test_bench_returns_the_rows(exported, tmp_path):
+    _, out = exported
+    rows_file = tmp_path / "rows.json"
+    result = pit_deploy.bench(out, threads="1", prompt_len=8, gen_len=4, reps=1, out=rows_file, say=None)
+    assert [(r["runtime"], r["threads"], r["prompt_len"], r["gen_len"]) for r in result.rows] == [("onnx", 1, 8, 4)]
+    assert result.rows[0]["decode_tok_s"] > 0
+    assert json.loads(rows_file.read_text())["rows"][0]["artifact"] == result.rows[0]["artifact"]
+    with pytest.raises(PitError, match="--threads takes comma-separated integers"):
+        pit_deploy.bench(out, threads="one", say=None)
+    with pytest.raises(PitError, match="--gen-len"):
+        pit_deploy.bench(out, gen_len=1, say=None)
+
+
+def test_run_returns_the_exit_code_and_the_report(assets, tmp_path):
+    model, corpus = assets
+    overrides = {"export.runtimes": ["onnx"], "export.dtype": ["float32"], "export.max_seq_len": 32,
+                 "train.steps": 2, "train.save_every": 0, "verify.enabled": False, "bench.enabled": False}
+    result = pit_deploy.run("smoke", model=model, data=corpus, out=tmp_path / "r", overrides=overrides, say=None)
+    assert result.exit_code == 0 and result.failed_stage is None
+    assert Path(result.report).is_file()
+    assert "onnx-factorized" in Path(result.report).read_text()
+    with pytest.raises(PitError, match="did you mean 'steps'"):
+        pit_deploy.run("smoke", model=model, data=corpus, out=tmp_path / "r2", overrides=["train.stepz=2"], say=None)
