@@ -54,7 +54,7 @@ def pytest_generate_tests(metafunc):
         params = []
         for d in user_export_dirs(metafunc.config):
             for art in Manifest.read(d).artifacts:
-                params.append(pytest.param((d, art.runtime, art.mode), id=f"{Path(d).name}-{art.key}"))
+                params.append(pytest.param((d, art.runtime, art.mode, art.scheme_name), id=f"{Path(d).name}-{art.key}"))
         metafunc.parametrize("user_artifact", params)
 
 
@@ -75,10 +75,22 @@ def pytest_terminal_summary(terminalreporter):
     tr.section("parity figures (measured on the runtimes)")
     tr.write_line(f"{'artifact':<38}{'rel_l2':>10}{'max_abs':>10}{'top1':>9}{'greedy':>8}{'delta_ti':>10}  result")
     for label, r in _FIGURES:
+        if r.logits_rel_l2 is None:  # a quantized artifact: its KL figures instead of the logit ones
+            tr.write_line(f"{label:<38}{'KL':>10}{_num(r.kl_mean):>10}{_pct(r.same_top1):>9}{'':>8}"
+                          f"{r.delta_ti:>10.2e}  {'pass' if r.passed else 'FAIL'}")
+            continue
         tr.write_line(
             f"{label:<38}{r.logits_rel_l2:>10.2e}{r.logits_max_abs:>10.2e}{r.top1_agreement:>9.2%}"
             f"{'yes' if r.greedy_match else 'NO':>8}{r.delta_ti:>10.2e}  {'pass' if r.passed else 'FAIL'}"
         )
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2e}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2%}"
 
 
 class _Exports:

@@ -13,8 +13,9 @@ from pit_deploy.evaluate.verify import verify_directory
 
 
 def test_user_export(user_artifact, record_figures):
-    directory, runtime, mode = user_artifact
-    report = verify_directory(directory, runtimes=[runtime], modes=[mode], record=False)
-    r = report.result(runtime, mode)
-    record_figures(f"{directory} {runtime}-{mode}", r)
-    assert r.passed, f"{runtime}-{mode} failed: {'; '.join(r.failures)}"
+    """One artifact (runtime × mode × scheme) of the export, judged by its own scheme's bounds."""
+    directory, runtime, mode, scheme = user_artifact
+    report = verify_directory(directory, runtimes=[runtime], modes=[mode], dtypes=[scheme], record=False)
+    r = report.result(runtime, mode, scheme)
+    record_figures(f"{directory} {runtime}-{mode}-{scheme}", r)
+    assert r.passed, f"{runtime}-{mode}-{scheme} failed: {'; '.join(r.failures)}"
