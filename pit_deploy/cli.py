@@ -170,10 +170,18 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     from .export.recipes import Recipe
     from .options import dataclass_flags
 
-    p = sub.add_parser("export", help="export a PIT model to ONNX and/or ExecuTorch (.pte)")
+    from .targets import get_target, target_names
+
+    targets = ", ".join(f"{n} ({get_target(n).title})" for n in target_names())
+    p = sub.add_parser("export", help=f"export a PIT model for deployment targets: {', '.join(target_names())}",
+                       description=f"Export a PIT model to the targets: {targets}. `pit-deploy list` shows the "
+                       "targets, schemes and recipes.")
     p.add_argument("model", help="PIT directory | default | GGUF file | HF directory | hub id (plain models are converted first)")
     p.add_argument("--out", required=True, help="export directory (written atomically)")
-    p.add_argument("--recipe", help="recipe name in export/ or a .toml/.json path (flags override it)")
+    from .export.recipes import available_recipes
+
+    p.add_argument("--recipe", help=f"export recipe: {' | '.join(available_recipes())}, a name in ./export/ or a "
+                   ".toml/.json path (flags override it)")
     for flag in dataclass_flags(Recipe, defaults=False):
         p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
     p.add_argument("--t-init", default=None,
@@ -345,9 +353,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
+    from .run.recipe import available_run_recipes
+
     p = sub.add_parser("run", help="convert → train → export → verify → bench → report, in one run directory")
     p.add_argument("recipe", nargs="?", default="default",
-                   help="run recipe: default | smoke | gpu-cpt | lora, or a .toml file (default: default)")
+                   help=f"run recipe: {' | '.join(available_run_recipes())}, or a .toml file (default: default)")
     p.add_argument("--model", default=None, help="source model (overrides run.model): default | GGUF | HF dir | hub id")
     p.add_argument("--data", default=None, help="training/evaluation data (overrides run.data)")
     p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>)")
@@ -373,11 +383,31 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------
+# list
+# --------------------------------------------------------------------------------------
+
+
+def add_list(sub: argparse._SubParsersAction) -> None:
+    from .run.catalog import KINDS
+
+    p = sub.add_parser("list", help=f"what the registries hold: {', '.join(KINDS)}")
+    p.add_argument("kind", nargs="?", default=None, help=f"{' | '.join(KINDS)} (default: all four)")
+    p.set_defaults(handler=run_list)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from .run.catalog import KINDS, listing
+
+    print(listing([args.kind] if args.kind else KINDS))
+    return 0
+
+
+# --------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_run, add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify, add_bench
+    add_run, add_convert, add_diagnose, add_probe, add_train, add_plot, add_export, add_verify, add_bench, add_list
 )
 
 

@@ -21,6 +21,7 @@ import torch
 from ..io.checkpoint import WEIGHTS_NAME, save_model
 from ..io.fs import atomic_directory, check_output_dir
 from ..convert.conversion import convert_model
+from ..model.families import body_linears
 from ..model.inspect import find_interface
 from ..errors import PitError
 from .passes import prepare
@@ -88,13 +89,14 @@ def export_model(
     else:
         modes = recipe.modes
     out = check_output_dir(out, force, protect=(loaded.source.get("path") or "",))  # never the source
+    recipe = recipe.for_model(model.config, say)  # `--runtime all`: the targets that export this model
     wanted = [(r, m) for m in modes for r in recipe.runtimes]
     for runtime in dict.fromkeys(r for r, _ in wanted):
         get_target(runtime).precheck(model.config, recipe)
-    recipe.check_model(model.config)
+    recipe.check_model(model.config, body_linears(model))
     dtype = torch.float32  # the reference and the prepared models; quantization is the exporters'
     model = model.to(dtype).eval()
-    schemes = recipe.schemes()
+    schemes = recipe.schemes(model.config)
     quantized = [s for s in schemes if s.quantized]
 
     with atomic_directory(out, force, lock="export") as tmp:  # a second export of out is refused

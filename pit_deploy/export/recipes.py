@@ -33,7 +33,7 @@ import json
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import PitError
 from ..options import opt
@@ -41,6 +41,8 @@ from ..schemes import GROUP_SIZES, ROUNDINGS, Scheme, get_scheme, scheme_names
 from ..targets import default_target_names, get_target, target_names
 
 MODES: tuple[str, ...] = ("materialized", "factorized")
+#: ``runtimes = ["all"]``: every installed target that exports the model (:meth:`Recipe.for_model`)
+ALL = "all"
 #: the recipes shipped with the package (package data)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
@@ -53,12 +55,15 @@ SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correcti
 class Recipe:
     """What to export. Validated on construction (raises :class:`PitError`)."""
 
-    runtimes: tuple[str, ...] | None = opt(None, "comma list of targets (default: every target but the opt-in ones)", flag="--runtime",
-                                    group="what", parse="tuple[str, ...]")
+    runtimes: tuple[str, ...] | None = opt(None, f"comma list of targets: {', '.join(target_names())}, or {ALL} (every "
+                                    "installed target that exports the model's family, the modes and the dtypes asked "
+                                    f"for) (default: {', '.join(default_target_names())}; `pit-deploy list targets`)",
+                                    flag="--runtime", group="what", parse="tuple[str, ...]")
     modes: tuple[str, ...] = opt(MODES, "comma list of materialized, factorized (default: both)", flag="--mode",
                                  group="what", parse="tuple[str, ...]")
-    dtype: tuple[str, ...] = opt(("float32",), "comma list of schemes: float32 (default), int8, int4, int4-compact, int4-shared, int8-web, int4-web; gguf: f16, q8_0, q4_0, q4_k_m "
-                                 "(one artifact each)", group="what", parse="tuple[str, ...]")
+    dtype: tuple[str, ...] = opt(("float32",), f"comma list of quantization schemes: {', '.join(scheme_names())} (default "
+                                 "float32; one artifact each; `pit-deploy list schemes` says which target takes which)",
+                                 group="what", parse="tuple[str, ...]")
     max_seq_len: int = opt(DEFAULT_MAX_SEQ_LEN, "static KV cache length of the .pte (default 256)", group="what")
     description: str = opt("", cli=False)
     name: str = opt("builtin-default", cli=False)
@@ -88,9 +93,12 @@ class Recipe:
 
     def __post_init__(self) -> None:
         runtimes = default_target_names() if self.runtimes is None else self.runtimes
-        object.__setattr__(self, "runtimes", tuple(parse_list(runtimes, target_names(), "runtime")))
+        object.__setattr__(self, "runtimes", tuple(parse_list(runtimes, target_names() + (ALL,), "runtime")))
         object.__setattr__(self, "modes", tuple(parse_list(self.modes, MODES, "mode")))
         object.__setattr__(self, "dtype", tuple(parse_list(self.dtype, scheme_names(), "dtype")))
+        if ALL in self.runtimes and len(self.runtimes) > 1:
+            raise PitError(f"runtime {ALL!r} means every installed target that exports the model; pass it alone, "
+                           f"or list targets ({', '.join(target_names())})")
         if not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len < 2:
             raise PitError(f"max_seq_len must be an integer ≥ 2, got {self.max_seq_len!r}")
         if self.int4_8bit_layers is not None:
@@ -104,6 +112,9 @@ class Recipe:
             raise PitError(f"bounds must be a table per exported scheme ({', '.join(self.dtype)}), got {self.bounds!r}")
         # the overrides' values, whatever the schemes (on a scheme whose settings cannot conflict with them)
         get_scheme("int4").with_settings(pte_shared_table=False).with_settings(**self.overrides())
+        if self.runtimes == (ALL,):
+            self.schemes()  # the targets are chosen for the model (for_model), which checks the rest
+            return
         read = {k for r in self.runtimes for k in get_target(r).scheme_settings}
         ignored = [k for k in self.overrides() if k not in read]
         if ignored:
@@ -138,23 +149,71 @@ class Recipe:
         """The scheme settings this recipe sets (the others stay each scheme's)."""
         return {k: getattr(self, k) for k in SCHEME_SETTINGS if getattr(self, k) is not None}
 
-    def schemes(self) -> list[Scheme]:
-        """The recipe's schemes with its overrides of their settings and bounds applied."""
+    def schemes(self, config: Any = None) -> list[Scheme]:
+        """The recipe's schemes with its overrides of their settings and bounds applied. With the
+        model's ``config``, a scheme's own ``int4_8bit_layers`` (Llama-layout names such as
+        ``v_proj``) become the names of the model's family for the same linears
+        (:meth:`~pit_deploy.model.families.FamilyAdapter.linear_names`; GPT-2: ``attn.c_attn``);
+        names the recipe gives are taken as they are."""
         out = []
         for name in self.dtype:
             scheme = get_scheme(name)
             if scheme.quantized:
                 scheme = scheme.with_settings(**self.overrides())
+                if config is not None and self.int4_8bit_layers is None and scheme.int4_8bit_layers:
+                    scheme = scheme.with_settings(int4_8bit_layers=_family(config).linear_names(scheme.int4_8bit_layers))
             out.append(scheme.with_bounds(self.bounds.get(name)))
         return out
 
-    def check_model(self, config: Any) -> None:
-        """Raise :class:`PitError` if a quantized scheme's group size does not divide the hidden size."""
+    def check_model(self, config: Any, linears: list[str] | tuple[str, ...] | None = None) -> None:
+        """Raise :class:`PitError`, before any slow work, if the recipe cannot fit the model: a
+        quantized scheme's group size that does not divide the hidden size, a static cache longer
+        than the model's positions, or (given the model's body ``linears``, module paths) a name of
+        ``int4_8bit_layers`` that matches none of them."""
+        from ..model.families import max_positions
+
         d = int(config.hidden_size)
         for scheme in self.schemes():
             if scheme.quantized and d % scheme.group_size:
                 raise PitError(f"group size {scheme.group_size} does not divide the hidden size {d}; "
                                f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
+        static = [r for r in (target_names() if self.runtimes == (ALL,) else self.runtimes) if get_target(r).static_cache]
+        limit = max_positions(config)
+        if static and limit is not None and self.max_seq_len > limit:
+            raise PitError(f"max_seq_len {self.max_seq_len} (the static KV cache of {', '.join(static)}) exceeds the "
+                           f"model's {limit} positions; set max_seq_len (--max-seq-len) to {limit} or less")
+        if linears is not None and self.int4_8bit_layers and any(s.dtype == "int4" for s in self.schemes()):
+            check_layer_names(self.int4_8bit_layers, linears, getattr(config, "model_type", "?"))
+
+    def for_model(self, config: Any, say: Callable[[str], None] | None = None) -> "Recipe":
+        """This recipe with ``runtimes = ["all"]`` made concrete for a model of ``config``: every
+        installed target that exports its family, the recipe's modes and its schemes (the others
+        are left out, each with its reason through ``say``); any other recipe as it is.
+
+        Raises:
+            PitError: no installed target can export this model as asked.
+        """
+        if self.runtimes != (ALL,):
+            return self
+        chosen, left_out = [], []
+        for name in target_names():
+            target = get_target(name)
+            if not target.installed():
+                left_out.append(f"{name} (not installed: pip install {target.package or target.module})")
+                continue
+            try:
+                candidate = replace(self, runtimes=(name,))
+                target.precheck(config, candidate)
+            except PitError as exc:
+                left_out.append(f"{name} ({exc})")
+                continue
+            chosen.append(name)
+        if say is not None and left_out:
+            say(f"--runtime {ALL}: {', '.join(chosen) or 'none'}; left out: {'; '.join(left_out)}")
+        if not chosen:
+            raise PitError(f"no installed target exports this {getattr(config, 'model_type', '?')} model as asked "
+                           f"(modes {', '.join(self.modes)}, dtype {', '.join(self.dtype)}): {'; '.join(left_out)}")
+        return replace(self, runtimes=tuple(chosen))
 
     def override(self, **kwargs: Any) -> "Recipe":
         """A copy with every non-``None`` keyword replaced."""
@@ -168,6 +227,59 @@ class Recipe:
             data["int4_8bit_layers"] = list(data["int4_8bit_layers"])
         data["bounds"] = {k: dict(v) for k, v in self.bounds.items()}
         return data
+
+
+def _family(config: Any):
+    from ..model.families import adapter_for
+
+    return adapter_for(config)
+
+
+def check_layer_names(names: tuple[str, ...] | list[str], linears: list[str] | tuple[str, ...], model_type: str) -> None:
+    """Raise :class:`PitError` naming the key and the fix if one of ``names`` (``int4_8bit_layers``)
+    matches none of the model's body ``linears`` (module paths, :func:`~pit_deploy.schemes.names_linear`)."""
+    from ..schemes import names_linear
+
+    missing = [name for name in names if not any(names_linear(path, (name,)) for path in linears)]
+    if missing:
+        last = list(dict.fromkeys(path.rsplit(".", 1)[-1] for path in linears))
+        example = linears[-1] if linears else "layers.0.mlp.down_proj"
+        raise PitError(f"int4_8bit_layers: {', '.join(repr(m) for m in missing)} matches no linear of this "
+                       f"{model_type} model (its linears: {', '.join(last) or 'none'}); name a linear's last name "
+                       f"(every layer's) or a dotted suffix of its path (one layer's, e.g. {example!r}) in "
+                       "--int4-8bit-layers or the recipe key int4_8bit_layers, or leave it out for the scheme's "
+                       "choice for this family")
+
+
+#: export recipes measured on one model, whose quantization settings ``pit-deploy run`` applies
+#: when its model is that one: recipe name → the model sources it is (``default``: the bundled
+#: model) and the ``config.json`` values that identify a checkpoint of it (architecture, shape, vocabulary)
+MODEL_RECIPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "sources": ("default",),
+        "config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
+                   "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3},
+    },
+}
+
+
+def model_recipe(source: str | None, config: Any = None) -> str | None:
+    """The name of the :data:`MODEL_RECIPES` recipe measured on the model ``source`` (a model spec
+    such as ``default``) with ``config`` (a transformers config or a dict; ``None``: not read
+    yet), or ``None`` when no recipe was measured on it."""
+    for name, match in MODEL_RECIPES.items():
+        if source in match["sources"]:
+            return name
+        if config is not None:
+            get = config.get if isinstance(config, dict) else (lambda k, c=config: getattr(c, k, None))
+            if all(get(key) == value for key, value in match["config"].items()):
+                return name
+    return None
+
+
+def model_settings(name: str) -> dict[str, Any]:
+    """The quantization settings (:data:`SCHEME_SETTINGS`) the export recipe ``name`` sets."""
+    return load_recipe(str(PACKAGE_RECIPES / f"{name}.toml")).overrides()
 
 
 def recipe_fields() -> tuple[str, ...]:

@@ -109,6 +109,43 @@ def gguf_tensor_names(path: str | os.PathLike) -> list[str]:
         return names
 
 
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file's header: numbers, booleans and strings as they
+    are, an array as its length (the tokenizer's 49,152 tokens are not built, only counted).
+
+    Raises:
+        GGUFFormatError: bad magic, an unsupported version (1), or a truncated header.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf)
+        if cur.take("4s") != b"GGUF":
+            raise GGUFFormatError("bad magic bytes")
+        version = cur.take("I")
+        if version not in (2, 3):
+            raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+        cur.take("Q")
+        out: dict[str, Any] = {}
+        for _ in range(cur.take("Q")):
+            key = cur.string().decode("utf-8", "replace")
+            vtype = cur.take("I")
+            if vtype in _SCALARS:
+                out[key] = cur.take(_SCALARS[vtype])
+            elif vtype == _STRING:
+                out[key] = cur.string().decode("utf-8", "replace")
+            elif vtype == _ARRAY:
+                start = cur.pos
+                cur.take("I")
+                out[key] = cur.take("Q")
+                cur.pos = start
+                cur.skip_value(vtype)
+            else:
+                raise GGUFFormatError(f"unknown metadata value type {vtype}")
+        return out
+
+
 def cache_root() -> Path | None:
     """Where converted files are kept, or ``None`` when ``$PIT_DEPLOY_CACHE`` is ``off``."""
     value = os.environ.get(CACHE_ENV)

@@ -25,6 +25,10 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 
+#: the body linears of a Llama-layout block, by name (what the quantization schemes name)
+LLAMA_ROLES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _one(_: PretrainedConfig) -> float:
     return 1.0
 
@@ -47,6 +51,20 @@ class FamilyAdapter:
     logits_multiplier: Callable[[PretrainedConfig], float] = field(default=_one)
     final_norm: Callable[[PreTrainedModel], nn.Module] = field(default=_llama_norm)
     layers: Callable[[PreTrainedModel], nn.ModuleList] = field(default=_llama_layers)
+    #: this family's name of each body linear named by its Llama-layout role (``q_proj``,
+    #: ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``) where it
+    #: differs (a last name or a dotted suffix of the module path, as ``int4_8bit_layers`` takes
+    #: them); a role missing from a family that renames its linears has no linear of its own there
+    projections: dict[str, str] = field(default_factory=dict)
+
+    def linear_names(self, roles: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        """``roles`` (the quantization schemes' Llama-layout names, ``("v_proj", "down_proj")``) as
+        this family names those linears (GPT-2: ``("attn.c_attn", "mlp.c_proj")``), de-duplicated;
+        a name that is not a bare role (``layers.3.mlp.down_proj``) is kept as it is."""
+        if not self.projections:
+            return tuple(dict.fromkeys(roles))
+        out = [self.projections.get(name) if name in LLAMA_ROLES else name for name in roles]
+        return tuple(dict.fromkeys(name for name in out if name))
 
 
 LLAMA = FamilyAdapter("llama", ("llama", "mistral", "qwen2"))
@@ -65,6 +83,10 @@ GPT2 = FamilyAdapter(
     ("gpt2",),
     final_norm=lambda m: m.transformer.ln_f,
     layers=lambda m: m.transformer.h,
+    # GPT-2's Conv1D linears: query, key and value in one ``attn.c_attn``, the attention output
+    # ``attn.c_proj``, the MLP ``mlp.c_fc`` (no gate) and ``mlp.c_proj``
+    projections={"q_proj": "attn.c_attn", "k_proj": "attn.c_attn", "v_proj": "attn.c_attn",
+                 "o_proj": "attn.c_proj", "up_proj": "mlp.c_fc", "down_proj": "mlp.c_proj"},
 )
 
 # Cohere multiplies logits by ``config.logit_scale`` (CohereForCausalLM.forward); it is the
@@ -85,6 +107,11 @@ def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
 
 for _adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GPT2, COHERE):
     register_family(_adapter)
+
+
+def families() -> list[FamilyAdapter]:
+    """Every registered adapter, once each, in registration order."""
+    return list({id(a): a for a in _REGISTRY.values()}.values())
 
 
 def supported_model_types() -> list[str]:
@@ -116,3 +143,24 @@ def max_positions(config: PretrainedConfig) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def body_linears(model: nn.Module) -> list[str]:
+    """Module paths of the model's body linears (``nn.Linear`` and GPT-2's ``Conv1D``; not the
+    head, not the PIT interface): what ``int4_8bit_layers`` names."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, (nn.Linear, Conv1D)) and module is not head and "pit_" not in name]
+
+
+def skeleton(config: PretrainedConfig) -> PreTrainedModel:
+    """The plain model of ``config`` built on the meta device (no memory, no weights): its module
+    names without loading a checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+

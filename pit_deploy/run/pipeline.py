@@ -74,6 +74,9 @@ def run_pipeline(recipe: RunRecipe, out: str | Path, from_stage: str | None = No
     """
     if from_stage is not None and from_stage not in STAGES:
         raise PitError(f"--from {from_stage!r}: choose one of {', '.join(STAGES)}")
+    from .validate import check_run_fits
+
+    check_run_fits(recipe)  # the recipe fits the model (its config only), before any stage runs
     out = Path(out).absolute()
     try:
         with claim_run_directory(out, recipe, force, say):

@@ -79,6 +79,9 @@ class RunRecipe:
     #: table → the keys the recipe file gave, and those ``--set`` gave (the others are defaults)
     explicit: dict[str, set[str]] = field(default_factory=dict)
     overridden: dict[str, set[str]] = field(default_factory=dict)
+    #: the source model's config once the run has read it (:func:`pit_deploy.run.validate.check_run_fits`):
+    #: what identifies a model whose own export settings apply (:func:`~pit_deploy.export.recipes.model_recipe`)
+    source_config: Any = None
 
     def __getitem__(self, table: str) -> dict[str, Any]:
         return self.tables[table]
@@ -129,7 +132,10 @@ class RunRecipe:
         """The export recipe of ``[export]``: the named ``recipe`` (or the built-in defaults with
         the run's :data:`DEFAULTS`), then the keys the run recipe gave. A ``recipe`` named by
         ``--set`` replaces the run recipe file's own export settings (only other ``--set`` keys
-        change it); one named in the file is refined by the file's keys."""
+        change it); one named in the file is refined by the file's keys. Without a named
+        ``recipe``, the quantization settings measured on the run's model, where there are some
+        (``MODEL_RECIPES``: the bundled SmolLM2-135M's ``smollm2-135m``), fill the keys the run
+        recipe leaves out."""
         from ..export.recipes import Recipe, load_recipe
 
         table = self.tables["export"]
@@ -142,7 +148,28 @@ class RunRecipe:
         else:
             base = Recipe(**{k: v for k, v in DEFAULTS["export"].items() if k != "recipe"})
         changes = {k: table[k] for k in given if k != "recipe"}
-        return base.override(name=f"run-{self.name}", **changes) if changes else base.override(name=f"run-{self.name}")
+        resolved = base.override(name=f"run-{self.name}", **changes)
+        if not table.get("recipe"):
+            resolved = _with_model_settings(resolved, self.tables["run"]["model"], self.source_config, set(changes))
+        return resolved
+
+
+def _with_model_settings(recipe: Any, source: str, config: Any, given: set[str]) -> Any:
+    """``recipe`` with the quantization settings measured on the model ``source`` (``config``:
+    its config, ``None`` before the run reads it) for the keys not in ``given`` and read by one
+    of the recipe's targets; as it is when the export quantizes nothing or no settings were
+    measured on the model."""
+    from ..export.recipes import ALL, model_recipe, model_settings
+    from ..schemes import get_scheme
+    from ..targets import get_target, target_names
+
+    name = model_recipe(source, config)
+    if name is None or not any(get_scheme(d).quantized for d in recipe.dtype):
+        return recipe
+    runtimes = target_names() if recipe.runtimes == (ALL,) else recipe.runtimes
+    read = {k for r in runtimes for k in get_target(r).scheme_settings}
+    settings = {k: v for k, v in model_settings(name).items() if k not in given and k in read}
+    return recipe.override(**settings) if settings else recipe
 
 
 def table_keys(table: str) -> list[str]:

@@ -102,6 +102,12 @@ class Target:
     dtypes: tuple[str, ...] = ("float32",)
     #: whether the artifact has a static KV cache of ``recipe.max_seq_len`` positions
     static_cache: bool = False
+    #: the ``config.model_type`` values the exporter builds (``None``: every supported family),
+    #: the modes of a PIT model it writes, the schemes it takes (``None``: every scheme of its
+    #: dtypes); what ``pit-deploy list`` shows, :meth:`precheck` enforces
+    model_types: tuple[str, ...] | None = None
+    modes: tuple[str, ...] = ("materialized", "factorized")
+    schemes: tuple[str, ...] | None = None
     #: ``"module:function"`` ``(model, out_dir, *, tokenizer, recipe, scheme, opset) -> details``
     exporter: str = ""
     #: ``"module:Class"`` of the :class:`~pit_deploy.runtime.base.Driver`

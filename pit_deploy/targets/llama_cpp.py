@@ -52,6 +52,9 @@ class LlamaCppTarget(Target):
     module = "llama_cpp"
     package = "llama-cpp-python"
     dtypes = ("float32", "float16", "int8", "int4")
+    model_types = tuple(ARCHITECTURES)
+    modes = ("materialized",)
+    schemes = tuple(FILE_TYPES)
     exporter = "pit_deploy.export.to_gguf:export_artifact"
     driver = "pit_deploy.runtime.llama_cpp_driver:LlamaCppDriver"
     standalone = ("pit_deploy.runtime.llama_cpp_decoder", "LlamaCppDecoder")

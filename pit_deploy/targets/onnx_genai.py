@@ -44,6 +44,7 @@ class OnnxGenaiTarget(Target):
     module = "onnxruntime_genai"
     package = "onnxruntime-genai"
     dtypes = ("float32", "int8", "int4")
+    model_types = tuple(BUILDER_FAMILIES)
     exporter = "pit_deploy.export.to_genai:export_artifact"
     driver = "pit_deploy.runtime.genai_driver:GenaiDriver"
     primary_file = DECODER_NAME
