@@ -224,6 +224,15 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
                    help="also run each onnx folder through transformers.js and judge it by the same bounds: "
                    "comma list of node (onnxruntime-node), chromium (onnxruntime-web in headless Chromium); "
                    "needs `bash scripts/setup_web.sh` once")
+    p.add_argument("--isa", default=None, metavar="ISAS",
+                   help="whose runtime kernels run the artifacts: x86_64 (default), aarch64 (the ONNX artifacts "
+                   "on onnxruntime's aarch64 build under qemu emulation; needs `bash scripts/setup_aarch64.sh` "
+                   "once; only x86_64 results are recorded), or x86_64,aarch64")
+    p.add_argument("--arm-cpu", default=None, metavar="CPUS",
+                   help="with --isa aarch64: comma list of emulated CPU profiles (default: cortex-a53,cortex-a76,max: "
+                   "plain NEON, dotprod, dotprod + i8mm)")
+    p.add_argument("--kleidiai", default=None, metavar="SETTINGS",
+                   help="with --isa aarch64: on (default), off, or on,off: onnxruntime's KleidiAI kernels")
     p.set_defaults(handler=run_verify)
 
 
@@ -231,7 +240,8 @@ def run_verify(args: argparse.Namespace) -> int:
     from .api import verify
 
     report = verify(args.directory, runtime=args.runtime, mode=args.mode, dtype=args.dtype, record=not args.no_record,
-                    expect_sha256=args.expect_sha256, web=args.web, say=stage)
+                    expect_sha256=args.expect_sha256, web=args.web, isa=args.isa, arm_cpu=args.arm_cpu,
+                    kleidiai=args.kleidiai, say=stage)
     print(report.to_json() if args.json else report)
     return 0 if report.passed else 1
 

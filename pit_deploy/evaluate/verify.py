@@ -66,6 +66,8 @@ TEXT_PROMPTS = (
     "Once upon a time, in a small village by the sea, there lived",
 )
 RANDOM_PROMPT_LENGTHS = (5, 11, 17)
+#: instruction sets ``verify --isa`` runs the runtimes' kernels of (aarch64: emulated, :mod:`.verify_aarch64`)
+ISAS = ("x86_64", "aarch64")
 
 
 @dataclass
@@ -113,10 +115,28 @@ class ArtifactResult:
     passed: bool = False
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: the instruction set whose runtime kernels computed the figures (``verify --isa``)
+    isa: str = "x86_64"
+    #: aarch64 only: the emulated CPU profile and whether KleidiAI was on (:mod:`.verify_aarch64`)
+    arm_cpu: str | None = None
+    kleidiai: str | None = None
+    #: ``False``: the artifact's runtime cannot run on this ISA here; never passed (``failures`` empty,
+    #: the reason in ``notes``)
+    checked: bool = True
+    #: aarch64 only: wall seconds of the emulated runtime (not a latency: emulation is 50-100x slower)
+    emulated_s: float | None = None
 
     @property
     def key(self) -> str:
         return artifact_key(self.runtime, self.mode, self.scheme or self.dtype)
+
+    @property
+    def label(self) -> str:
+        """The row's name in the table: the key, and on aarch64 the CPU profile and KleidiAI."""
+        if self.isa == "x86_64":
+            return self.key
+        where = ", ".join(x for x in (self.arm_cpu, self.kleidiai and f"KleidiAI {self.kleidiai}") if x)
+        return f"{self.key} [{self.isa}{' ' + where if where else ''}]"
 
     def judge(self, bounds: ParityBounds | QuantizedBounds | None = None) -> "ArtifactResult":
         """Apply the bounds. Every comparison is written so that NaN fails it: ``not x <= b``
@@ -242,7 +262,11 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.artifacts) and all(a.passed for a in self.artifacts)
+        """Every checked artifact within its bounds, at least one checked. An artifact whose runtime
+        cannot run on the ISA asked for (``checked`` false) is listed, never passed, and fails
+        nothing by itself; a selection of nothing but those is refused before any work."""
+        checked = [a for a in self.artifacts if a.checked]
+        return bool(checked) and all(a.passed for a in checked)
 
     def result(self, runtime: str, mode: str, scheme: str = "float32") -> ArtifactResult:
         """The result of the ``runtime``-``mode``(-``scheme``) artifact (``KeyError`` if not verified)."""
@@ -264,16 +288,19 @@ class VerifyReport:
         return json_text(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        width = max([30, *(len(a.key) + 1 for a in self.artifacts)])  # the longest artifact name fits
+        width = max([30, *(len(a.label) + 1 for a in self.artifacts)])  # the longest artifact name fits
         head = (f"{'artifact':<{width}}{'rel_l2':>9}{'top1':>8}{'greedy':>7}{'runner':>7}{'kl_mean':>9}{'x_exp':>7}{'kl_p99':>8}"
                 f"{'same1':>7}{'ppl_x':>7}{'delta_ti':>10}  result")
         rows = [head]
         for a in self.artifacts:
+            if not a.checked:
+                rows.append(f"{a.label:<{width}}not checked on {a.isa}: " + "; ".join(a.notes))
+                continue
             greedy = "-" if a.greedy_match is None else ("yes" if a.greedy_match else "NO")
             same = (a.stock_runner or {}).get("identical")
             runner = "-" if same is None else ("yes" if same else "NO")
             rows.append(
-                f"{a.key:<{width}}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
+                f"{a.label:<{width}}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
                 f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(_ratio(a.kl_mean, a.expected_kl_mean), '.1f'):>7}"
                 f"{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
                 f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
@@ -281,7 +308,11 @@ class VerifyReport:
             )
             for client, w in (a.web or {}).items():
                 rows.append(_web_row(client, w, width))
-        rows.append("all artifacts passed" if self.passed else "verification FAILED")
+        skipped = sum(not a.checked for a in self.artifacts)
+        if self.passed and skipped:
+            rows.append(f"all checked artifacts passed; {skipped} not checked (listed above)")
+        else:
+            rows.append("all artifacts passed" if self.passed else "verification FAILED")
         if self.manifest_sha256:
             rows.append(f"manifest pin (--expect-sha256): {self.manifest_sha256}")
         return "\n".join(rows)
@@ -384,8 +415,10 @@ def expected_figures(directory: Path, art) -> dict[str, float] | None:
 
 
 @torch.no_grad()
-def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds) -> ArtifactResult:
-    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`)."""
+def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds,
+                              driver=None) -> ArtifactResult:
+    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`);
+    ``driver`` (default: the runtime's own) is what :mod:`.verify_aarch64` replaces."""
     from ..data.heldout import kl_parity
 
     blocks = heldout.get("blocks") if isinstance(heldout, dict) else None
@@ -397,7 +430,7 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
             or any(not isinstance(t, int) or not 0 <= t < vocab for row in blocks for t in row)):
         raise PitError(f"{directory / MANIFEST_NAME}: the held-out ids are not token ids of this model "
                        "(tampered manifest?); re-export")
-    driver = driver_class(art.runtime)(directory / art.path)
+    driver = driver or driver_class(art.runtime)(directory / art.path)
     try:
         figures = kl_parity(driver, reference, blocks)
         delta, ref_delta, weights_shared, notes = _interface_figures(directory, art, driver, reference)
@@ -424,9 +457,10 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
 
 @torch.no_grad()
 def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
-                    bounds: ParityBounds | None = None) -> ArtifactResult:
-    """Compare one fp32 artifact with the reference (see the module docstring)."""
-    driver = driver_class(art.runtime)(directory / art.path)
+                    bounds: ParityBounds | None = None, driver=None) -> ArtifactResult:
+    """Compare one fp32 artifact with the reference (see the module docstring) on ``driver``
+    (default: the runtime's own; :mod:`.verify_aarch64` passes its replay of the emulated run)."""
+    driver = driver or driver_class(art.runtime)(directory / art.path)
     vocab = art.shapes["vocab_size"]
     max_seq = art.shapes.get("max_seq_len")
     max_prompt = (max_seq - GREEDY_TOKENS) if max_seq else 10**9
@@ -493,14 +527,26 @@ def verify_directory(
     expect_sha256: str | None = None,
     dtypes: Sequence[str] | str | None = None,
     web: Sequence[str] | str | None = None,
+    isa: Sequence[str] | str | None = None,
+    arm_cpu: Sequence[str] | str | None = None,
+    kleidiai: Sequence[str] | str | None = None,
 ) -> VerifyReport:
     """Check digests, then verify every (selected) artifact; optionally record the results.
 
+    ``isa`` (default ``x86_64``; ``aarch64``, or both) picks whose runtime kernels run the
+    artifacts: ``aarch64`` runs them emulated on each ``arm_cpu`` profile and ``kleidiai`` setting
+    (:mod:`.verify_aarch64`); only x86-64 results are recorded in the manifest.
+
     Raises:
         PitError: not an export directory, a digest mismatch or a missing file, an unknown
-            runtime/mode, or a filter that selects no artifact.
+            runtime/mode, a filter that selects no artifact, or (aarch64) no emulation set-up or
+            no selected artifact whose runtime runs emulated.
     """
     directory = Path(directory)
+    isas = parse_list(isa or "x86_64", ISAS, "ISA")
+    if "aarch64" not in isas and (arm_cpu is not None or kleidiai is not None):
+        raise PitError("--arm-cpu and --kleidiai apply to --isa aarch64 only")
+    record = record and "x86_64" in isas
     manifest = Manifest.read(directory)
     pin = pin_sha256(directory)
     if expect_sha256 is not None and pin != expect_sha256.strip().lower():
@@ -539,24 +585,38 @@ def verify_directory(
                            f"{directory}; export with --runtime onnx")
         for client in web_clients:
             check_setup(client)  # a client that is not set up: the user's to fix, before any work
+    emulation = None
+    if "aarch64" in isas:
+        from .verify_aarch64 import EmulatedVerify
+
+        emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai)  # set-up and selection checked here
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
     overrides = (manifest.recipe or {}).get("bounds") or {}
     ctx = VerifyContext(directory=directory, reference=reference, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
                         greedy_tokens=GREEDY_TOKENS, cache={"ref_runs": ref_runs, "heldout": manifest.heldout},
                         web_clients=web_clients, bound_overrides=overrides)
-    results = []
-    for art in selected:
+
+    def check(art, driver=None) -> tuple[ArtifactResult, Any, bool]:
         bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
         quantized = isinstance(bounds, QuantizedBounds)
         if quantized:
-            result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds)
+            result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds, driver)
         else:
-            result = verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds)
-        get_target(art.runtime).verify_extras(ctx, art, result, quantized)
-        result.judge(bounds)
-        results.append(result)
+            result = verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds, driver)
+        return result, bounds, quantized
+
+    results = []
+    if "x86_64" in isas:
+        for art in selected:
+            result, bounds, quantized = check(art)
+            get_target(art.runtime).verify_extras(ctx, art, result, quantized)
+            result.judge(bounds)
+            results.append(result)
+    if emulation is not None:
+        results += emulation.run(check)
     report = VerifyReport(str(directory), results, pin)
+    results = [r for r in results if r.isa == "x86_64"]  # the manifest records the x86-64 results
     if record:
         record_results(directory, pin, selected, results)
     return report

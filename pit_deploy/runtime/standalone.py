@@ -44,14 +44,17 @@ WATCHED_MODULES = ("pit_deploy", "transformers", "optimum", "torch")
 # --------------------------------------------------------------------------------------
 
 
-def ort_session_options(threads: int | None):
-    """``SessionOptions`` with ``threads`` intra-op threads (``None``: onnxruntime's default)."""
+def ort_session_options(threads: int | None, config: dict[str, str] | None = None):
+    """``SessionOptions`` with ``threads`` intra-op threads (``None``: onnxruntime's default) and
+    the session ``config`` entries (e.g. ``{"mlas.disable_kleidiai": "1"}`` on aarch64)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     if threads is not None:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(key, value)
     return opts
 
 
@@ -84,11 +87,11 @@ class OrtDecoder:
     its ``GroupQueryAttention`` derives positions from ``attention_mask``, the way genai feeds it;
     the cache's dimensions symbolic, read from its ``genai_config.json``)."""
 
-    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None, config: dict[str, str] | None = None) -> None:
         import onnxruntime as ort
 
         self.session = ort.InferenceSession(str(path),
-                                            sess_options=ort_session_options(threads),
+                                            sess_options=ort_session_options(threads, config),
                                             providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.has_positions = "position_ids" in inputs

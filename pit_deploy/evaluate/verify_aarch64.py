@@ -1,0 +1,200 @@
+"""``pit-deploy verify --isa aarch64``: the same verification, with the runtime's aarch64 kernels.
+
+A phone runs onnxruntime's aarch64 build, whose MLAS picks its kernels by the CPU's features
+(NEON, dotprod, i8mm, Arm's KleidiAI): other arithmetic than the x86 kernels ``verify`` runs by
+default, so an int4 artifact's logits on a phone need not be the ones checked on x86. Here each
+artifact runs in an emulated aarch64 Python (:mod:`pit_deploy.runtime.emulated`) on each CPU
+profile and KleidiAI setting, and is judged by the very code and bounds of :mod:`.verify`:
+
+1. **record** — :func:`~.verify.verify_artifact` / :func:`~.verify.verify_quantized_artifact` run
+   on x86 against a :class:`RecordingDriver`, which answers zeros and notes every call (prompt
+   prefills, greedy steps, held-out blocks, the interface graph's ``(V, d)``); the PyTorch
+   references are computed here, on x86, as always;
+2. **run** — the emulated Python makes the same calls on the artifact's graphs
+   (:mod:`pit_deploy.runtime.emulated_runner`) and writes the outputs as ``.npz`` files into a
+   temporary folder;
+3. **judge** — the same functions run again against a :class:`ReplayDriver` serving those outputs,
+   so the figures, bounds and failures are computed exactly as on x86; each row names its ISA,
+   CPU profile and KleidiAI setting.
+
+Only ONNX graphs run emulated (:data:`EMULATED`); every other artifact is reported "not checked on
+aarch64" with the reason (:data:`NOT_EMULATED`) — never as passed, and it fails nothing by itself
+(:attr:`~.verify.VerifyReport.passed`); a selection of only such artifacts is refused (exit 2).
+A runtime that cannot load or run an artifact on aarch64 fails that row (a phone would fail the
+same way). Target extras that run other x86 programs (the genai generator, transformers.js) stay
+with the x86 rows; the interface graph's weight-sharing check is a file check and runs in both.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import PitError
+from ..export.recipes import parse_list
+from ..runtime.base import Driver
+from ..runtime.emulated import (KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, Aarch64Setup, find_setup, run_job)
+from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
+from .verify import ArtifactResult
+
+#: runtimes whose artifacts run emulated: their interface graph's layout (see the runner)
+EMULATED = {"onnx": "plain", "onnx-genai": "batched"}
+#: why the other runtimes' artifacts do not
+NOT_EMULATED = {
+    "executorch": "ExecuTorch's aarch64 Python bindings need an aarch64 libtorch, which PyPI has only as "
+                  "its CUDA build; no emulated .pte runtime is set up",
+    "gguf": "llama-cpp-python is built from source for the host's CPU; no aarch64 build of it is set up",
+}
+#: intra-op threads of the emulated sessions (the kernels chosen do not depend on it)
+THREADS = 1
+
+
+def graph_paths(directory: Path, art: Any) -> tuple[Path, Path]:
+    """The decoder and interface graphs of an ONNX artifact folder, as its x86 driver opens them."""
+    folder = directory / art.path
+    if art.runtime == "onnx":
+        from ..targets.onnx_optimum import decoder_file, interface_file
+
+        return decoder_file(folder), interface_file(folder)
+    from ..targets.onnx_genai import DECODER_NAME, INTERFACE_NAME
+
+    return folder / DECODER_NAME, folder / INTERFACE_NAME
+
+
+class RecordingDriver(Driver):
+    """Answers every call with zeros of the right shape and records it: the calls verification
+    makes depend on the reference and the prompts only, never on what the runtime answers."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(".")
+        self.vocab, self.calls = vocab, []
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls.append(["prefill", [int(i) for i in ids.tolist()]])
+        return torch.zeros(len(ids), self.vocab)
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        self.calls.append(["step", int(token), int(pos)])
+        return torch.zeros(self.vocab)
+
+    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls.append(["interface", int(vocab), int(dim)])
+        return torch.zeros(vocab, dim), torch.zeros(dim, vocab)
+
+
+class ReplayDriver(Driver):
+    """Serves the emulated runtime's outputs for the recorded calls, in their order.
+
+    Raises:
+        RuntimeError: a call other than the recorded one (an internal error, exit 3).
+    """
+
+    def __init__(self, calls: list[list[Any]], outputs: dict[str, np.ndarray]) -> None:
+        super().__init__(".")
+        self.calls, self.outputs, self.n = calls, outputs, 0
+
+    def _next(self, call: list[Any]) -> int:
+        n, self.n = self.n, self.n + 1
+        if n >= len(self.calls) or self.calls[n] != call:
+            raise RuntimeError(f"aarch64 replay: call {n} is {call[:1]}, the recorded one "
+                               f"{self.calls[n][:1] if n < len(self.calls) else 'none'}")
+        return n
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.outputs[str(self._next(["prefill", [int(i) for i in ids.tolist()]]))])
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        return torch.from_numpy(self.outputs[str(self._next(["step", int(token), int(pos)]))])
+
+    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._next(["interface", int(vocab), int(dim)])
+        return torch.from_numpy(self.outputs[f"{n}.emb"]), torch.from_numpy(self.outputs[f"{n}.head"])
+
+
+def _row(art: Any, **kw: Any) -> ArtifactResult:
+    return ArtifactResult(runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
+                          tying=getattr(art, "tying", "pit"), isa="aarch64", **kw)
+
+
+class EmulatedVerify:
+    """One ``verify --isa aarch64`` over the selected artifacts; constructing it checks the
+    selection and the set-up before any work (both the user's to fix: exit 2)."""
+
+    def __init__(self, directory: Path, selected: Sequence[Any], arm_cpu: Sequence[str] | str | None,
+                 kleidiai: Sequence[str] | str | None) -> None:
+        self.directory = Path(directory)
+        self.cpus = parse_list(arm_cpu, PROFILES + OTHER_CPUS, "aarch64 CPU profile") if arm_cpu else list(PROFILES)
+        self.kleidiai = parse_list(kleidiai, KLEIDIAI_SETTINGS, "KleidiAI setting") if kleidiai else ["on"]
+        self.runnable = [a for a in selected if a.runtime in EMULATED]
+        self.skipped = [a for a in selected if a.runtime not in EMULATED]
+        if not self.runnable:
+            raise PitError("none of the selected artifacts can run on aarch64 here, so nothing would be checked: "
+                           + "; ".join(f"{a.key}: {self.reason(a)}" for a in self.skipped)
+                           + " (select onnx or onnx-genai artifacts)")
+        self.setup: Aarch64Setup = find_setup()
+
+    @staticmethod
+    def reason(art: Any) -> str:
+        return NOT_EMULATED.get(art.runtime, f"no aarch64 build of the {art.runtime} runtime is set up for emulation")
+
+    def run(self, check: Callable[..., tuple[ArtifactResult, Any, bool]]) -> list[ArtifactResult]:
+        """Rows for every runnable artifact × CPU profile × KleidiAI setting, then the not-checked
+        ones. ``check(art, driver)`` is verify's own ``(result, bounds, quantized)`` of one artifact."""
+        jobs = []
+        for art in self.runnable:
+            recorder = RecordingDriver(int(art.shapes["vocab_size"]))
+            check(art, recorder)
+            decoder, interface = graph_paths(self.directory, art)
+            jobs.append({"name": art.key, "decoder": str(decoder), "interface": str(interface),
+                         "layout": EMULATED[art.runtime], "calls": recorder.calls})
+        rows: dict[tuple[int, str, str], ArtifactResult] = {}
+        with tempfile.TemporaryDirectory(prefix="pit-aarch64-") as tmp:
+            for cpu in self.cpus:
+                job_dir = Path(tmp) / cpu
+                job_dir.mkdir()
+                (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "kleidiai": self.kleidiai,
+                                                            "artifacts": jobs}))
+                proc = run_job(self.setup, cpu, job_dir)
+                finished = self._finished(job_dir, cpu)
+                for i, art in enumerate(self.runnable):
+                    for setting in self.kleidiai:
+                        run = finished.get((i, setting))
+                        rows[i, cpu, setting] = self._judge(art, jobs[i]["calls"], job_dir, i, cpu, setting, run, proc,
+                                                            check)
+        ordered = [rows[i, cpu, k] for i in range(len(self.runnable)) for cpu in self.cpus for k in self.kleidiai]
+        return ordered + [_row(a, arm_cpu=None, checked=False, notes=[self.reason(a)]) for a in self.skipped]
+
+    def _finished(self, job_dir: Path, cpu: str) -> dict[tuple[int, str], dict[str, Any]]:
+        """The runner's ``results.json`` by (artifact, setting); empty if it never started."""
+        try:
+            data = json.loads((job_dir / RESULTS_NAME).read_text())
+        except (OSError, ValueError):
+            return {}
+        if data.get("machine") != "aarch64":
+            raise RuntimeError(f"the emulated runner on {cpu} reports machine {data.get('machine')!r}, not aarch64")
+        return {(int(r["artifact"]), r["kleidiai"]): r for r in data.get("runs", [])}
+
+    def _judge(self, art: Any, calls: list, job_dir: Path, i: int, cpu: str, setting: str, run: dict | None,
+               proc: Any, check: Callable[..., tuple[ArtifactResult, Any, bool]]) -> ArtifactResult:
+        where = {"arm_cpu": cpu, "kleidiai": setting}
+        if run is None or run.get("error"):
+            if run is None:
+                said = (proc.stderr or "").strip().splitlines()
+                error = (f"the emulated runtime exited with status {proc.returncode}"
+                         + (f": {said[-1][:300]}" if said else ""))
+            else:
+                error = run["error"]
+            return _row(art, **where, failures=[f"onnxruntime on aarch64 ({cpu}) failed: {error}"],
+                        emulated_s=None if run is None else run.get("seconds"))
+        with np.load(job_dir / f"{i}-{setting}.npz") as data:
+            outputs = {key: data[key] for key in data.files}
+        result, bounds, _ = check(art, ReplayDriver(calls, outputs))
+        result.isa, result.arm_cpu, result.kleidiai, result.emulated_s = "aarch64", cpu, setting, run["seconds"]
+        result.notes.append(f"onnxruntime's aarch64 kernels on qemu's {cpu} CPU, KleidiAI {setting} "
+                            f"({self.setup.describe()}); emulated wall {run['seconds']:.1f} s, not a latency")
+        return result.judge(bounds)

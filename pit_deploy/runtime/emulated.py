@@ -1,0 +1,113 @@
+"""Launching onnxruntime's aarch64 build under user-mode emulation (qemu), on an x86-64 machine.
+
+Phones run the same runtimes as ``verify`` checks on x86, but other kernels: onnxruntime's MLAS
+picks NEON, dotprod, i8mm or Arm's KleidiAI code by what the CPU reports. qemu's user-mode
+emulator runs the aarch64 wheels unchanged, and ``-cpu`` sets the features the guest reports, so
+one x86 machine can run the kernels of several phone CPUs (:data:`PROFILES`). Emulated code runs
+50-100x slower than native code and its speed says nothing about a phone's: only outputs are used.
+
+``scripts/setup_aarch64.sh`` installs the emulator, an arm64 Python and the pinned wheels into
+:func:`aarch64_root` and describes them in ``setup.json``; :func:`find_setup` reads it (a missing
+set-up is the user's to install: exit 2 naming the script). :func:`run_job` copies
+:mod:`.emulated_runner` and :mod:`.standalone` into a job folder and runs the runner there in the
+emulated Python — those two files import nothing but the standard library, numpy and onnxruntime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PitError
+
+#: where the set-up lives (default ``~/.cache/pit_deploy/aarch64``)
+ROOT_ENV = "PIT_DEPLOY_AARCH64_ROOT"
+SETUP_COMMAND = "bash scripts/setup_aarch64.sh"
+#: qemu CPU models and the kernels they select in onnxruntime's MLAS: ``cortex-a53`` plain NEON,
+#: ``cortex-a76`` dotprod, ``max`` dotprod + i8mm (and so KleidiAI's 4-bit kernels)
+PROFILES = ("cortex-a53", "cortex-a76", "max")
+#: other qemu aarch64 CPU models accepted by ``--arm-cpu``
+OTHER_CPUS = ("cortex-a55", "cortex-a72", "cortex-a710", "neoverse-n1", "neoverse-n2", "neoverse-v1")
+KLEIDIAI_SETTINGS = ("on", "off")
+_HERE = Path(__file__).resolve().parent
+RUNNER_FILES = (_HERE / "emulated_runner.py", _HERE / "standalone.py")
+
+
+def aarch64_root() -> Path:
+    """The set-up folder: ``$PIT_DEPLOY_AARCH64_ROOT``, else ``~/.cache/pit_deploy/aarch64``."""
+    value = os.environ.get(ROOT_ENV)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "pit_deploy" / "aarch64"
+
+
+@dataclass(frozen=True)
+class Aarch64Setup:
+    """The emulator, the arm64 Python's root and the wheels' folder, with the pinned versions."""
+
+    root: Path
+    qemu: Path
+    sysroot: Path
+    python: Path
+    site: Path
+    versions: dict
+
+    def describe(self) -> str:
+        return (f"qemu {self.versions.get('qemu_version', '?')}, onnxruntime {self.versions.get('onnxruntime', '?')}"
+                f" (aarch64), numpy {self.versions.get('numpy', '?')}")
+
+
+def find_setup() -> Aarch64Setup:
+    """The set-up :data:`SETUP_COMMAND` installed.
+
+    Raises:
+        PitError: no set-up, or an incomplete one (exit 2, naming the command that installs it).
+    """
+    root = aarch64_root()
+    spec = root / "setup.json"
+    fix = f"run `{SETUP_COMMAND}` (or point {ROOT_ENV} at a folder it installed)"
+    try:
+        data = json.loads(spec.read_text())
+        setup = Aarch64Setup(root=root, qemu=root / data["qemu"], sysroot=root / data["sysroot"],
+                             python=root / data["python"], site=root / data["site"], versions=data)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise PitError(f"verifying on aarch64 needs the emulation set-up, and {root} holds none; {fix}") from None
+    missing = [p for p in (setup.qemu, setup.python, setup.site) if not p.exists()]
+    if missing:
+        raise PitError(f"the aarch64 emulation set-up in {root} is incomplete ({missing[0]} is missing); {fix}")
+    return setup
+
+
+def check_cpu(name: str) -> str:
+    """A qemu CPU model ``--arm-cpu`` accepts."""
+    if name not in PROFILES + OTHER_CPUS:
+        raise PitError(f"unknown aarch64 CPU profile {name!r}; choose from {', '.join(PROFILES + OTHER_CPUS)}")
+    return name
+
+
+def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run :mod:`.emulated_runner` on ``job_dir`` (which holds its ``job.json``) in the emulated
+    Python on qemu CPU model ``cpu``; its stdout and stderr are captured, its exit status returned
+    for the caller to judge (what it finished is in ``job_dir/results.json``)."""
+    for src in RUNNER_FILES:
+        shutil.copy2(src, job_dir / src.name)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/"),
+        "LANG": "C.UTF-8",
+        "PYTHONHOME": str(setup.sysroot / "usr"),
+        "PYTHONPATH": str(setup.site),
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",  # the set-up byte-compiled everything; the cache stays as installed
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [str(setup.qemu), "-L", str(setup.sysroot), "-cpu", cpu, str(setup.python),
+           str(job_dir / RUNNER_FILES[0].name), str(job_dir)]
+    try:
+        return subprocess.run(cmd, env=env, cwd=job_dir, capture_output=True, text=True, timeout=timeout)
+    except OSError as exc:
+        raise PitError(f"cannot start the aarch64 emulator {setup.qemu}: {exc}; "
+                       f"{SETUP_COMMAND} reinstalls it") from None
