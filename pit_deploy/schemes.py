@@ -302,9 +302,9 @@ register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5,
 # 0.302 / 90.6 % / 1.040 (kl_mean / kl_p99 / same top-1 / ppl ratio), a margin of about 2x on the KL.
 # The .pte with the residual rotation (rotate_residual): 0.0450 / 0.344 / 88.8 % / 1.053, a margin of
 # 2.7x on the mean KL, 2.6x on the p99, 6.8 points on the top-1 rate; the bounds are left as they are.
-# The main job's int4 .pte under 90 MB (a GPTQ-rounded 4-bit table, the recipe's 56 8-bit linears):
+# The int4 .pte of `pit-deploy run default` under 90 MB (a GPTQ-rounded 4-bit table, the recipe's 56 8-bit linears):
 # 0.0665 / 0.516 / 87.8 % / 1.058, a margin of 1.8x on the mean KL, 1.7x on the p99, 5.8 points on
-# the top-1 rate (studies/int4-frontier.md, "Under 90 MB"); left as they are. The main job's genai folder with
+# the top-1 rate (studies/int4-frontier.md, "Under 90 MB"); left as they are. The default run's genai folder with
 # GPTQ codes in the builder's body and the rotated 4-bit table (99.7 MB): 0.0585 / 0.428 / 87.6 % / 1.041, a
 # margin of 2.1x on the mean KL and the p99, 5.6 points on the top-1 rate (studies/onnx-genai-int4.md, "GPTQ in
 # the builder's body"); left as they are.

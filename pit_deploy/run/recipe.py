@@ -42,7 +42,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {
         # run-only: whether the stage trains, which tyings (a list: PIT and/or the TT baseline), processes
         "enabled": True, "tying": ["pit"], "nproc": 1,
-        # a budget the main job finishes in minutes on a CPU (the command has no default budget)
+        # a budget `pit-deploy run default` finishes in minutes on a CPU (the command has no default budget)
         "steps": 20, "eval_every": 10, "save_every": 5,
         # short continued pretraining keeps the pretrained weights as trained (0.1 is the from-scratch setting)
         "weight_decay": 0.0,
