@@ -111,6 +111,9 @@ class ArtifactResult:
     stock_runner: dict[str, Any] | None = None
     #: ``verify --web``: per transformers.js client, its figures and failures (:mod:`.web_check`)
     web: dict[str, Any] | None = None
+    #: quantized artifacts: each weight read back from the artifact against the reference on the
+    #: target's grid (:mod:`.weight_check`): ``checked``, ``tensors``, ``calibrated``, ``failure``, ``note``
+    weight_check: dict[str, Any] | None = None
     bounds: dict[str, Any] = field(default_factory=dict)
     passed: bool = False
     failures: list[str] = field(default_factory=list)
@@ -160,6 +163,8 @@ class ArtifactResult:
                          f"{len(runner.get('mismatches', []))} of {runner.get('prompts')} prompt(s)")
         for check in (self.web or {}).values():
             fails += check.get("failures", [])
+        if (self.weight_check or {}).get("failure"):
+            fails.append("weight-level check: " + self.weight_check["failure"])
         self.failures, self.passed = fails, not fails
         return self
 
@@ -306,6 +311,8 @@ class VerifyReport:
                 f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
+            if a.weight_check is not None and not a.weight_check.get("checked"):
+                rows.append(f"  {a.weight_check.get('note') or 'not checked at the weight level'}")
             for client, w in (a.web or {}).items():
                 rows.append(_web_row(client, w, width))
         skipped = sum(not a.checked for a in self.artifacts)
@@ -414,11 +421,54 @@ def expected_figures(directory: Path, art) -> dict[str, float] | None:
     return {key: float(v) for key, v in values.items()}
 
 
+def require_expected(directory: Path, art) -> None:
+    """Refuse a quantized artifact whose target records an expected quantization error for its
+    scheme (it declares a weight grid) but whose manifest entry has none: the scaled KL check
+    would silently be dropped (a deleted ``details.expected``).
+
+    Raises:
+        PitError: the entry lacks ``details.expected`` (unusable input: re-export).
+    """
+    from ..schemes import get_scheme
+
+    scheme = get_scheme(art.scheme_name)
+    if not scheme.quantized or get_target(art.runtime).weight_grid(scheme, art.mode) is None:
+        return
+    if expected_figures(directory, art) is None:
+        raise PitError(f"{directory / MANIFEST_NAME}: artifact {art.key} records no expected quantization error "
+                       f"(details.expected), which every {art.runtime} {scheme.name} export records and the scaled "
+                       "KL check needs; the manifest was edited or written by an older pit-deploy: re-export")
+
+
+def interface_exact_of(art, recipe: dict | None) -> bool:
+    """Whether a quantized artifact's interface is exact (``W_out E = I``, ``delta_ti`` bounded),
+    from its scheme's ``pit_correction`` (the recipe's override, else the scheme's own) and its
+    target and mode (:meth:`~pit_deploy.targets.base.Target.interface_exact`), never from a field
+    of the artifact's details."""
+    from ..schemes import get_scheme
+
+    override = (recipe or {}).get("pit_correction")
+    correction = override if isinstance(override, bool) else get_scheme(art.scheme_name).pit_correction
+    return get_target(art.runtime).interface_exact(correction, art.mode)
+
+
+def weight_level_check(directory: Path, art, reference) -> dict[str, Any]:
+    """The weight-level check of a quantized artifact (:mod:`.weight_check`) as recorded on its result."""
+    from .weight_check import WeightCheck, check_artifact_weights
+
+    try:
+        outcome = check_artifact_weights(directory, art, reference)
+    except (ValueError, KeyError) as exc:  # a layout the reader does not know: reported, never passed
+        outcome = WeightCheck(checked=False, note=f"not checked at the weight level: {exc}")
+    return outcome.to_dict()
+
+
 @torch.no_grad()
 def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds,
-                              driver=None) -> ArtifactResult:
-    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`);
-    ``driver`` (default: the runtime's own) is what :mod:`.verify_aarch64` replaces."""
+                              driver=None, recipe: dict | None = None) -> ArtifactResult:
+    """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`),
+    and its weights read back on the target's grid (:mod:`.weight_check`); ``driver`` (default: the
+    runtime's own) is what :mod:`.verify_aarch64` replaces; ``recipe``: the manifest's (its scheme settings)."""
     from ..data.heldout import kl_parity
 
     blocks = heldout.get("blocks") if isinstance(heldout, dict) else None
@@ -437,7 +487,8 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
     finally:
         driver.close()
     quant = art.details.get("quantization", {}) if isinstance(art.details, dict) else {}
-    correction, exact = quant.get("pit_correction"), quant.get("interface_exact")
+    correction, exact = quant.get("pit_correction"), interface_exact_of(art, recipe)
+    weights = weight_level_check(directory, art, reference)
     notes.append(f"held-out set: {len(blocks)} × {len(blocks[0])} tokens, {heldout.get('source', '?')}")
     expected = expected_figures(directory, art)
     if expected is None:
@@ -451,7 +502,7 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
         interface_exact=exact, expected_kl_mean=None if expected is None else expected["kl_mean"],
         expected_kl_p99=None if expected is None else expected["kl_p99"],
         delta_ti=delta, reference_delta_ti=ref_delta, weights_shared=weights_shared, notes=notes,
-        tying=getattr(art, "tying", "pit"), nonfinite_outputs=figures.nonfinite_outputs,
+        tying=getattr(art, "tying", "pit"), nonfinite_outputs=figures.nonfinite_outputs, weight_check=weights,
     ).judge(bounds)
 
 
@@ -575,6 +626,8 @@ def verify_directory(
     if not selected:
         have = ", ".join(a.key for a in manifest.artifacts) or "none"
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
+    for art in selected:
+        require_expected(directory, art)  # before any work
     web_clients: tuple[str, ...] = ()
     if web:
         from ..runtime.web_clients import CLIENTS, check_setup
@@ -601,7 +654,8 @@ def verify_directory(
         bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
         quantized = isinstance(bounds, QuantizedBounds)
         if quantized:
-            result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds, driver)
+            result = verify_quantized_artifact(directory, art, reference, manifest.heldout, bounds, driver,
+                                               manifest.recipe)
         else:
             result = verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds, driver)
         return result, bounds, quantized

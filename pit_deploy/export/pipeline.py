@@ -28,6 +28,7 @@ from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
 from .residual_rotation import rotate_residual, rotation_blocker
+from ..evaluate.weight_check import CODES_FIELD, calibrated_codes_field
 from ..io.sources import LoadedModel, load_source
 from ..schemes import Scheme
 from ..targets import get_target
@@ -143,6 +144,9 @@ def export_model(
                         details["scheme"] = scheme.settings()
                         if scheme.rounding == "gptq":
                             details["calibration"] = calibration.source
+                            codes = calibrated_codes_field(source)  # what verify's weight-level check compares
+                            if codes is not None:
+                                details[CODES_FIELD] = codes
                     seconds = time.perf_counter() - start
                     if scheme.quantized:
                         _record_expected_error(details, source, model, heldout, scheme, grid, say)

@@ -167,6 +167,15 @@ class Target:
         (the default) records none, and ``verify`` keeps only the scheme's absolute bounds."""
         return None
 
+    #: the modes whose quantized artifacts, with the scheme's PIT correction, keep ``W_out E = I``
+    #: to float32 rounding on the runtime (``verify`` then bounds ``delta_ti``)
+    exact_interface_modes: tuple[str, ...] = ("factorized",)
+
+    def interface_exact(self, pit_correction: bool, mode: str) -> bool:
+        """Whether a quantized ``mode`` artifact of a scheme with ``pit_correction`` has an exact
+        interface (from the scheme and the target, not from a manifest field)."""
+        return bool(pit_correction) and mode in self.exact_interface_modes
+
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         """The manifest's ``shapes`` entry of an artifact of this target."""
         v, d = config.vocab_size, config.hidden_size

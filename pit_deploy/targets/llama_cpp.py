@@ -55,6 +55,8 @@ class LlamaCppTarget(Target):
     model_types = tuple(ARCHITECTURES)
     modes = ("materialized",)
     schemes = tuple(FILE_TYPES)
+    #: the corrected token table is float32, the pseudo-inverse of the dequantized head
+    exact_interface_modes = ("materialized",)
     exporter = "pit_deploy.export.to_gguf:export_artifact"
     driver = "pit_deploy.runtime.llama_cpp_driver:LlamaCppDriver"
     standalone = ("pit_deploy.runtime.llama_cpp_decoder", "LlamaCppDecoder")
