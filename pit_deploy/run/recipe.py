@@ -158,7 +158,9 @@ def _with_model_settings(recipe: Any, source: str, config: Any, given: set[str])
     """``recipe`` with the quantization settings measured on the model ``source`` (``config``:
     its config, ``None`` before the run reads it) for the keys not in ``given`` and read by one
     of the recipe's targets; as it is when the export quantizes nothing or no settings were
-    measured on the model."""
+    measured on the model, or when they do not go with the settings the run recipe gives (a
+    ``pte_head_bits`` that needs another ``table_bits``): then the schemes' own settings stand."""
+    from ..errors import PitError
     from ..export.recipes import ALL, model_recipe, model_settings
     from ..schemes import get_scheme
     from ..targets import get_target, target_names
@@ -169,7 +171,10 @@ def _with_model_settings(recipe: Any, source: str, config: Any, given: set[str])
     runtimes = target_names() if recipe.runtimes == (ALL,) else recipe.runtimes
     read = {k for r in runtimes for k in get_target(r).scheme_settings}
     settings = {k: v for k, v in model_settings(name).items() if k not in given and k in read}
-    return recipe.override(**settings) if settings else recipe
+    try:
+        return recipe.override(**settings) if settings else recipe
+    except PitError:
+        return recipe
 
 
 def table_keys(table: str) -> list[str]:
