@@ -65,9 +65,11 @@ def _closest(name: str, choices: Sequence[str]) -> str:
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
-    """``value`` for field ``name`` of options dataclass ``cls``: the text of a list-valued flag
-    (``"onnx,executorch"``, ``"0.9,0.95"``) parsed as the command line parses it; anything else
-    as given (the dataclass validates it)."""
+    """``value`` for field ``name`` of options dataclass ``cls``: a path as its text, the text of a
+    list-valued flag (``"onnx,executorch"``, ``"0.9,0.95"``) parsed as the command line parses it;
+    anything else as given (the dataclass validates it)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     f = next(f for f in fields(cls) if f.name == name)
     kind = f.metadata.get("parse") or str(f.type).replace(" | None", "")
     if not isinstance(value, str) or kind not in ("list[str]", "tuple[str, ...]", "tuple[float, float]"):

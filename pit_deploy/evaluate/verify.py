@@ -260,7 +260,14 @@ def _ratio(value: float | None, expected: float | None) -> float | None:
 
 @dataclass
 class VerifyReport:
-    directory: str
+    """What ``pit-deploy verify`` (and :func:`pit_deploy.verify`) found in one export directory.
+
+    ``passed`` is the verdict a program reads (the command exits 0 when true, 1 when false);
+    ``artifacts`` holds one :class:`ArtifactResult` per verified artifact, with its figures,
+    ``passed`` and ``failures`` (each failed bound in words); :meth:`result` picks one artifact;
+    ``str(report)`` is the command's table and :meth:`to_json` its ``--json``."""
+
+    directory: str  #: the export directory verified
     artifacts: list[ArtifactResult]
     #: the manifest's pin for ``--expect-sha256`` (:func:`~pit_deploy.io.manifest.pin_sha256`)
     manifest_sha256: str | None = None
