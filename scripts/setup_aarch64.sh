@@ -12,7 +12,8 @@
 # Everything goes into ${PIT_DEPLOY_AARCH64_ROOT:-$HOME/.cache/pit_deploy/aarch64}; setup.json there
 # records what was installed and is what pit-deploy reads. Idempotent: a rerun with the same pins
 # checks the stamp and exits at once. Quiet unless something fails; a failure prints one `error:`
-# line naming what could not be had, exit 2.
+# line naming what could not be had, exit 2 ("unsupported platform: ..." where this machine cannot run it:
+# not x86-64, not Debian bookworm, no apt-get, no root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ort_version=1.31.1
@@ -41,13 +42,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$root/setup.json"
   exit 0
 fi
 
-[ "$(uname -m)" = x86_64 ] || fail "this set-up is for x86-64 hosts (this one is $(uname -m)); on an aarch64 machine run the runtimes natively"
+[ "$(uname -m)" = x86_64 ] || fail "unsupported platform: this set-up is for x86-64 hosts (this one is $(uname -m)); on an aarch64 machine run the runtimes natively"
 command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1 ||
-  fail "needs Debian's apt-get and dpkg (bookworm): qemu $qemu_major.x and an arm64 Python cannot be had without them"
+  fail "unsupported platform: needs Debian's apt-get and dpkg (bookworm): qemu $qemu_major.x and an arm64 Python cannot be had without them"
 [ -x "$python" ] || fail "$python not found; run bash scripts/setup.sh first"
 sudo=""
 if [ "$(id -u)" != 0 ]; then
-  command -v sudo >/dev/null 2>&1 || fail "adding the arm64 architecture and the backports source needs root (or sudo)"
+  command -v sudo >/dev/null 2>&1 || fail "unsupported platform: adding the arm64 architecture and the backports source needs root (or sudo)"
   sudo="sudo -n"
 fi
 log=$(mktemp)
@@ -61,7 +62,7 @@ apt_error() {
 
 # --- apt: the backports source and the arm64 architecture --------------------------------------
 codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
-[ "$codename" = bookworm ] || fail "needs Debian bookworm (this is '${codename:-unknown}'): the pinned qemu comes from bookworm-backports"
+[ "$codename" = bookworm ] || fail "unsupported platform: needs Debian bookworm (this is '${codename:-unknown}'): the pinned qemu comes from bookworm-backports"
 changed=0
 if ! grep -rqsE '(^|[[:space:]])bookworm-backports([[:space:]]|$)' /etc/apt/sources.list /etc/apt/sources.list.d/; then
   # the mirror of the machine's own bookworm source (deb822 .sources or a one-line .list)

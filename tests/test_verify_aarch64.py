@@ -1,0 +1,177 @@
+"""``verify --isa aarch64``: a tiny model's fp32 and int4 ONNX artifacts run on onnxruntime's
+aarch64 kernels under qemu (``scripts/setup_aarch64.sh``), judged by verify's own bounds; a
+corrupted weight fails there as on x86; a ``.pte`` is listed as not checked, never passed; a
+missing set-up is exit 2 naming the script; ``bench`` cannot be pointed at the emulated runtime.
+
+Emulated code runs 50-100x slower than native: one export (fp32 + int4, ``--max-seq-len 64``)
+serves every test, and each verify asks for the fewest CPU profiles that show the point.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pit_deploy.cli import main
+from pit_deploy.evaluate.verify import verify_directory
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.io.manifest import MANIFEST_NAME, Manifest
+from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / "scripts" / "setup_aarch64.sh"
+
+
+@pytest.fixture(scope="module")
+def arm_setup() -> None:
+    """The emulation set-up, installed by the script (a no-op once installed). Skipped only where
+    the script itself says the platform cannot run it."""
+    proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = proc.stderr.strip()
+        if "unsupported platform" in said:
+            pytest.skip(f"scripts/setup_aarch64.sh reports that this platform cannot run the emulation: {said}")
+        pytest.fail(f"scripts/setup_aarch64.sh failed: {said}")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("arm")
+    src = root / "src"
+    save_model(tiny_pit_model("llama"), src, tiny_tokenizer())
+    out = root / "exp"
+    assert main(["export", str(src), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+                 "--dtype", "float32,int4", "--rounding", "rtn", "--max-seq-len", "64"]) == 0
+    return out
+
+
+def _copy(export: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "exp"
+    shutil.copytree(export, out)
+    return out
+
+
+def _verify_json(capsys, *argv: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = main(["verify", *argv, "--no-record", "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_fp32_and_int4_pass_on_two_cpu_profiles(arm_setup, export, capsys):
+    before = json.loads((export / MANIFEST_NAME).read_text()).get("verification")
+    capsys.readouterr()
+    assert main(["verify", str(export), "--isa", "aarch64", "--arm-cpu", "cortex-a53,max", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["artifacts"]
+    assert [(r["scheme"], r["arm_cpu"]) for r in rows] == [
+        ("float32", "cortex-a53"), ("float32", "max"), ("int4", "cortex-a53"), ("int4", "max")]
+    for r in rows:
+        assert r["isa"] == "aarch64" and r["kleidiai"] == "on" and r["checked"] and r["passed"], r["failures"]
+        assert r["delta_ti"] <= 1e-5 and r["emulated_s"] > 0
+        assert any("aarch64 kernels" in n and "not a latency" in n for n in r["notes"])
+        if r["scheme"] == "float32":
+            assert r["logits_rel_l2"] <= 1e-4 and r["top1_agreement"] == 1 and r["greedy_match"]
+        else:
+            assert r["kl_mean"] is not None and r["heldout_tokens"] > 0 and r["logits_rel_l2"] is None
+    # only x86-64 results are recorded: the manifest's verification block is untouched
+    assert json.loads((export / MANIFEST_NAME).read_text()).get("verification") == before
+
+
+def test_a_corrupted_weight_fails_on_aarch64_as_on_x86(arm_setup, export, tmp_path, capsys):
+    import onnx
+
+    from pit_deploy.targets.onnx_optimum import data_name, decoder_file
+    from scramble import rehash
+
+    out = _copy(export, tmp_path)
+    art = next(a for a in Manifest.read(out).artifacts if a.scheme_name == "float32")
+    decoder = decoder_file(out / art.path)
+    graph = onnx.load(str(decoder), load_external_data=False).graph
+    body = [i for i in graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL and len(i.dims) == 2
+            and not i.name.startswith("pit")]  # a body linear's weight, not the interface's factors
+    assert body, "no external 2-D body weight"
+    where = {e.key: e.value for e in body[0].external_data}
+    offset, length = int(where["offset"]), int(where["length"])
+    data = decoder.with_name(data_name(decoder.name))
+    raw = bytearray(data.read_bytes())
+    raw[offset:offset + length] = np.random.default_rng(0).standard_normal(length // 4).astype(np.float32).tobytes()
+    data.write_bytes(bytes(raw))
+    rehash(out)
+    code, report = _verify_json(capsys, str(out), "--dtype", "float32", "--isa", "x86_64,aarch64",
+                                "--arm-cpu", "cortex-a53")
+    assert code == 1
+    x86, arm = report["artifacts"]
+    assert (x86["isa"], arm["isa"], arm["arm_cpu"]) == ("x86_64", "aarch64", "cortex-a53")
+    for r in (x86, arm):
+        assert not r["passed"] and any("rel_l2" in f for f in r["failures"]), r["failures"]
+
+
+def test_a_pte_is_listed_as_not_checked_never_passed(arm_setup, export, tmp_path, capsys):
+    """A ``.pte`` artifact beside the ONNX one (a stand-in file: on aarch64 it must never be
+    loaded, only reported); a selection of nothing but it is refused, exit 2."""
+    from scramble import rehash
+
+    out = _copy(export, tmp_path)
+    data = json.loads((out / MANIFEST_NAME).read_text())
+    fp32 = next(a for a in data["artifacts"] if a.get("scheme", a["dtype"]) == "float32")
+    (out / "executorch-factorized").mkdir()
+    (out / "executorch-factorized" / "model.pte").write_bytes(b"\0" * 64)
+    pte = {**fp32, "runtime": "executorch", "path": "executorch-factorized",
+           "files": {"executorch-factorized/model.pte": {"sha256": "", "bytes": 0}}, "details": {}}
+    data["artifacts"].append(pte)
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    rehash(out)
+    report = verify_directory(out, dtypes="float32", isa="aarch64", arm_cpu="cortex-a53", record=False)
+    onnx_row, pte_row = report.artifacts
+    assert onnx_row.checked and onnx_row.passed, onnx_row.failures
+    assert pte_row.runtime == "executorch" and not pte_row.checked and not pte_row.passed and pte_row.notes
+    assert report.passed  # what exit code 0 says: every checked artifact passed, at least one checked
+    table = str(report)
+    row = next(line for line in table.splitlines() if line.startswith("executorch-factorized"))
+    assert "not checked on aarch64" in row and "pass" not in row.split("not checked")[0]
+    assert "1 not checked" in table and "all artifacts passed" not in table
+    capsys.readouterr()
+    assert main(["verify", str(out), "--runtime", "executorch", "--isa", "aarch64", "--no-record"]) == 2
+    assert "none of the selected artifacts can run on aarch64" in capsys.readouterr().err
+
+
+def test_a_missing_setup_is_exit_2_naming_the_script(export, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    capsys.readouterr()
+    assert main(["verify", str(export), "--isa", "aarch64", "--no-record"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[pit-deploy")]
+    assert len(err) == 1 and err[0].startswith("error:") and "bash scripts/setup_aarch64.sh" in err[0]
+
+
+@pytest.mark.parametrize("argv, said", [(["--arm-cpu", "max"], "apply to --isa aarch64 only"),
+                                        (["--isa", "riscv64"], "unknown ISA 'riscv64'"),
+                                        (["--isa", "aarch64", "--arm-cpu", "pentium"], "unknown aarch64 CPU profile"),
+                                        (["--isa", "aarch64", "--kleidiai", "maybe"], "unknown KleidiAI setting")])
+def test_bad_isa_flags_are_exit_2(export, argv, said, capsys):
+    capsys.readouterr()
+    assert main(["verify", str(export), "--no-record", *argv]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_bench_cannot_time_the_emulated_runtime():
+    """Timings under emulation are not a device's latency: bench has no way to ask for them (no
+    ISA flag, no import of the emulation); the emulated runner imports nothing of the package."""
+    import ast
+
+    from bundle_device import assert_self_contained
+
+    from pit_deploy.runtime import emulated_runner
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--isa", "aarch64", "x"])
+    assert exit_.value.code == 2
+    for path in (ROOT / "pit_deploy" / "evaluate").glob("bench*.py"):
+        names = {getattr(n, "module", None) or "" for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.ImportFrom)}
+        assert not any("emulated" in name or "verify_aarch64" in name for name in names), path
+    assert_self_contained(Path(emulated_runner.__file__), ("transformers", "optimum", "torch"))
