@@ -13,7 +13,8 @@ family is unchanged and only the optimization parameterization differs; we do no
 (it would need a custom module that stock ``transformers`` could not load). Cohere's
 LayerNorm has a scale but no shift.
 
-``tiny`` is a small variant of the same shape for tests and quick trials.
+``llama-135m`` has the default model's sizes in the same block (from-scratch runs with the
+default tokenizer); ``tiny`` is a small variant of the same shape for tests and quick trials.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("llama-0.3b", 24, 1024, 16, 4, 2816),
         ArchSpec("llama-0.6b", 32, 1280, 20, 5, 3584),
         ArchSpec("llama-1.2b", 40, 1600, 24, 6, 4480),
+        # the default model's sizes (SmolLM2-135M: 30 layers, d = 576, 9 heads of 64, 3 KV heads,
+        # 49 152 tokens) in the paper's block, for from-scratch runs with the default tokenizer
+        ArchSpec("llama-135m", 30, 576, 9, 3, 1536, max_positions=2048, vocab_size=49_152),
         ArchSpec("tiny", 2, 64, 4, 1, 192, head_dim=16, max_positions=256, vocab_size=512),
     )
 }

@@ -47,7 +47,7 @@ class TrainConfig:
                            "linears and block norms stay as converted (a source stored on a 4-bit grid stays on it)",
                            group="model", flag="--interface-only")
     from_scratch: bool = opt(False, "random init of --arch instead of --model", group="model")
-    arch: str = opt("tiny", "llama-0.3b | llama-0.6b | llama-1.2b | tiny", group="model")
+    arch: str = opt("tiny", "llama-0.3b | llama-0.6b | llama-1.2b | llama-135m | tiny", group="model")
     tokenizer: str | None = opt(None, "tokenizer source (default: that of --model)", group="model")
     # data
     data: str = opt("default", "default | file | directory | hub dataset id", group="data")
@@ -82,6 +82,8 @@ class TrainConfig:
     precision: str = opt("fp32", "autocast precision", group="optimization", choices=PRECISIONS)
     seed: int = opt(0, "seed of the model init, the data order and dropout", group="optimization")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N", group="optimization")
+    compile: bool = opt(False, "torch.compile the model (one warning line and eager when compiling fails)",
+                        group="optimization")
     # distillation
     distill: bool = opt(False, "add KL to the frozen source model's logits", group="distillation")
     distill_weight: float = opt(0.5, "loss = (1-w)·LM + w·KL, w in [0, 1]", group="distillation")
@@ -106,6 +108,13 @@ class TrainConfig:
     progress: bool = opt(True, "no progress bar", group="run", flag="--no-progress")
     tensorboard: bool = opt(False, "also log to OUT/tensorboard (needs tensorboard)", group="run")
     plot: bool = opt(True, "no loss.png", group="run", flag="--no-plot")
+    eval_prose: bool = opt(False, "also evaluate held-out English prose shipped with the package (val_prose_loss; at most "
+                           "--eval-blocks blocks)",
+                           group="run")
+    peak_tflops: float | None = opt(None, "the device's peak TFLOP/s for the logged MFU (default: known for "
+                                          "H100/H200 at bf16/fp16; none on CPU)", group="run")
+    max_seconds: float = opt(0.0, "end the run after the first step that passes this many seconds of training "
+                                  "(0: no limit; the schedule stays that of the full budget)", group="run")
 
     def data_config_obj(self):
         from ..data.corpus import DataConfig
@@ -191,6 +200,9 @@ def validate(cfg: TrainConfig) -> None:
               "val_fraction": cfg.val_fraction}
     if cfg.lr_t is not None:
         floats["lr_t"] = cfg.lr_t
+    if cfg.peak_tflops is not None:
+        floats["peak_tflops"] = cfg.peak_tflops
+    floats["max_seconds"] = cfg.max_seconds
     for name, value in floats.items():
         if not math.isfinite(value):
             raise PitError(f"{_flag(name)} must be a finite number, got {value}")
@@ -204,6 +216,10 @@ def validate(cfg: TrainConfig) -> None:
                            + (" (0 turns clipping off)" if name == "grad_clip" else ""))
     if cfg.t_max_cond != 0 and not cfg.t_max_cond > 1:
         raise PitError(f"--t-max-cond must exceed 1 (a bound on λ_max/λ_min), or be 0 for no floor; got {cfg.t_max_cond}")
+    if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
+        raise PitError(f"--peak-tflops must be positive, got {cfg.peak_tflops}")
+    if cfg.max_seconds < 0:
+        raise PitError(f"--max-seconds must be 0 (no limit) or positive, got {cfg.max_seconds}")
     if cfg.max_delta_ti < 0:
         raise PitError(f"--max-delta-ti must be 0 (no check) or positive, got {cfg.max_delta_ti}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:

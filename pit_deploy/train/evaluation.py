@@ -30,6 +30,26 @@ def block_nll(model: Any, block: Block, batch_size: int, device: torch.device | 
     return total / max(count, 1.0)
 
 
+def prose_blocks(tokenizer: Any, seq_len: int, max_blocks: int | None = None) -> Block:
+    """The package's held-out English prose (``data/heldout_text/prose.txt``, none of it in the
+    default corpus) as blocks of ``seq_len + 1`` ids, at most ``max_blocks`` of them; the last
+    block is padded and its padding masked out, so every token it holds is a target once
+    (``--eval-prose``)."""
+    from ..data.calibration import HELDOUT_TEXT
+
+    text = (HELDOUT_TEXT / "prose.txt").read_text(encoding="utf-8")
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    rows, masks = [], []
+    for start in range(0, max(len(ids) - 1, 1), seq_len):
+        row = ids[start:start + seq_len + 1]
+        rows.append(row + [pad] * (seq_len + 1 - len(row)))
+        masks.append([1.0] * len(row) + [0.0] * (seq_len + 1 - len(row)))
+        if max_blocks is not None and len(rows) >= max_blocks:
+            break
+    return Block(torch.tensor(rows, dtype=torch.int64), torch.tensor(masks, dtype=torch.float32))
+
+
 def heldout_nll(model: Any, tokenizer: Any, data: str, seq_len: int, n_blocks: int, batch_size: int = 4) -> float | None:
     """Mean next-token NLL on the first ``n_blocks`` validation blocks of ``data``.
 
@@ -40,6 +60,9 @@ def heldout_nll(model: Any, tokenizer: Any, data: str, seq_len: int, n_blocks: i
     """
     if tokenizer is None:
         return None
+    from ..convert.conversion import check_tokenizer_fits
+
+    check_tokenizer_fits(tokenizer, model.config)  # an id past the table would index out of range
     limit = max_positions(model.config)
     if limit is not None:
         seq_len = min(seq_len, limit - 1)

@@ -58,9 +58,10 @@ from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng
                            save_checkpoint, set_rng_state)
 from .config import TrainConfig, changed_resume_keys, validate, with_start_defaults
 from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
-from .evaluation import block_nll
+from .evaluation import block_nll, prose_blocks
 from .interface_guard import InterfaceGuard
 from .loss import distill_kl_sum, token_loss, token_nll_sum
+from .throughput import device_info, flops_per_token, mfu, peak_flops, peak_memory_mb
 from ..io.metrics import MetricsLog, read_metrics
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingRecipe", "StepStats", "train", "param_groups",
@@ -201,6 +202,10 @@ class TrainingRecipe:
         self._resume_from: LoadedCheckpoint | None = None
         self._progress = None
         self._writer = None
+        self.val_prose: Block | None = None
+        self._mfus: list[float] = []
+        self.compiled = False
+        self.stopped_early: str | None = None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -223,6 +228,10 @@ class TrainingRecipe:
         if self.ddp:
             dist.barrier()
         self._wrap_ddp()
+        if self.cfg.compile:
+            self._compile_model()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if write:
             self._setup_logging()
         return self
@@ -301,6 +310,8 @@ class TrainingRecipe:
         self.raw_model = self.model = model
         self.tokenizer = tokenizer
         self.source_info = source_info
+        self.flops_per_token = flops_per_token(model, cfg.seq_len)
+        self.peak_flops = peak_flops(self.device, cfg.precision, cfg.peak_tflops)
 
     def _scratch_model(self, spec: PITSpec) -> tuple[Any, Any, dict[str, Any]]:
         from ..convert.conversion import from_scratch
@@ -359,6 +370,8 @@ class TrainingRecipe:
             if self.val is None:
                 raise PitError(f"--data {cfg.data}: the validation split yields no text; raise --val-fraction, "
                                "add data, or pass --eval-every 0")
+            if cfg.eval_prose:
+                self.val_prose = prose_blocks(self.tokenizer, cfg.seq_len, cfg.eval_blocks)
         self.blocks_per_step = cfg.batch_size * cfg.grad_accum * self.world
         self.tokens_per_step = self.blocks_per_step * cfg.seq_len
         self.total_steps = cfg.steps if cfg.steps is not None else math.ceil(cfg.tokens / self.tokens_per_step)
@@ -377,6 +390,30 @@ class TrainingRecipe:
                          else contextlib.nullcontext)
         self.scaler = torch.amp.GradScaler(device_type, enabled=cfg.precision == "fp16")
         self.trainable = [p for g in groups for p in g["params"]]
+
+    def _compile_model(self) -> None:
+        """``--compile``: ``torch.compile`` the training model, tried at once on one micro-batch
+        (forward and backward, gradients then dropped, nothing stepped); when compiling fails the
+        run goes on in eager mode after one warning line. Evaluations run the model uncompiled."""
+        cfg = self.cfg
+        compiled = torch.compile(self.model)
+        # the shape and strides of train_step's inputs (a view of seq_len + 1 ids), so the first step reuses it
+        ids = torch.zeros(cfg.batch_size, cfg.seq_len + 1, dtype=torch.long, device=self.device)
+        try:
+            with self.autocast():
+                logits = compiled(input_ids=ids[:, :-1], use_cache=False).logits
+            logits.float().sum().backward()
+        except Exception as exc:  # any compiler failure: the eager model trains the same
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if self.master:
+                print(f"warning: --compile failed ({type(exc).__name__}: {message[:200]}); training in eager mode",
+                      file=sys.stderr)
+            torch._dynamo.reset()
+        else:
+            self.model = compiled
+            self.compiled = True
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _load_checkpoint(self, ck: LoadedCheckpoint) -> None:
         if self.cfg.fsdp:
@@ -549,6 +586,7 @@ class TrainingRecipe:
             self._log_eval(self.evaluate())
         step_times: list[float] = []
         last_loss = None
+        started = time.perf_counter()
         while self.step < self.total_steps:
             wall0 = time.perf_counter()
             lr = cosine_lr(self.step, cfg, self.total_steps)
@@ -561,24 +599,38 @@ class TrainingRecipe:
             step_times.append(stats.seconds)
             last_loss = stats.loss
             broken = self.guard is not None and self.guard.broken()
-            if broken or self.step % cfg.log_every == 0 or self.step == self.total_steps:
+            out_of_time = (cfg.max_seconds > 0 and self.step < self.total_steps
+                           and time.perf_counter() - started >= cfg.max_seconds)
+            last = self.step == self.total_steps or out_of_time
+            if broken or self.step % cfg.log_every == 0 or last:
                 self._log_train(stats, lr, wall)
             if broken:  # before this step's evaluation or checkpoint: every checkpoint keeps the identity
                 raise self.guard.error(self.step, self._last_good(), cfg.lr * cfg.t_lr_scale)
             if self._progress is not None:
                 self._progress.update(1)
                 self._progress.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{self.tokens_per_step / wall:.0f}")
-            if self.val is not None and (self.step % cfg.eval_every == 0 or self.step == self.total_steps):
+            if self.val is not None and (self.step % cfg.eval_every == 0 or last):
                 self._log_eval(self.evaluate())
-            if cfg.save_every and (self.step % cfg.save_every == 0 or self.step == self.total_steps):
+            if cfg.save_every and (self.step % cfg.save_every == 0 or last):
                 self.save_checkpoint()
             self.on_step_end(self.step)
+            if out_of_time:
+                self.stopped_early = f"max_seconds: {cfg.max_seconds:g} s of training after step {self.step}"
+                if self.master:
+                    print(f"stopping after step {self.step} of {self.total_steps}: --max-seconds {cfg.max_seconds:g} "
+                          "reached", file=sys.stderr)
+                break
         return self.finish(step_times, last_loss)
 
     def _log_train(self, stats: StepStats, lr: float, wall: float) -> None:
         record = {"kind": "train", "step": self.step, "tokens": self.tokens_seen, "loss": stats.loss,
                   "ppl": math.exp(min(stats.loss, 50.0)), "lr": lr, "grad_norm": stats.grad_norm,
                   "step_time": stats.seconds, "tokens_per_s": self.tokens_per_step / wall}
+        # throughput: MFU against the device's peak and the peak memory so far (None when unknown / off CUDA)
+        record["mfu"] = mfu(record["tokens_per_s"], self.flops_per_token, self.peak_flops)
+        record["peak_memory_mb"] = peak_memory_mb(self.device)
+        if record["mfu"] is not None:
+            self._mfus.append(record["mfu"])
         if self.teacher is not None:
             record["kl"] = stats.kl
         if self.guard is not None:  # PIT: delta_ti and cond(T) from d×d work (interface_guard)
@@ -590,8 +642,14 @@ class TrainingRecipe:
         self.metrics.write(record)
 
     def _log_eval(self, val_loss: float) -> None:
-        self.metrics.write({"kind": "eval", "step": self.step, "tokens": self.tokens_seen, "val_loss": val_loss,
-                            "val_ppl": math.exp(min(val_loss, 50.0))})
+        record = {"kind": "eval", "step": self.step, "tokens": self.tokens_seen, "val_loss": val_loss,
+                  "val_ppl": math.exp(min(val_loss, 50.0))}
+        if self.val_prose is not None:  # --eval-prose: the package's held-out English prose
+            self.raw_model.eval()
+            record["val_prose_loss"] = block_nll(self.raw_model, self.val_prose, self.cfg.batch_size, self.device,
+                                                 self.autocast)
+            self.raw_model.train()
+        self.metrics.write(record)
 
     # ---- artefacts ----------------------------------------------------------------------------
 
@@ -625,7 +683,13 @@ class TrainingRecipe:
                 initial_val_loss=evals[0]["val_loss"] if evals and evals[0]["step"] == 0 else None,
                 median_step_time_s=median, tokens_per_s=(self.tokens_per_step / median) if median else None,
                 extra={"tying": cfg.tying, "world_size": self.world, "delta_ti": delta_ti(final),
-                       **({"t_cond": self.guard.current.cond} if self.guard is not None else {})},
+                       **({"t_cond": self.guard.current.cond} if self.guard is not None else {}),
+                       "device": device_info(self.device), "precision": cfg.precision, "compiled": self.compiled,
+                       "flops_per_token": self.flops_per_token,
+                       "peak_tflops": self.peak_flops / 1e12 if self.peak_flops else None,
+                       "mfu": sorted(self._mfus)[len(self._mfus) // 2] if self._mfus else None,
+                       "peak_memory_mb": peak_memory_mb(self.device),
+                       "stopped_early": self.stopped_early},
             )
             write_text_atomic(self.out / "summary.json", json.dumps(asdict(result), indent=2))
             if cfg.plot:
