@@ -1,0 +1,279 @@
+"""The weight-level check of quantized artifacts (:mod:`pit_deploy.evaluate.weight_check`), and the
+checks that follow from the scheme and target rather than from manifest fields.
+
+Random bytes in the body weights of a quantized artifact (digests re-recorded, so only the
+numbers can give it away) fail ``verify`` with exit 1, naming the first corrupted tensor, however
+little the model's output depends on its body; honest exports pass.
+
+Cost: every quantized scheme of the ``onnx``, ``onnx-genai`` and ``gguf`` targets on Llama (one
+export per target, every scheme at once); every other family on one scheme per target (``onnx``
+int8 on Qwen3, Granite and GPT-2; ``gguf`` q8_0 on Qwen3; ``onnx-genai`` int8 on Qwen3 and
+Granite). GPTQ calibration reads 256 tokens instead of 8192 here (the rounding and the codes'
+digests are the same code). A ``.pte`` keeps its weights in XNNPACK's packed data, which is
+reported as not checked at the weight level (tests/test_quantized_scaling.py covers its KL check).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pit_deploy.cli import main
+from pit_deploy.io.checkpoint import save_model
+from pit_deploy.io.manifest import MANIFEST_NAME
+from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
+
+from scramble import rehash
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
+HAVE_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+
+#: (family, runtime, mode, schemes): every scheme of every target on Llama, one per target elsewhere
+EXPORTS = [
+    ("llama", "onnx", "factorized", "int8,int4,int4-compact,int8-web,int4-web"),
+    ("llama", "gguf", "materialized", "f16,q8_0" + (",q4_0,q4_k_m" if HAVE_LLAMA else "")),
+    ("llama", "onnx-genai", "factorized", "int8,int4,int4-compact"),
+    ("qwen3", "onnx", "factorized", "int8"),
+    ("granite", "onnx", "materialized", "int8"),
+    ("gpt2", "onnx", "factorized", "int8"),
+    ("qwen3", "gguf", "materialized", "q8_0"),
+    ("qwen3", "onnx-genai", "factorized", "int8"),
+    ("granite", "onnx-genai", "materialized", "int8"),
+]
+
+
+def _id(case) -> str:
+    return f"{case[0]}-{case[1]}-{case[3].split(',')[0]}"
+
+
+@pytest.fixture(scope="module")
+def cheap_calibration():
+    """GPTQ on 256 calibration tokens: the same rounding code, a tenth of the time."""
+    import pit_deploy.data.calibration as calibration
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "CALIBRATION_TOKENS", 256)
+        yield
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wcheck-src")
+    out = {}
+    for family in sorted({case[0] for case in EXPORTS}):
+        tokenizer = tiny_tokenizer()
+        tokenizer.chat_template = CHAT_TEMPLATE
+        out[family] = root / family
+        save_model(tiny_pit_model(family), out[family], tokenizer)
+    return out
+
+
+@pytest.fixture(scope="module", params=EXPORTS, ids=_id)
+def export(request, sources, cheap_calibration, tmp_path_factory) -> Path:
+    family, runtime, mode, schemes = request.param
+    if runtime == "onnx-genai" and not HAVE_GENAI:
+        pytest.skip("onnxruntime-genai is not installed")
+    out = tmp_path_factory.mktemp(f"wcheck-{_id(request.param)}") / "exp"
+    assert main(["export", str(sources[family]), "--out", str(out), "--runtime", runtime, "--mode", mode,
+                 "--dtype", schemes, "--max-seq-len", "64"]) == 0
+    return out
+
+
+def _copy(export: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(export, target)
+    return target
+
+
+def _verify(directory: Path, capsys, code: int) -> list[dict]:
+    capsys.readouterr()
+    assert main(["verify", str(directory), "--no-record", "--json"]) == code
+    return json.loads(capsys.readouterr().out)["artifacts"]
+
+
+# --------------------------------------------------------------------------------------
+# scrambling the stored codes of each format in place (then the digests are re-recorded)
+# --------------------------------------------------------------------------------------
+
+
+def _random(raw: bytearray, offset: int, length: int, rng) -> None:
+    raw[offset:offset + length] = rng.integers(0, 256, length, dtype=np.uint8).tobytes()
+
+
+def scramble_onnx_graph(path: Path, vocab: int, seed: int = 0) -> str:
+    """Random bytes in every body weight's codes of the ONNX graph at ``path`` (external data):
+    ``MatMulNBits`` and the folded web codes, not the token tables (``vocab`` rows). Returns the
+    name of the first one in graph order (initializer order for the folded codes)."""
+    import onnx
+    from onnx import helper
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
+    dims = {i.name: tuple(i.dims) for i in graph.initializer}
+
+    first, targets = None, []
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "MatMulNBits" and attrs["N"] != vocab:
+            targets.append(node.input[1])
+            first = first or node.name or node.input[1]
+    folded = [name for name in dims if name.endswith((".q4", ".q8")) and dims[name][0] != vocab]
+    targets += folded
+    if first is None and folded:
+        first = folded[0][:-3]
+    assert targets, f"no body weight in {path}"
+    rng = np.random.default_rng(seed)
+    files: dict[str, bytearray] = {}
+    for name in targets:
+        entry = where[name]
+        raw = files.setdefault(entry["location"], bytearray((path.parent / entry["location"]).read_bytes()))
+        _random(raw, int(entry["offset"]), int(entry["length"]), rng)
+    for location, raw in files.items():
+        (path.parent / location).write_bytes(bytes(raw))
+    return first
+
+
+def scramble_gguf(path: Path, seed: int = 0) -> str:
+    """Random bytes in every quantized (not float32) body tensor of the GGUF file; returns the
+    name of the first one in the file's order."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = [t for t in reader.tensors if t.tensor_type.name != "F32" and t.name.startswith("blk.")]
+    assert tensors
+    raw = bytearray(path.read_bytes())
+    rng = np.random.default_rng(seed)
+    for t in tensors:
+        _random(raw, int(t.data_offset), int(t.n_bytes), rng)
+    del reader
+    path.write_bytes(bytes(raw))
+    return tensors[0].name
+
+
+def scramble_artifact(directory: Path, art: dict) -> str:
+    folder = directory / art["path"]
+    if art["runtime"] == "gguf":
+        return scramble_gguf(folder / art["details"]["file"])
+    if art["runtime"] == "onnx-genai":
+        return scramble_onnx_graph(folder / "model.onnx", art["shapes"]["vocab_size"])
+    from pit_deploy.targets.onnx_optimum import decoder_file
+
+    return scramble_onnx_graph(decoder_file(folder), art["shapes"]["vocab_size"])
+
+
+# --------------------------------------------------------------------------------------
+# the tests
+# --------------------------------------------------------------------------------------
+
+
+def _weight_checks(directory: Path) -> dict[str, dict]:
+    """The weight-level check of every artifact of ``directory``, by artifact folder."""
+    from pit_deploy.evaluate.verify import load_reference, weight_level_check
+    from pit_deploy.io.manifest import Manifest
+
+    reference, _ = load_reference(directory)
+    return {art.path: weight_level_check(directory, art, reference) for art in Manifest.read(directory).artifacts}
+
+
+def _scrambled(export: Path, tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of ``export`` with random bytes in every artifact's body weights, digests re-recorded;
+    and the first corrupted tensor of each artifact."""
+    directory = _copy(export, tmp_path)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    first = {a["path"]: scramble_artifact(directory, a) for a in manifest["artifacts"]}
+    rehash(directory)
+    return directory, first
+
+
+def test_honest_exports_pass_the_weight_level_check(export):
+    for path, check in _weight_checks(export).items():
+        assert check["checked"] and check["tensors"] > 0 and check["failure"] is None, (path, check)
+        if path.endswith(("-int4", "-int4-compact")):  # GPTQ-rounded: the codes recorded at export
+            assert check["calibrated"] > 0, (path, check)
+
+
+def test_random_body_bytes_fail_the_weight_level_check_naming_the_first_tensor(export, tmp_path):
+    directory, first = _scrambled(export, tmp_path)
+    for path, check in _weight_checks(directory).items():
+        assert (check["failure"] or "").startswith(f"quantized tensor {first[path]}:"), (path, first[path], check)
+
+
+#: the scrambled cases run through ``pit-deploy verify`` itself (the others through its weight check)
+VERIFIED = ("qwen3-onnx-int8", "llama-onnx-genai-int8", "llama-gguf-f16")
+
+
+def test_random_body_bytes_fail_verify(export, tmp_path, capsys, request):
+    """Through the command: exit 1, the artifact failed by the weight-level check, naming the
+    first corrupted tensor. The Qwen3 ``onnx`` factorized int8 case passed on its KL alone (the
+    model's logits depend little on its body)."""
+    case = request.node.callspec.id
+    if case not in VERIFIED:
+        pytest.skip("checked through the weight check alone (the same code verify calls)")
+    if "gguf" in case and not HAVE_LLAMA:
+        pytest.skip("llama-cpp-python is not installed")
+    directory, first = _scrambled(export, tmp_path)
+    capsys.readouterr()
+    assert main(["verify", str(directory), "--no-record", "--json", "--dtype", case.rsplit("-", 1)[1]]) == 1
+    (result,) = json.loads(capsys.readouterr().out)["artifacts"]
+    key = "-".join((result["runtime"], result["mode"], result["scheme"]))
+    assert not result["passed"], result
+    assert f"weight-level check: quantized tensor {first[key]}:" in " ".join(result["failures"]), result["failures"]
+
+
+def _edit(export: Path, tmp_path: Path, edit) -> Path:
+    directory = _copy(export, tmp_path)
+    data = json.loads((directory / MANIFEST_NAME).read_text())
+    for art in data["artifacts"]:
+        edit(art["details"])
+    (directory / MANIFEST_NAME).write_text(json.dumps(data))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def onnx_int8(sources, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wcheck-edit") / "exp"
+    assert main(["export", str(sources["qwen3"]), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+                 "--dtype", "int8", "--max-seq-len", "64"]) == 0
+    return out
+
+
+def test_a_deleted_expected_error_is_refused_before_any_work(onnx_int8, tmp_path, capsys):
+    """Without ``details.expected`` the scaled KL check would be dropped: unusable input (exit 2,
+    re-export), not a pass on the absolute bounds alone."""
+    directory = _edit(onnx_int8, tmp_path, lambda d: d.pop("expected"))
+    capsys.readouterr()
+    assert main(["verify", str(directory), "--no-record"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "details.expected" in err and "re-export" in err, err
+
+
+@pytest.mark.parametrize("edit", ["delete", "false"])
+def test_interface_exact_follows_from_the_scheme_not_the_manifest(onnx_int8, tmp_path, capsys, edit):
+    """Deleting or flipping ``details.quantization.interface_exact`` keeps the ``delta_ti`` bound of a
+    factorized artifact with the PIT correction."""
+    def change(details):
+        if edit == "delete":
+            details["quantization"].pop("interface_exact")
+        else:
+            details["quantization"]["interface_exact"] = False
+
+    directory = _edit(onnx_int8, tmp_path, change)
+    (result,) = _verify(directory, capsys, 0)
+    assert result["interface_exact"] is True and result["delta_ti"] <= result["bounds"]["delta_ti"]
+
+
+def test_the_interface_is_bounded_where_the_export_corrects_it():
+    from pit_deploy.targets import get_target
+
+    assert get_target("onnx").interface_exact(True, "factorized")
+    assert not get_target("onnx").interface_exact(False, "factorized")
+    assert not get_target("onnx").interface_exact(True, "materialized")
+    assert get_target("gguf").interface_exact(True, "materialized")
