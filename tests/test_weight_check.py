@@ -277,3 +277,20 @@ def test_the_interface_is_bounded_where_the_export_corrects_it():
     assert not get_target("onnx").interface_exact(False, "factorized")
     assert not get_target("onnx").interface_exact(True, "materialized")
     assert get_target("gguf").interface_exact(True, "materialized")
+
+
+def test_a_pte_is_reported_not_checked_at_the_weight_level():
+    """ExecuTorch keeps a ``.pte``'s linears in XNNPACK's packed data: the check says so in the
+    result and in verify's table, and never counts it as a pass of its own."""
+    from types import SimpleNamespace
+
+    from pit_deploy.evaluate.verify import ArtifactResult, VerifyReport, weight_level_check
+
+    art = SimpleNamespace(runtime="executorch", mode="factorized", path="executorch-factorized-int8", details={},
+                          files={}, shapes={"vocab_size": 8})
+    check = weight_level_check(Path("."), art, None)
+    assert check["checked"] is False and check["failure"] is None and check["tensors"] == 0
+    assert "not checked at the weight level" in check["note"]
+    result = ArtifactResult(runtime="executorch", mode="factorized", dtype="int8", scheme="int8", kl_mean=0.0,
+                            kl_p99=0.0, same_top1=1.0, ppl_ratio=1.0, delta_ti=0.0, weight_check=check).judge()
+    assert "not checked at the weight level" in str(VerifyReport("exp", [result]))

@@ -302,8 +302,9 @@ def off_grid(stored_values: np.ndarray, reference: np.ndarray, stored: Stored) -
 # --------------------------------------------------------------------------------------
 
 
-def onnx_candidates(prepared: Any, vocab: int) -> dict[tuple[int, int], list[tuple[str, np.ndarray]]]:
-    """The reference weights an ONNX artifact's tensors may hold, by shape ``(rows, K)``."""
+def onnx_candidates(prepared: Any, vocab: int, rotated_table: bool) -> dict[tuple[int, int], list[tuple[str, np.ndarray]]]:
+    """The reference weights an ONNX artifact's tensors may hold, by shape ``(rows, K)``
+    (``rotated_table``: a factorized graph's table, which the exporter turns by ``R``)."""
     import torch
 
     from ..export.residual_rotation import rotation_matrix
@@ -318,7 +319,7 @@ def onnx_candidates(prepared: Any, vocab: int) -> dict[tuple[int, int], list[tup
     for name, array in state.items():
         add(name, array)
         add(name + ".T", array.T)
-        if vocab in array.shape:
+        if rotated_table and vocab in array.shape:
             rows = array if array.shape[0] == vocab else array.T
             r = rotation_matrix(rows.shape[1]).numpy()
             add(name + " R", (rows.astype(np.float64) @ r).astype(np.float32))
@@ -438,7 +439,7 @@ def check_artifact_weights(directory: Path, art: Any, reference: Any) -> WeightC
     if art.runtime in ("onnx", "onnx-genai"):
         path = decoder_file(folder) if art.runtime == "onnx" else folder / "model.onnx"
         stored = onnx_stored(path)
-        candidates = onnx_candidates(prepare(reference, mode), int(art.shapes["vocab_size"]))
+        candidates = onnx_candidates(prepare(reference, mode), int(art.shapes["vocab_size"]), mode == "factorized")
         return compare(stored, None, candidates, art.details)
     if art.runtime == "gguf":
         from ..export.to_gguf import gguf_tensors
