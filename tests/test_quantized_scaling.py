@@ -113,19 +113,17 @@ def test_random_body_weights_fail_verification_on_pte(sources, tmp_path, capsys)
     assert not art["passed"] and any("expected at export" in f for f in art["failures"]), art["failures"]
 
 
-def test_a_manifest_without_the_expectation_keeps_the_absolute_bounds(llama_export, tmp_path):
-    """Manifests written before the expected error was recorded still verify, by the absolute
-    bounds alone, and say that the scaled check was not available."""
+def test_a_manifest_without_the_expectation_is_refused(llama_export, tmp_path, capsys):
+    """Deleting the expected error would drop the scaled check: the target records it for every
+    quantized artifact, so a manifest without it is unusable input (exit 2, re-export)."""
     d = _copy(llama_export, tmp_path)
     data = json.loads((d / MANIFEST_NAME).read_text())
     for art in data["artifacts"]:
         del art["details"]["expected"]
     (d / MANIFEST_NAME).write_text(json.dumps(data))
-    report = verify_directory(d, record=False)
-    assert report.passed, str(report)
-    for r in report.artifacts:
-        assert r.expected_kl_mean is None and r.scaled_bounds is None
-        assert any("scaled KL check was not available" in n and "re-export" in n for n in r.notes)
+    assert main(["verify", str(d), "--no-record"]) == 2
+    err = capsys.readouterr().err
+    assert "details.expected" in err and "re-export" in err, err
 
 
 @pytest.mark.parametrize("bad", [{"kl_mean": "x", "kl_p99": 0.1}, {"kl_mean": -1.0, "kl_p99": 0.1}, [1, 2]])
