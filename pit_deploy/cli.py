@@ -53,8 +53,10 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="convert a causal LM into a PIT model")
     p.add_argument("--model", required=True, help="default | GGUF file | HF directory | hub id")
     p.add_argument("--out", required=True, help="output directory (PIT checkpoint)")
+    from .convert.conversion import CONVERSIONS
+
     p.add_argument("--t-init", default=None,
-                   help="preserve (default where the family allows it, else output) | identity | input | output")
+                   help=f"{' | '.join(CONVERSIONS)} (default: preserve where the family allows it, else output)")
     p.add_argument("--calib", default="default", help="calibration text for --t-init preserve (default: the default corpus)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens for --t-init preserve (default 4096)")
     p.add_argument("--diagonal", default="softplus", help=f"map to L's diagonal: {' | '.join(DIAGONAL_MAPS)}")
@@ -184,8 +186,10 @@ def add_export(sub: argparse._SubParsersAction) -> None:
                    ".toml/.json path (flags override it)")
     for flag in dataclass_flags(Recipe, defaults=False):
         p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
+    from .convert.conversion import CONVERSIONS
+
     p.add_argument("--t-init", default=None,
-                   help="conversion of a plain model: preserve (default where allowed, else output) | identity | input | output")
+                   help=f"conversion of a plain model: {' | '.join(CONVERSIONS)} (default: preserve where allowed, else output)")
     p.add_argument("--keep-tying", action="store_true",
                    help="export the source model without conversion (the transpose-tied baseline; mode 'tied')")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -373,8 +377,10 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="override a recipe key, e.g. --set train.steps=50 (repeatable)")
+    from .run.recipe import STAGES
+
     p.add_argument("--from", dest="from_stage", default=None,
-                   help="redo this stage and every later one: convert | train | export | verify | bench | report")
+                   help=f"redo this stage and every later one: {' | '.join(STAGES)}")
     p.add_argument("--force", action="store_true", help="reuse a run directory made by another recipe")
     p.set_defaults(handler=run_run)
 
