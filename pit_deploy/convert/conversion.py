@@ -36,6 +36,25 @@ def default_conversion(config: Any) -> str:
     return "preserve" if supports_preserve(config) else "output"
 
 
+def check_tokenizer_fits(tokenizer: Any, config: Any) -> None:
+    """Refuse a tokenizer with more ids than the model has embedding rows: the ids above would
+    index past the table (conversion, verification) or be dropped from an exported file.
+
+    Raises:
+        PitError: ``len(tokenizer)`` exceeds ``config.vocab_size``.
+    """
+    if tokenizer is None:
+        return
+    try:
+        ids = len(tokenizer)
+    except TypeError:
+        return
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab and ids > vocab:
+        raise PitError(f"the tokenizer has {ids} ids and the model's vocabulary {vocab}: ids {vocab}–{ids - 1} have no "
+                       "embedding row; use the tokenizer the model was trained with (or resize the model's embeddings)")
+
+
 def convert_model(
     model: PreTrainedModel,
     t_init: str = "identity",
@@ -76,6 +95,7 @@ def convert_model(
         )
     if t_init not in CONVERSIONS:
         raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")
+    check_tokenizer_fits(tokenizer, model.config)
     extra: dict[str, Any] = {}
     if t_init == "preserve":
         from .preserve import preserve_convert

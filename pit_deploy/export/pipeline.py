@@ -95,6 +95,9 @@ def export_model(
     for runtime in dict.fromkeys(r for r, _ in wanted):
         get_target(runtime).precheck(model.config, recipe)
     recipe.check_model(model.config, body_linears(model))
+    from ..convert.conversion import check_tokenizer_fits
+
+    check_tokenizer_fits(loaded.tokenizer, model.config)  # every id a runtime is fed has a row
     dtype = torch.float32  # the reference and the prepared models; quantization is the exporters'
     model = model.to(dtype).eval()
     schemes = recipe.schemes(model.config)
