@@ -193,3 +193,215 @@ def test_two_verifies_recording_at_once_both_keep_their_results(onnx_export, tmp
     recorded = json.loads((out / "manifest.json").read_text())["verification"]
     keys = sorted(f"{a['runtime']}-{a['mode']}" for a in recorded["artifacts"])
     assert keys == ["onnx-factorized", "onnx-materialized"], keys
+
+
+# ----------------------------------------------------------------------------------------
+# Paths: what a runtime opens is a manifest-listed file inside the artifact
+# ----------------------------------------------------------------------------------------
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _unlist(directory: Path, rel: str) -> None:
+    """Drop ``rel`` from the manifest's file tables (as an export that never wrote it)."""
+    def edit(data):
+        for art in data["artifacts"]:
+            art["files"].pop(rel, None)
+    _edit_json(directory / "manifest.json", edit)
+
+
+@pytest.fixture(scope="module")
+def gguf_export(source) -> Path:
+    out = source.parent / "gguf"
+    assert main(["export", str(source), "--out", str(out), "--runtime", "gguf", "--mode", "materialized",
+                 "--dtype", "float32"]) == 0
+    return out
+
+
+def _refused(args: list[str], capsys, *names: str) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and all(n in errors[0] for n in names), err[-1500:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "unlisted", "symlink"])
+def test_gguf_spec_naming_a_file_the_digests_do_not_cover_is_exit_2(gguf_export, tmp_path, capsys, how):
+    from scramble import rehash
+
+    out = _copy(gguf_export, tmp_path)
+    folder = out / "gguf-materialized"
+    gguf = folder / "model-f32.gguf"
+    outside = tmp_path / "other.gguf"
+    shutil.copy(gguf, outside)
+    if how == "symlink":  # the listed name, a link to a file anywhere (its digest still matches)
+        gguf.unlink()
+        gguf.symlink_to(outside)
+        name = "model-f32.gguf"
+    else:
+        name = {"absolute": str(outside), "dotdot": "../../other.gguf", "unlisted": "other.gguf"}[how]
+        if how == "unlisted":
+            shutil.copy(gguf, folder / "other.gguf")
+        _edit_json(folder / "llama_cpp.json", lambda spec: spec.update(file=name))
+    rehash(out)
+    named = ("model-f32.gguf", "outside") if how == "symlink" else ("llama_cpp.json", '"file"')
+    _refused(["verify", str(out), "--no-record"], capsys, *named)
+    if how == "absolute":
+        _refused(["bench", str(out), "--threads", "1", "--reps", "1"], capsys, "llama_cpp.json", '"file"')
+
+
+@pytest.mark.parametrize("key, value", [("context_length", 8), ("kv_cache_type", "q4_0")])
+def test_gguf_spec_settings_llama_cpp_cannot_use_are_exit_2_naming_them(gguf_export, tmp_path, capsys, key, value):
+    from scramble import rehash
+
+    out = _copy(gguf_export, tmp_path)
+    _edit_json(out / "gguf-materialized" / "llama_cpp.json", lambda spec: spec.update({key: value}))
+    rehash(out)
+    _refused(["verify", str(out), "--no-record"], capsys, "llama_cpp.json", key)
+
+
+def test_a_bundle_naming_a_file_outside_it_is_refused_on_the_device(tmp_path, capsys):
+    from pit_deploy.runtime.standalone import BUNDLE_SPEC, bundle_main
+
+    spec = {"threads": [1], "reps": 1, "gen_len": 4, "prompts": {}, "reference_tokens": {},
+            "artifacts": [{"artifact": "x/gguf-materialized", "runtime": "gguf", "folder": "artifacts/x",
+                           "file": "/etc/hostname", "requires": {"module": "json", "pip": "json"}}]}
+    (tmp_path / BUNDLE_SPEC).write_text(json.dumps(spec))
+    assert bundle_main([], root=tmp_path) == 2
+    assert "not a plain relative path" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def genai_export(source) -> Path:
+    pytest.importorskip("onnxruntime_genai")
+    out = source.parent / "genai"
+    assert main(["export", str(source), "--out", str(out), "--runtime", "onnx-genai", "--mode", "materialized",
+                 "--dtype", "float32"]) == 0
+    return out
+
+
+GENAI = "onnx-genai-materialized"
+
+
+@pytest.mark.parametrize("how, names", [
+    ("another decoder", ["genai_config.json", "model.decoder.filename"]),
+    ("absolute", ["genai_config.json", "model.decoder.filename"]),
+    ("head_size", ["genai_config.json", "head_size"]),
+    ("no tokenizer", ["tokenizer.json"]),
+])
+def test_genai_folder_its_runtime_would_load_otherwise_is_exit_2(genai_export, tmp_path, capsys, how, names):
+    from scramble import rehash
+
+    out = _copy(genai_export, tmp_path)
+    folder = out / GENAI
+    config = folder / "genai_config.json"
+    if how == "another decoder":  # a listed file, but not the decoder verify measures
+        _edit_json(config, lambda c: c["model"]["decoder"].update(filename="interface.onnx"))
+    elif how == "absolute":
+        _edit_json(config, lambda c: c["model"]["decoder"].update(filename=str(folder / "model.onnx")))
+    elif how == "head_size":
+        _edit_json(config, lambda c: c["model"]["decoder"].update(head_size=8))
+    else:
+        (folder / "tokenizer.json").unlink()
+        _unlist(out, f"{GENAI}/tokenizer.json")
+    rehash(out)
+    _refused(["verify", str(out), "--no-record"], capsys, *names)
+
+
+def test_genai_interface_file_that_is_not_an_interface_graph_is_exit_2(genai_export, tmp_path, capsys):
+    from scramble import rehash
+
+    out = _copy(genai_export, tmp_path)
+    folder = out / GENAI
+    import onnx
+
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, folder / "interface.onnx")
+    rehash(out)
+    _refused(["verify", str(out), "--no-record"], capsys, "interface.onnx", "not an interface graph")
+
+
+def test_genai_generator_that_differs_from_the_measured_session_fails(genai_export, monkeypatch):
+    """The generator check is a bound (exit 1 through the artifact's failures), not a note."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import onnxruntime_genai as og
+
+    from pit_deploy.evaluate.verify import ArtifactResult
+    from pit_deploy.runtime.genai_driver import check_generator
+
+    real = og.Generator
+
+    class Other:  # what another decoder named by the config would compute
+        def __init__(self, *args):
+            self.inner = real(*args)
+
+        def append_tokens(self, tokens):
+            self.inner.append_tokens(tokens)
+
+        def get_output(self, name):
+            return np.asarray(self.inner.get_output(name)) * 1.5
+
+    result = ArtifactResult(runtime="onnx-genai", mode="materialized", logits_rel_l2=0.0, top1_agreement=1.0,
+                            greedy_match=True, greedy_tokens=32, delta_ti=0.0)
+    ctx = SimpleNamespace(directory=genai_export)
+    check_generator(ctx, SimpleNamespace(path=GENAI), result, False)
+    assert result.judge().passed  # the honest folder: the generator runs the measured graph
+    monkeypatch.setattr(og, "Generator", Other)
+    check_generator(ctx, SimpleNamespace(path=GENAI), result, False)
+    assert not result.judge().passed
+    assert any("generator differs" in f for f in result.failures), result.failures
+
+
+# ----------------------------------------------------------------------------------------
+# A model or input the exporters cannot serve: one exit-2 line before any work
+# ----------------------------------------------------------------------------------------
+
+
+def _saved(tmp_path: Path, pit: bool = True, **kwargs) -> Path:
+    from pit_deploy.tiny import tiny_model
+
+    src = tmp_path / "src"
+    save_model(tiny_pit_model("llama", **kwargs) if pit else tiny_model("llama", **kwargs), src, tiny_tokenizer())
+    return src
+
+
+def test_genai_export_of_a_head_size_its_attention_cannot_run_is_exit_2(tmp_path, capsys):
+    pytest.importorskip("onnxruntime_genai")
+    src = _saved(tmp_path, hidden_size=96)  # 4 heads of 24
+    out = tmp_path / "exp"
+    _refused(["export", str(src), "--out", str(out), "--runtime", "onnx-genai", "--mode", "materialized"], capsys,
+             "head size", "24", "16")
+    assert not out.exists()
+
+
+def test_gguf_q8_0_of_widths_not_in_blocks_of_32_is_exit_2_before_writing(tmp_path, capsys):
+    src = _saved(tmp_path, hidden_size=100)  # MLP width 200
+    out = tmp_path / "exp"
+    _refused(["export", str(src), "--out", str(out), "--runtime", "gguf", "--mode", "materialized",
+              "--dtype", "float32,q8_0"], capsys, "q8_0", "intermediate_size 200", "32")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["convert-preserve", "export-identity-gguf", "export-pit"])
+def test_a_tokenizer_with_more_ids_than_the_vocabulary_is_exit_2(tmp_path, capsys, command):
+    ids = len(tiny_tokenizer())
+    src = _saved(tmp_path, pit=command == "export-pit", vocab_size=ids - 64)
+    out = tmp_path / "out"
+    args = {"convert-preserve": ["convert", "--model", str(src), "--out", str(out), "--t-init", "preserve"],
+            "export-identity-gguf": ["export", str(src), "--out", str(out), "--t-init", "identity", "--runtime", "gguf",
+                                     "--mode", "materialized"],
+            "export-pit": ["export", str(src), "--out", str(out), "--runtime", "onnx", "--mode", "materialized"]}[command]
+    _refused(args, capsys, f"{ids} ids", f"vocabulary {ids - 64}")
+    assert not out.exists()

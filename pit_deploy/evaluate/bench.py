@@ -295,6 +295,7 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
         for art in manifest.artifacts:
             target = get_target(art.runtime)
             target.driver_class()  # an uninstalled runtime is unusable input, before any work
+            target.check_files(directory, art)  # what the runtime opens is a file the digests cover
             label = f"{name}/{art.path}"
             check_context(label, art, opts, positions)
             verified = verification_state(manifest, art, label, directory, warnings)

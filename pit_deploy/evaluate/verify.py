@@ -114,6 +114,9 @@ class ArtifactResult:
     #: quantized artifacts: each weight read back from the artifact against the reference on the
     #: target's grid (:mod:`.weight_check`): ``checked``, ``tensors``, ``calibrated``, ``failure``, ``note``
     weight_check: dict[str, Any] | None = None
+    #: checks only the artifact's target runs (``verify_extras``), by name: their figures and
+    #: ``failures`` (e.g. the onnx-genai generator against the decoder session)
+    target_checks: dict[str, Any] | None = None
     bounds: dict[str, Any] = field(default_factory=dict)
     passed: bool = False
     failures: list[str] = field(default_factory=list)
@@ -162,6 +165,8 @@ class ArtifactResult:
             fails.append(f"the stock ExecuTorch LLM runner's greedy text differs from PyTorch's on "
                          f"{len(runner.get('mismatches', []))} of {runner.get('prompts')} prompt(s)")
         for check in (self.web or {}).values():
+            fails += check.get("failures", [])
+        for check in (self.target_checks or {}).values():
             fails += check.get("failures", [])
         if (self.weight_check or {}).get("failure"):
             fails.append("weight-level check: " + self.weight_check["failure"])
@@ -633,6 +638,8 @@ def verify_directory(
     if not selected:
         have = ", ".join(a.key for a in manifest.artifacts) or "none"
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
+    for art in selected:  # what each runtime opens is what the digests cover
+        get_target(art.runtime).check_files(directory, art)
     for art in selected:
         require_expected(directory, art)  # before any work
     web_clients: tuple[str, ...] = ()

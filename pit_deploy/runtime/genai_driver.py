@@ -32,6 +32,9 @@ from .standalone import ort_session_options
 __all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+#: the generator runs the very graph the decoder session runs: their logits agree to the fp32
+#: parity bound, whatever the artifact's dtype
+GENERATOR_REL_L2 = 1e-4
 
 
 class GenaiDriver(OnnxDriver):
@@ -54,9 +57,20 @@ class GenaiDriver(OnnxDriver):
         with loading(path, "onnxruntime"):
             sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads),
                                         providers=["CPUExecutionProvider"])
-        io = _NP[sess.get_inputs()[1].type]
-        emb, logits = sess.run(["embeddings", "head_logits"], {
-            "input_ids": np.arange(vocab, dtype=np.int64)[None], "hidden": np.eye(dim, dtype=io)[None]})
+        inputs = {i.name: i.type for i in sess.get_inputs()}
+        outputs = {o.name for o in sess.get_outputs()}
+        if set(inputs) != {"input_ids", "hidden"} or not {"embeddings", "head_logits"} <= outputs \
+                or inputs["hidden"] not in _NP:
+            raise PitError(f"{path} is not an interface graph (inputs {sorted(inputs)}, outputs {sorted(outputs)}; "
+                           "expected input_ids and hidden in, embeddings and head_logits out); re-export")
+        io = _NP[inputs["hidden"]]
+        with loading(path, "onnxruntime"):
+            emb, logits = sess.run(["embeddings", "head_logits"], {
+                "input_ids": np.arange(vocab, dtype=np.int64)[None], "hidden": np.eye(dim, dtype=io)[None]})
+        emb, logits = np.asarray(emb), np.asarray(logits)
+        if emb.shape != (1, vocab, dim) or logits.shape != (1, dim, vocab):
+            raise PitError(f"{path} gives embeddings {emb.shape[1:]} and head logits {logits.shape[1:]}, not "
+                           f"{(vocab, dim)} and {(dim, vocab)}: it is not this artifact's interface graph; re-export")
         return torch.from_numpy(emb[0].astype(np.float32)), torch.from_numpy(logits[0].astype(np.float32))
 
 
@@ -89,7 +103,8 @@ def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str
 
 def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
     """Run the folder through ``onnxruntime_genai`` itself: the generator's logits of a prompt
-    and of a few greedy steps against :class:`GenaiDriver`'s, recorded as notes.
+    and of a few greedy steps against :class:`GenaiDriver`'s, a bound (:data:`GENERATOR_REL_L2`,
+    in ``result.target_checks``): the runtime people use must run the graph verify measured.
 
     Raises:
         PitError: ``onnxruntime_genai`` cannot load or run the folder (the artifact would be
@@ -100,6 +115,8 @@ def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
         import onnxruntime_genai as og
 
         model = og.Model(str(folder))
+    with loading(folder / "tokenizer.json", "onnxruntime_genai's tokenizer"):
+        og.Tokenizer(model)  # what an app built on the folder loads beside the model
     prompt = np.arange(3, 11, dtype=np.int64)
     steps = 4
     params = og.GeneratorParams(model)
@@ -108,15 +125,21 @@ def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
     generator.append_tokens(prompt[None])
     driver = GenaiDriver(folder)
     ref = driver.prefill(torch.from_numpy(prompt)).numpy()[-1]
-    worst, tokens = 0.0, []
+    errors, tokens = [], []
     for i in range(steps):
         got = np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1, ref.shape[-1])[-1]
-        worst = max(worst, float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
+        errors.append(float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
         token = int(ref.argmax())
         tokens.append(token)
         if i + 1 < steps:
             generator.append_tokens(np.array([[token]], np.int64))
             ref = driver.step(token, len(prompt) + i).numpy()
     driver.close()
+    worst, bound = float(np.max(errors)), GENERATOR_REL_L2  # NaN propagates (max() would drop it)
+    fails = [] if worst <= bound else [
+        f"onnxruntime_genai's generator differs from the decoder session verify measured: max rel L2 {worst:.3e} > "
+        f"{bound:g} (does {CONFIG_NAME} name another decoder?)"]
+    result.target_checks = {**(result.target_checks or {}), "genai_generator": {
+        "rel_l2": worst, "bound": bound, "steps": steps, "failures": fails}}
     result.notes.append(f"onnxruntime_genai generator vs decoder session: max rel L2 {worst:.2e} over "
                         f"prefill + {steps - 1} steps")

@@ -445,6 +445,15 @@ def bundle_main(argv: list[str] | None = None, root: str | Path | None = None) -
     if args.cell:
         print(json.dumps(run_bundle_cell(json.loads(Path(args.cell).read_text(encoding="utf-8")))))
         return 0
+    for art in spec["artifacts"]:  # a bundle only ever opens its own files
+        for key in ("folder", "file"):
+            rel = art.get(key)
+            if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or ":" in rel \
+                    or any(part in ("", ".", "..") for part in rel.split("/")):
+                print(f"error: {root / BUNDLE_SPEC}: {art.get('artifact')!r} {key} {rel!r} is not a plain relative path "
+                      "inside the bundle; re-make the bundle with `pit-deploy bench DIR --bundle OUT.tar.gz`",
+                      file=sys.stderr)
+                return 2
     missing = {a["runtime"]: a["requires"] for a in spec["artifacts"] if not _installed(a["requires"]["module"])}
     if missing:
         print(f"error: the bundle needs the {' and '.join(sorted(missing))} runtime(s): pip install "

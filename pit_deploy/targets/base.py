@@ -221,6 +221,50 @@ class Target:
         return getattr(module, cls_name)
 
     # ----------------------------------------------------------------------------------
+    # the files a runtime opens
+    # ----------------------------------------------------------------------------------
+
+    #: files (relative to the artifact folder) the runtime needs to load the folder, each a tuple
+    #: of alternatives; ``verify`` and ``bench`` refuse a folder without one (exit 2)
+    required_files: tuple[tuple[str, ...], ...] = ()
+
+    def config_references(self, folder: Path) -> list[tuple[str, str, Any]]:
+        """``(config file, key, value)`` of every file path the artifact's own config names
+        (the files its runtime opens besides :attr:`primary_file`); checked by :meth:`check_files`.
+
+        Raises:
+            PitError: the config cannot be read.
+        """
+        return []
+
+    def check_files(self, directory: Path, art: Any) -> None:
+        """Refuse (exit 2, naming the file and key) an artifact whose runtime would open what its
+        digests do not cover: a path its own config names that is not a plain relative path to a
+        regular file of the folder that the manifest lists (absolute, ``..``, a symbolic link, an
+        unlisted file), or a folder without a file its runtime needs (:attr:`required_files`)."""
+        from ..io.manifest import plain_relative
+
+        folder = Path(directory) / art.path
+        listed = set(art.files)
+        for config, key, value in self.config_references(folder):
+            where = f"{folder / config}: {key}"
+            if not plain_relative(value):
+                raise PitError(f"{where} is {value!r}, not a plain relative path inside the artifact (no absolute "
+                               "path, no '..'); the file was edited or tampered — re-export")
+            path = folder / value
+            if f"{art.path}/{value}" not in listed:
+                raise PitError(f"{where} names {value!r}, which is not a file of the artifact that its manifest "
+                               "lists (no digest covers it); the file was edited or tampered — re-export")
+            inside = all(not p.is_symlink() for p in [path, *path.parents][: value.count("/") + 1])
+            if not inside or not path.is_file():
+                raise PitError(f"{where} names {value!r}, which is {'a symbolic link' if not inside else 'not a regular file'}; "
+                               "the runtime must open the file the manifest's digest covers — re-export")
+        for names in self.required_files:
+            if not any(f"{art.path}/{n}" in listed and (folder / n).is_file() for n in names):
+                raise PitError(f"{folder} has no {' or '.join(names)} (listed in its manifest), which the {self.name} "
+                               "runtime needs to load the folder; re-export")
+
+    # ----------------------------------------------------------------------------------
     # verify and bench extras (defaults: none)
     # ----------------------------------------------------------------------------------
 

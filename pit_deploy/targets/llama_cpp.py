@@ -42,6 +42,14 @@ FILE_TYPES: dict[str, str] = {"float32": "F32", "f16": "F16", "q8_0": "Q8_0", "q
 #: scheme name → the GGUF file of its artifact folder
 FILE_NAMES: dict[str, str] = {name: f"model-{kind.lower()}.gguf" for name, kind in FILE_TYPES.items()}
 
+#: the KV-cache types an export may record (``runtime/llama_cpp_decoder.py``'s ``KV_TYPES``)
+KV_CACHE_TYPES = ("f32", "f16")
+#: positions a llama.cpp context holds unless ``llama_cpp.json`` says otherwise (the decoder's default)
+DEFAULT_CONTEXT = 2048
+
+#: Q8_0's block: a row of a quantized weight holds a multiple of this many values
+Q8_0_BLOCK = 32
+
 #: the pinned llama-cpp-python (built from its sdist by ``scripts/setup_llama_cpp.sh``)
 PACKAGE_VERSION = "0.3.36"
 
@@ -85,6 +93,15 @@ class LlamaCppTarget(Target):
         if other:
             raise PitError(f"the {self.name} runtime writes llama.cpp's own types ({', '.join(FILE_TYPES)}), "
                            f"not {', '.join(other)}")
+        if "q8_0" in recipe.dtype:
+            head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            widths = {"hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size", 0),
+                      "attention width (heads × head size)": config.num_attention_heads * head}
+            odd = [f"{name} {width}" for name, width in widths.items() if width % Q8_0_BLOCK]
+            if odd:
+                raise PitError(f"q8_0 rounds each weight row in blocks of {Q8_0_BLOCK}, and this model's "
+                               f"{', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not a multiple of {Q8_0_BLOCK}; "
+                               "export it with --dtype f16 or float32")
         if any(name not in ("float32", "f16", "q8_0") for name in recipe.dtype) and not self.installed():
             raise PitError(f"q4_0/q4_k_m GGUF files are made by llama.cpp's quantizer; install llama-cpp-python "
                            f"with `bash scripts/setup_llama_cpp.sh` (pins {PACKAGE_VERSION})")
@@ -92,12 +109,47 @@ class LlamaCppTarget(Target):
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe), "architecture": ARCHITECTURES.get(config.model_type)}
 
+    required_files = ((SPEC_NAME,),)
+
     def primary_path(self, folder: Path) -> str:
-        """The GGUF file :data:`SPEC_NAME` names."""
+        """The GGUF file :data:`SPEC_NAME` names (a plain relative path: :meth:`check_files`
+        checks that it is a file of the artifact)."""
+        from ..io.manifest import plain_relative
+
+        ((_, key, name),) = self.config_references(folder)
+        if not plain_relative(name):
+            raise PitError(f"{folder / SPEC_NAME}: {key} is {name!r}, not a plain relative path inside the artifact "
+                           "(no absolute path, no '..'); the file was edited or tampered — re-export")
+        return name
+
+    def config_references(self, folder: Path) -> list[tuple[str, str, Any]]:
+        """The GGUF file :data:`SPEC_NAME` names (its ``"file"``)."""
         try:
-            return str(json.loads((folder / SPEC_NAME).read_text())["file"])
+            spec = json.loads((folder / SPEC_NAME).read_text(encoding="utf-8"))
+            return [(SPEC_NAME, '"file"', spec["file"])]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise PitError(f"{folder / SPEC_NAME} cannot be read ({exc}); re-export") from None
+            raise PitError(f"{folder / SPEC_NAME} cannot be read ({type(exc).__name__}: {exc}); re-export") from None
+
+    def check_files(self, directory: Path, art: Any) -> None:
+        """The generic checks, then :data:`SPEC_NAME`'s settings: a KV-cache type llama.cpp
+        takes here, and a context that holds the model's positions (what verification and bench
+        prompts need; the export writes ``min(max positions, 2048)``)."""
+        super().check_files(directory, art)
+        folder = Path(directory) / art.path
+        spec = json.loads((folder / SPEC_NAME).read_text(encoding="utf-8"))
+        kv = spec.get("kv_cache_type", "f16")
+        if kv not in KV_CACHE_TYPES:
+            raise PitError(f"{folder / SPEC_NAME}: \"kv_cache_type\" is {kv!r}, not one of {', '.join(KV_CACHE_TYPES)}; "
+                           "the file was edited — re-export")
+        context = spec.get("context_length", DEFAULT_CONTEXT)
+        try:
+            config = json.loads((Path(directory) / "reference" / "config.json").read_text(encoding="utf-8"))
+            needed = min(int(config.get("max_position_embeddings") or DEFAULT_CONTEXT), DEFAULT_CONTEXT)
+        except (OSError, ValueError, TypeError):
+            needed = 1  # the reference is checked (and refused) where it is loaded
+        if not isinstance(context, int) or isinstance(context, bool) or context < needed:
+            raise PitError(f"{folder / SPEC_NAME}: \"context_length\" is {context!r}, fewer positions than the model's "
+                           f"{needed} that verification and bench prompts may use; the file was edited — re-export")
 
     def verify_extras(self, ctx: Any, art: Any, result: Any, quantized: bool) -> None:
         """Record the KV-cache type the figures were measured with and, for quantized files,

@@ -36,6 +36,45 @@ BUILDER_FAMILIES: dict[str, str] = {
     "gemma": "GemmaForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
+#: onnxruntime's GroupQueryAttention (the builder's attention) takes head sizes in multiples of this
+HEAD_SIZE_MULTIPLE = 16
+
+
+def head_size(config: dict[str, Any]) -> int:
+    """The attention head size of a model config (``head_dim``, else hidden size / heads)."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def check_interface_graph(path: Path) -> None:
+    """Refuse (exit 2) an :data:`INTERFACE_NAME` that is not an interface graph: ``input_ids``
+    and ``hidden`` in, ``embeddings`` and ``head_logits`` out (read without its weights)."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:  # noqa: BLE001 — onnx raises several types for a damaged file
+        raise PitError(f"{path} cannot be read as ONNX ({type(exc).__name__}); re-export") from None
+    inits = {i.name for i in graph.initializer}
+    inputs = sorted(i.name for i in graph.input if i.name not in inits)
+    outputs = sorted(o.name for o in graph.output)
+    if inputs != ["hidden", "input_ids"] or not {"embeddings", "head_logits"} <= set(outputs):
+        raise PitError(f"{path} is not an interface graph (inputs {inputs}, outputs {outputs}; expected input_ids and "
+                       "hidden in, embeddings and head_logits out); re-export")
+
+
+def read_genai_config(folder: Path) -> Any:
+    """The parsed :data:`CONFIG_NAME` of ``folder``.
+
+    Raises:
+        PitError: it cannot be read or is not JSON (named, not the decoder).
+    """
+    import json
+
+    path = folder / CONFIG_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PitError(f"{path} cannot be read ({type(exc).__name__}: {exc}); re-export") from None
 
 
 class OnnxGenaiTarget(Target):
@@ -81,6 +120,64 @@ class OnnxGenaiTarget(Target):
         if model_type not in BUILDER_FAMILIES:
             raise PitError(f"the {self.name} runtime builds {', '.join(BUILDER_FAMILIES)} models with the "
                            f"onnxruntime-genai builder; {model_type!r} is not one of them")
+        head = head_size(config.to_dict() if hasattr(config, "to_dict") else vars(config))
+        if head % HEAD_SIZE_MULTIPLE:
+            raise PitError(f"the {self.name} runtime runs attention in onnxruntime's GroupQueryAttention, whose head "
+                           f"size must be a multiple of {HEAD_SIZE_MULTIPLE}; this model's is {head} (hidden size "
+                           f"{config.hidden_size} / {config.num_attention_heads} heads) — export it with --runtime onnx")
+
+    #: the tokenizer files onnxruntime-genai loads, and the folder's own files
+    required_files = (("tokenizer.json", "tokenizer.model"), ("tokenizer_config.json",), (CONFIG_NAME,),
+                      (DECODER_NAME,), (INTERFACE_NAME,))
+
+    def config_references(self, folder: Path) -> list[tuple[str, str, Any]]:
+        """Every ``filename`` in :data:`CONFIG_NAME` (the decoder's, and any other session's)."""
+        found: list[tuple[str, str, Any]] = []
+
+        def walk(node: Any, key: str) -> None:
+            if isinstance(node, dict):
+                for name, value in node.items():
+                    where = f"{key}.{name}" if key else str(name)
+                    if name == "filename" or str(name).endswith("_filename"):
+                        found.append((CONFIG_NAME, where, value))
+                    else:
+                        walk(value, where)
+            elif isinstance(node, list):
+                for i, value in enumerate(node):
+                    walk(value, f"{key}[{i}]")
+
+        walk(read_genai_config(folder), "")
+        return found
+
+    def check_files(self, directory: Path, art: Any) -> None:
+        """The generic checks, then: the decoder the config names is :data:`DECODER_NAME` (the
+        file ``verify`` measures), and the config's shapes are the reference model's (a wrong
+        ``head_size`` would make the genai runtime read the cache wrong)."""
+        super().check_files(directory, art)
+        folder = Path(directory) / art.path
+        config = read_genai_config(folder)
+        model = config.get("model") if isinstance(config, dict) else None
+        decoder = model.get("decoder") if isinstance(model, dict) else None
+        if not isinstance(decoder, dict):
+            raise PitError(f"{folder / CONFIG_NAME} has no model.decoder section; the file was edited — re-export")
+        if decoder.get("filename") != DECODER_NAME:
+            raise PitError(f"{folder / CONFIG_NAME}: model.decoder.filename is {decoder.get('filename')!r}, not "
+                           f"{DECODER_NAME!r}, the decoder verify measures; the file was edited — re-export")
+        check_interface_graph(folder / INTERFACE_NAME)
+        try:
+            import json
+
+            ref = json.loads((Path(directory) / "reference" / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # the reference is checked (and refused) where it is loaded
+        expected = {"head_size": head_size(ref), "hidden_size": ref.get("hidden_size"),
+                    "num_attention_heads": ref.get("num_attention_heads"),
+                    "num_key_value_heads": ref.get("num_key_value_heads") or ref.get("num_attention_heads"),
+                    "num_hidden_layers": ref.get("num_hidden_layers")}
+        for key, want in expected.items():
+            if want is not None and key in decoder and decoder[key] != want:
+                raise PitError(f"{folder / CONFIG_NAME}: model.decoder.{key} is {decoder[key]!r}, the model's is "
+                               f"{want!r}; the file was edited or does not belong to this export — re-export")
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe),
