@@ -20,7 +20,8 @@ error). This check does not depend on the model's sensitivity:
   The PIT-corrected GGUF table is float32 and is not a quantized tensor.
 * **The grid.** Plain rounding (``rtn``): every dequantized element within one grid step of the
   reference weight, the step of a ``b``-bit block being ``2·max|w| / (2^b − 1)`` over the block
-  of the reference (the widest step any of the runtimes' quantizers uses for that block; a
+  of the reference (the widest step any of the runtimes' quantizers uses for that block; llama.cpp's
+  k-quants: over the 256-value super-block, against which their sub-block scales are rounded; a
   float16/bfloat16 tensor: one unit in the last place). Calibrated rounding (``gptq``) moves
   codes further on purpose: the export records a digest of each calibrated tensor's codes and
   scales (``details.weight_codes``), and the artifact's tensor must hold exactly those.
@@ -261,7 +262,9 @@ def gguf_stored(path: Path) -> list[Stored]:
             continue
         values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         values = values.reshape(-1, int(t.shape[0]))  # ggml's ne[0] is the row length
-        out.append(Stored(t.name, values, GGUF_BITS.get(kind), 32, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
+        # a k-quant's sub-block scales are themselves rounded against the 256-value super-block's
+        block = 256 if kind.endswith("_K") else 32
+        out.append(Stored(t.name, values, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
                           if kind not in GGUF_BITS else None))
     return out
 
