@@ -405,3 +405,15 @@ def test_a_tokenizer_with_more_ids_than_the_vocabulary_is_exit_2(tmp_path, capsy
             "export-pit": ["export", str(src), "--out", str(out), "--runtime", "onnx", "--mode", "materialized"]}[command]
     _refused(args, capsys, f"{ids} ids", f"vocabulary {ids - 64}")
     assert not out.exists()
+
+
+def test_foreign_load_is_never_more_cores_than_the_machine_has():
+    """Busy time is counted in clock ticks per core: over a few milliseconds the difference can
+    exceed the cores there are; such a window reports nothing, a longer one at most every core."""
+    from pit_deploy.runtime.standalone import LoadWindow
+
+    cores = os.cpu_count() or 1
+    short = LoadWindow(wall_s=0.008, machine_busy_s=0.03 * cores, process_cpu_s=0.0)
+    assert short.foreign_cores is None
+    long = LoadWindow(wall_s=2.0, machine_busy_s=2.0 * cores + 0.5, process_cpu_s=0.0)
+    assert long.foreign_cores == cores

@@ -235,6 +235,10 @@ DECODERS: dict[str, Callable[..., Any]] = {"OrtDecoder": OrtDecoder, "PteDecoder
 # --------------------------------------------------------------------------------------
 
 
+#: the shortest interval, in clock ticks, whose foreign load is reported (``LoadWindow.foreign_cores``)
+MIN_LOAD_TICKS = 50
+
+
 def _machine_busy_s() -> float | None:
     """CPU seconds all cores spent not idle since boot (``/proc/stat``), or ``None``."""
     stat = Path("/proc/stat")
@@ -260,10 +264,16 @@ class LoadWindow:
 
     @property
     def foreign_cores(self) -> float | None:
-        """Average number of cores other processes kept busy during the interval."""
+        """Average number of cores other processes kept busy during the interval, at most the
+        machine's cores. ``None`` for an interval shorter than :data:`MIN_LOAD_TICKS` clock
+        ticks: the kernel counts busy time in ticks (10 ms at 100 Hz) per core, so over a few
+        milliseconds the figure is mostly rounding (it could exceed the cores there are)."""
         if self.machine_busy_s is None or self.wall_s <= 0:
             return None
-        return max(0.0, self.machine_busy_s - self.process_cpu_s) / self.wall_s
+        if self.wall_s * os.sysconf("SC_CLK_TCK") < MIN_LOAD_TICKS:
+            return None
+        cores = float(os.cpu_count() or 1)
+        return min(cores, max(0.0, self.machine_busy_s - self.process_cpu_s) / self.wall_s)
 
 
 class measure_load:
