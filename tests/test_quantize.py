@@ -89,23 +89,27 @@ def test_factorized_table_is_stored_once(quantized_export):
 
 
 def test_int4_keeps_v_proj_and_down_proj_at_8_bits(quantized_export):
-    """``int4_8bit_layers`` (default ``v_proj``, ``down_proj``) on ONNX: those linears' MatMulNBits
-    have 8-bit weights, every other body linear 4-bit, and the manifest counts them; GPT-2 has no
-    such layers and keeps none."""
+    """``int4_8bit_layers`` (default ``v_proj``, ``down_proj``, named as the family names them:
+    GPT-2's ``attn.c_attn`` and ``mlp.c_proj``) on ONNX: those linears' MatMulNBits have 8-bit
+    weights, every other body linear 4-bit, and the manifest counts them, two a layer."""
     import onnx
+
+    from pit_deploy.schemes import names_linear
 
     manifest = json.loads((quantized_export / MANIFEST_NAME).read_text())
     arts = {a["path"]: a for a in manifest["artifacts"]}
+    config = json.loads((quantized_export / "reference" / "config.json").read_text())
+    names = ("attn.c_attn", "mlp.c_proj") if config["model_type"] == "gpt2" else ("v_proj", "down_proj")
+    assert tuple(arts["onnx-factorized-int4"]["details"]["scheme"]["int4_8bit_layers"]) == names
     graph = onnx.load(str(decoder_file(quantized_export / "onnx-factorized-int4")), load_external_data=False).graph
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
             for n in graph.node if n.op_type == "MatMulNBits" and not n.input[1].startswith("pit_q.head.")}
-    kept = {name for name in bits if {"v_proj", "down_proj"} & set(name.split("/"))}
+    kept = {name for name in bits if names_linear(".".join(name.split("/")[1:-1]), names)}
     assert all(bits[name] == 8 for name in kept) and all(b == 4 for name, b in bits.items() if name not in kept)
     assert len(bits) > len(kept)
     details = arts["onnx-factorized-int4"]["details"]["quantization"]
-    assert details["body_8bit"] == f"8-bit for v_proj, down_proj ({len(kept)} linears)"
-    config = json.loads((quantized_export / "reference" / "config.json").read_text())
-    assert (len(kept) == 0) if config["model_type"] == "gpt2" else (len(kept) == 2 * config["num_hidden_layers"])
+    assert details["body_8bit"] == f"8-bit for {', '.join(names)} ({len(kept)} linears)"
+    assert len(kept) == 2 * config.get("num_hidden_layers", config.get("n_layer", 0))
 
 
 def a_bytes(art: dict) -> int:
