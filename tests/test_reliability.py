@@ -417,3 +417,49 @@ def test_foreign_load_is_never_more_cores_than_the_machine_has():
     assert short.foreign_cores is None
     long = LoadWindow(wall_s=2.0, machine_busy_s=2.0 * cores + 0.5, process_cpu_s=0.0)
     assert long.foreign_cores == cores
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_genai_export_leaves_no_builder_and_no_checkpoint_copy(source, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    from pit_deploy.io.fs import remove_stale_partials
+
+    out = tmp_path / "exp"
+    temp = tmp_path / "system-temp"
+    temp.mkdir()
+    export = subprocess.Popen([str(PIT_DEPLOY), "export", str(source), "--out", str(out), "--runtime", "onnx-genai",
+                               "--mode", "materialized"], env={**ENV, "TMPDIR": str(temp)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not (builders := _children(export.pid)) and export.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert builders, "the export started no builder"
+        export.kill()
+        export.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                  for pid in builders) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [pid for pid in builders if Path(f"/proc/{pid}").exists()
+                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not alive, "the builder outlived the killed export"
+    finally:
+        if export.poll() is None:
+            export.kill()
+    assert not list(temp.iterdir())  # no checkpoint copy in the system temp folder
+    remove_stale_partials(tmp_path, "exp")  # what the next export of exp does first
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != ".exp.pit-deploy.lock")  # taken over next time
+    assert left == ["system-temp"]

@@ -85,6 +85,29 @@ def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Pat
     return out
 
 
+def _die_with_parent() -> Any:
+    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies, however it
+    dies (Linux ``prctl(PR_SET_PDEATHSIG)``): a killed export leaves no builder running.
+    ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
                 extra_options: dict[str, str] | None = None, target_options: dict[str, Any] | None = None) -> None:
     """``python -m onnxruntime_genai.models.builder -i hf_dir -o out_dir -p precision -e cpu``.
@@ -100,7 +123,7 @@ def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
         cmd += ["--builder_config_version", "2", "--target_options", json.dumps(target_options)]
     # offline: everything the builder reads is in hf_dir; a hub lookup would only stall
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=_die_with_parent())
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
         raise PitError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
@@ -392,7 +415,9 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     if dtype == "int4" and int8_layers:
         more, target = int8_overrides(tuple(int8_layers), int(model.config.num_hidden_layers))
         extra.update(more)
-    with tempfile.TemporaryDirectory(prefix="pit-genai-") as tmp:
+    # beside the artifact: inside an export's partial directory, which the next export removes if
+    # this process is killed (a copy in the system temp folder would stay there for good)
+    with tempfile.TemporaryDirectory(prefix=".pit-genai-", dir=out_dir.parent) as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
     calibrated = rounded_weights(model) if dtype != "float32" else {}
