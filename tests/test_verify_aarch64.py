@@ -148,6 +148,25 @@ def test_a_missing_setup_is_exit_2_naming_the_script(export, tmp_path, monkeypat
     assert len(err) == 1 and err[0].startswith("error:") and "bash scripts/setup_aarch64.sh" in err[0]
 
 
+def test_an_emulator_that_cannot_start_onnxruntime_is_exit_2(export, tmp_path, monkeypatch, capsys):
+    """A set-up whose emulated Python dies before importing onnxruntime is the set-up's fault,
+    not the artifact's: exit 2 naming the script, no failed rows."""
+    root = tmp_path / "broken"
+    for folder in ("bin", "sysroot/usr/bin", "site"):
+        (root / folder).mkdir(parents=True)
+    (root / "bin" / "qemu-aarch64").write_text("#!/bin/sh\necho 'qemu: cannot run this' >&2\nexit 1\n")
+    (root / "bin" / "qemu-aarch64").chmod(0o755)
+    (root / "sysroot/usr/bin/python3.11").write_text("")
+    (root / "setup.json").write_text(json.dumps({"qemu": "bin/qemu-aarch64", "sysroot": "sysroot",
+                                                 "python": "sysroot/usr/bin/python3.11", "site": "site"}))
+    monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(root))
+    capsys.readouterr()
+    assert main(["verify", str(export), "--dtype", "float32", "--isa", "aarch64", "--arm-cpu", "max",
+                 "--no-record"]) == 2
+    err = capsys.readouterr().err
+    assert "could not start onnxruntime" in err and "qemu: cannot run this" in err and "setup_aarch64.sh" in err
+
+
 @pytest.mark.parametrize("argv, said", [(["--arm-cpu", "max"], "apply to --isa aarch64 only"),
                                         (["--isa", "riscv64"], "unknown ISA 'riscv64'"),
                                         (["--isa", "aarch64", "--arm-cpu", "pentium"], "unknown aarch64 CPU profile"),

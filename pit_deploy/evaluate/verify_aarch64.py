@@ -21,7 +21,7 @@ Only ONNX graphs run emulated (:data:`EMULATED`); every other artifact is report
 aarch64" with the reason (:data:`NOT_EMULATED`) — never as passed, and it fails nothing by itself
 (:attr:`~.verify.VerifyReport.passed`); a selection of only such artifacts is refused (exit 2).
 A runtime that cannot load or run an artifact on aarch64 fails that row (a phone would fail the
-same way). Target extras that run other x86 programs (the genai generator, transformers.js) stay
+same way); an emulated Python that cannot even import onnxruntime is a broken set-up (exit 2). Target extras that run other x86 programs (the genai generator, transformers.js) stay
 with the x86 rows; the interface graph's weight-sharing check is a file check and runs in both.
 """
 
@@ -38,7 +38,8 @@ import torch
 from ..errors import PitError
 from ..export.recipes import parse_list
 from ..runtime.base import Driver
-from ..runtime.emulated import (KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, Aarch64Setup, find_setup, run_job)
+from ..runtime.emulated import (KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, SETUP_COMMAND, Aarch64Setup, find_setup,
+                                run_job)
 from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
 from .verify import ArtifactResult
 
@@ -160,6 +161,11 @@ class EmulatedVerify:
                 (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "kleidiai": self.kleidiai,
                                                             "artifacts": jobs}))
                 proc = run_job(self.setup, cpu, job_dir)
+                if not (job_dir / RESULTS_NAME).is_file():  # written once onnxruntime imports: the set-up is broken
+                    said = (proc.stderr or "").strip().splitlines()
+                    raise PitError(f"the emulated aarch64 Python ({cpu}) could not start onnxruntime (exit status "
+                                   f"{proc.returncode}{': ' + said[-1][:300] if said else ''}); rerun "
+                                   f"`{SETUP_COMMAND}`")
                 finished = self._finished(job_dir, cpu)
                 for i, art in enumerate(self.runnable):
                     for setting in self.kleidiai:
