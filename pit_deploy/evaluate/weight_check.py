@@ -70,6 +70,9 @@ class Stored:
     qz: np.ndarray | None = None
     scales: np.ndarray | None = None
     ulp: float | None = None
+    #: the block scales are float16 (GGUF): a tiny block's scale is itself rounded, up to half a
+    #: float16 unit, which ``2^(b−1)`` codes multiply
+    f16_scales: bool = False
 
 
 @dataclass
@@ -265,7 +268,7 @@ def gguf_stored(path: Path) -> list[Stored]:
         # a k-quant's sub-block scales are themselves rounded against the 256-value super-block's
         block = 256 if kind.endswith("_K") else 32
         out.append(Stored(t.name, values, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
-                          if kind not in GGUF_BITS else None))
+                          if kind not in GGUF_BITS else None, f16_scales=kind in GGUF_BITS))
     return out
 
 
@@ -285,6 +288,9 @@ def grid_step(reference: np.ndarray, stored: Stored) -> np.ndarray:
     padded = np.pad(np.abs(ref), ((0, 0), (0, pad))) if pad else np.abs(ref)
     top = padded.reshape(rows, -1, block).max(axis=2)
     step = 2.0 * top / (2 ** stored.bits - 1)
+    if stored.f16_scales:
+        ulp16 = np.maximum(2.0 ** -24, 2.0 ** (np.floor(np.log2(np.maximum(2 * step, 1e-30))) - 10))
+        step = step + 2 ** (stored.bits - 1) * ulp16 / 2
     return np.repeat(step, block, axis=1)[:, :cols]
 
 
@@ -346,7 +352,8 @@ def best_candidate(stored: Stored, candidates: list[tuple[str, np.ndarray]]) -> 
     if not candidates:
         return None
     rows = _probe_rows(stored.values.shape[0])
-    probe = Stored(stored.name, stored.values[rows], stored.bits, stored.block, ulp=stored.ulp)
+    probe = Stored(stored.name, stored.values[rows], stored.bits, stored.block, ulp=stored.ulp,
+                   f16_scales=stored.f16_scales)
     scores = []
     for name, array in candidates:
         step = grid_step(array[rows], probe)
