@@ -31,7 +31,9 @@ the scheme's absolute bounds and, where the export recorded it, against a multip
 artifact's own expected quantization error (its weights rounded to the scheme's grid in PyTorch,
 measured at export without the artifact: ``docs/quantization.md``, "Verification bounds"). Absolute bounds
 set on one model say little about another; the scaled check is what catches an artifact that is
-further from fp32 than its quantization explains.
+further from fp32 than its quantization explains. Both judge the output, so a model whose logits
+depend little on its body could hide random codes there: every quantized weight is also read back
+from the artifact and compared with the reference on the target's grid (:mod:`.weight_check`).
 """
 
 from __future__ import annotations
