@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PitError
+from ..targets.base import plain_relative  # noqa: F401 — the manifest's rule for every path, kept importable here
 from .fs import confined, json_text, sha256_file, write_json_atomic
 
 MANIFEST_NAME = "manifest.json"
@@ -207,16 +208,6 @@ def pin_sha256(directory: str | os.PathLike) -> str:
     if isinstance(data, dict):
         data["verification"] = None
     return hashlib.sha256((json_text(data, indent=2) + "\n").encode("utf-8")).hexdigest()
-
-
-def plain_relative(rel: Any) -> bool:
-    """Whether ``rel`` is a plain relative path: a non-empty string of ``/``-separated names,
-    none empty, ``.`` or ``..``, no backslash, no drive or leading ``/``. Manifest paths must
-    be (a ``..`` that goes out and back in still names another place, and becomes a ``../``
-    member name in a bundle)."""
-    if not isinstance(rel, str) or not rel or "\\" in rel or rel.startswith("/") or ":" in rel.split("/")[0]:
-        return False
-    return all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
 def _check_path(path: Path, where: str, rel: Any) -> None:

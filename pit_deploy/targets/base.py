@@ -30,6 +30,16 @@ def resolve(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def plain_relative(rel: Any) -> bool:
+    """Whether ``rel`` is a plain relative path: a non-empty string of ``/``-separated names,
+    none empty, ``.`` or ``..``, no backslash, no drive or leading ``/``. Manifest paths must
+    be (a ``..`` that goes out and back in still names another place, and becomes a ``../``
+    member name in a bundle). Every path a manifest or an artifact's own config names must be."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or rel.startswith("/") or ":" in rel.split("/")[0]:
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
 @dataclass(frozen=True)
 class WeightGrid:
     """How a target's exporter rounds the weights of one artifact, as far as the *expected*
@@ -133,6 +143,11 @@ class Target:
     default_export: bool = True
     #: whether the artifact folder loads in transformers.js as it is (``verify --web`` runs it there)
     web_ready: bool = False
+    #: ``verify --isa aarch64``: how the emulated onnxruntime runs the artifact's interface graph
+    #: (``"plain"`` or ``"batched"``, :mod:`pit_deploy.runtime.emulated_runner`); ``None``: the
+    #: artifact does not run emulated, for the reason :attr:`aarch64_blocker` gives
+    aarch64_layout: str | None = None
+    aarch64_blocker: str = "no aarch64 build of its runtime is set up for emulation"
     #: which artifact a user ships first when an export holds several (lower first)
     ship_priority: int = 50
     #: the quantization-scheme settings this target's exporter reads (an override of another
@@ -206,6 +221,11 @@ class Target:
         file name depends on the artifact's dtype finds it)."""
         return self.primary_file
 
+    def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
+        """The decoder and interface graphs of ``folder`` that ``verify --isa aarch64`` runs
+        emulated (targets with an :attr:`aarch64_layout` say which files they are)."""
+        raise NotImplementedError(f"the {self.name} target does not run on aarch64 here: {self.aarch64_blocker}")
+
     def driver_class(self) -> Callable[..., Any]:
         """The driver class.
 
@@ -242,8 +262,6 @@ class Target:
         digests do not cover: a path its own config names that is not a plain relative path to a
         regular file of the folder that the manifest lists (absolute, ``..``, a symbolic link, an
         unlisted file), or a folder without a file its runtime needs (:attr:`required_files`)."""
-        from ..io.manifest import plain_relative
-
         folder = Path(directory) / art.path
         listed = set(art.files)
         for config, key, value in self.config_references(folder):

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import PitError
 from . import register_target
-from .base import Target
+from .base import Target, plain_relative
 
 #: the JSON beside the GGUF file: which file, which KV-cache type, which llama.cpp version
 SPEC_NAME = "llama_cpp.json"
@@ -114,8 +114,6 @@ class LlamaCppTarget(Target):
     def primary_path(self, folder: Path) -> str:
         """The GGUF file :data:`SPEC_NAME` names (a plain relative path: :meth:`check_files`
         checks that it is a file of the artifact)."""
-        from ..io.manifest import plain_relative
-
         ((_, key, name),) = self.config_references(folder)
         if not plain_relative(name):
             raise PitError(f"{folder / SPEC_NAME}: {key} is {name!r}, not a plain relative path inside the artifact "
