@@ -237,7 +237,7 @@ class Driver:
             options["betas"] = tuple(options["betas"])
         return options
 
-    def train(self, key: str, cfg: Any, budget: float | None) -> dict[str, Any]:
+    def train(self, key: str, cfg: Any, budget: float | None, keep: dict[str, Any] | None = None) -> dict[str, Any]:
         """``pit-deploy train --config FILE`` for ``cfg`` (its ``max_seconds`` capped by ``budget``)."""
         from pit_deploy.train.config import write_config
 
@@ -250,7 +250,8 @@ class Driver:
         wall = time.monotonic() - t0
         say(f"training {key}: exit {code} after {wall:.0f} s")
         entry = {"exit_code": code, "wall_s": round(wall, 1), "config": asdict(cfg),
-                 "command": f"pit-deploy train --config {config_file.name}", **run_summary(Path(cfg.out))}
+                 "command": f"pit-deploy train --config {config_file.name}", **run_summary(Path(cfg.out)),
+                 **(keep or {})}
         self.result["runs"][key] = entry
         self.write()
         return entry
@@ -315,8 +316,8 @@ class Driver:
         for i, (tying, cfg) in enumerate(cfgs.items()):
             start = self.result["runs"][tying]
             self.train(tying, cfg, self.seconds_for(len(tyings) - i, RUN_OVERHEAD_S["scratch"],
-                                                   TAIL_S["scratch"] + lora_total))
-            self.result["runs"][tying]["diagnose_start"] = start.get("diagnose_start")
+                                                   TAIL_S["scratch"] + lora_total),
+                       keep={"diagnose_start": start.get("diagnose_start")})
         for tying in tyings:
             final = self.work / tying / "model"
             if final.is_dir():
