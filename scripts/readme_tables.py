@@ -36,14 +36,12 @@ def support_matrix() -> str:
     A family counts for a target when the target builds it and the test suite's tiny models
     cover it (:data:`pit_deploy.tiny.ALL_FAMILIES`); a registered family without tiny export
     tests is shown, with what it is for, but not claimed."""
-    from pit_deploy.model.families import _REGISTRY
+    from pit_deploy.model.families import families as registered_families
     from pit_deploy.schemes import get_scheme, scheme_names
     from pit_deploy.targets import get_target, target_names
     from pit_deploy.tiny import ALL_FAMILIES
 
-    adapters: dict[str, tuple[str, ...]] = {}
-    for adapter in _REGISTRY.values():
-        adapters[adapter.name] = adapter.model_types
+    adapters = {adapter.name: adapter.model_types for adapter in registered_families()}
     families = [name for name in adapters if name in ALL_FAMILIES]
     header = ["target", "runtime", *families, "modes", "schemes"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -658,7 +658,7 @@ def verify_directory(
     if "aarch64" in isas:
         from .verify_aarch64 import EmulatedVerify
 
-        emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai)  # set-up and selection checked here
+        emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai, ArtifactResult)  # set-up and selection checked here
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
     overrides = (manifest.recipe or {}).get("bounds") or {}

@@ -17,8 +17,8 @@ profile and KleidiAI setting, and is judged by the very code and bounds of :mod:
    so the figures, bounds and failures are computed exactly as on x86; each row names its ISA,
    CPU profile and KleidiAI setting.
 
-Only ONNX graphs run emulated (:data:`EMULATED`); every other artifact is reported "not checked on
-aarch64" with the reason (:data:`NOT_EMULATED`) — never as passed, and it fails nothing by itself
+Only artifacts whose target has an ``aarch64_layout`` (the ONNX graphs) run emulated; every other
+artifact is reported "not checked on aarch64" with the target's ``aarch64_blocker`` — never as passed, and it fails nothing by itself
 (:attr:`~.verify.VerifyReport.passed`); a selection of only such artifacts is refused (exit 2).
 A runtime that cannot load or run an artifact on aarch64 fails that row (a phone would fail the
 same way); an emulated Python that cannot even import onnxruntime is a broken set-up (exit 2). Target extras that run other x86 programs (the genai generator, transformers.js) stay
@@ -41,30 +41,10 @@ from ..runtime.base import Driver
 from ..runtime.emulated import (KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, SETUP_COMMAND, Aarch64Setup, find_setup,
                                 run_job)
 from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
-from .verify import ArtifactResult
+from ..targets import get_target
 
-#: runtimes whose artifacts run emulated: their interface graph's layout (see the runner)
-EMULATED = {"onnx": "plain", "onnx-genai": "batched"}
-#: why the other runtimes' artifacts do not
-NOT_EMULATED = {
-    "executorch": "ExecuTorch's aarch64 Python bindings need an aarch64 libtorch, which PyPI has only as "
-                  "its CUDA build; no emulated .pte runtime is set up",
-    "gguf": "llama-cpp-python is built from source for the host's CPU; no aarch64 build of it is set up",
-}
 #: intra-op threads of the emulated sessions (the kernels chosen do not depend on it)
 THREADS = 1
-
-
-def graph_paths(directory: Path, art: Any) -> tuple[Path, Path]:
-    """The decoder and interface graphs of an ONNX artifact folder, as its x86 driver opens them."""
-    folder = directory / art.path
-    if art.runtime == "onnx":
-        from ..targets.onnx_optimum import decoder_file, interface_file
-
-        return decoder_file(folder), interface_file(folder)
-    from ..targets.onnx_genai import DECODER_NAME, INTERFACE_NAME
-
-    return folder / DECODER_NAME, folder / INTERFACE_NAME
 
 
 class RecordingDriver(Driver):
@@ -117,9 +97,8 @@ class ReplayDriver(Driver):
         return torch.from_numpy(self.outputs[f"{n}.emb"]), torch.from_numpy(self.outputs[f"{n}.head"])
 
 
-def _row(art: Any, **kw: Any) -> ArtifactResult:
-    return ArtifactResult(runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
-                          tying=getattr(art, "tying", "pit"), isa="aarch64", **kw)
+def _emulated(art: Any) -> bool:
+    return get_target(art.runtime).aarch64_layout is not None
 
 
 class EmulatedVerify:
@@ -127,12 +106,15 @@ class EmulatedVerify:
     selection and the set-up before any work (both the user's to fix: exit 2)."""
 
     def __init__(self, directory: Path, selected: Sequence[Any], arm_cpu: Sequence[str] | str | None,
-                 kleidiai: Sequence[str] | str | None) -> None:
+                 kleidiai: Sequence[str] | str | None, row: Callable[..., Any]) -> None:
+        """``row(**fields)`` makes one result row (verify's ``ArtifactResult``, passed in so that
+        this module does not import :mod:`.verify`, which imports it)."""
         self.directory = Path(directory)
+        self.row = row
         self.cpus = parse_list(arm_cpu, PROFILES + OTHER_CPUS, "aarch64 CPU profile") if arm_cpu else list(PROFILES)
         self.kleidiai = parse_list(kleidiai, KLEIDIAI_SETTINGS, "KleidiAI setting") if kleidiai else ["on"]
-        self.runnable = [a for a in selected if a.runtime in EMULATED]
-        self.skipped = [a for a in selected if a.runtime not in EMULATED]
+        self.runnable = [a for a in selected if _emulated(a)]
+        self.skipped = [a for a in selected if not _emulated(a)]
         if not self.runnable:
             raise PitError("none of the selected artifacts can run on aarch64 here, so nothing would be checked: "
                            + "; ".join(f"{a.key}: {self.reason(a)}" for a in self.skipped)
@@ -141,19 +123,20 @@ class EmulatedVerify:
 
     @staticmethod
     def reason(art: Any) -> str:
-        return NOT_EMULATED.get(art.runtime, f"no aarch64 build of the {art.runtime} runtime is set up for emulation")
+        return get_target(art.runtime).aarch64_blocker
 
-    def run(self, check: Callable[..., tuple[ArtifactResult, Any, bool]]) -> list[ArtifactResult]:
+    def run(self, check: Callable[..., tuple[Any, Any, bool]]) -> list[Any]:
         """Rows for every runnable artifact × CPU profile × KleidiAI setting, then the not-checked
         ones. ``check(art, driver)`` is verify's own ``(result, bounds, quantized)`` of one artifact."""
         jobs = []
         for art in self.runnable:
             recorder = RecordingDriver(int(art.shapes["vocab_size"]))
             check(art, recorder)
-            decoder, interface = graph_paths(self.directory, art)
+            target = get_target(art.runtime)
+            decoder, interface = target.aarch64_graphs(self.directory / art.path)
             jobs.append({"name": art.key, "decoder": str(decoder), "interface": str(interface),
-                         "layout": EMULATED[art.runtime], "calls": recorder.calls})
-        rows: dict[tuple[int, str, str], ArtifactResult] = {}
+                         "layout": target.aarch64_layout, "calls": recorder.calls})
+        rows: dict[tuple[int, str, str], Any] = {}
         with tempfile.TemporaryDirectory(prefix="pit-aarch64-") as tmp:
             for cpu in self.cpus:
                 job_dir = Path(tmp) / cpu
@@ -173,7 +156,11 @@ class EmulatedVerify:
                         rows[i, cpu, setting] = self._judge(art, jobs[i]["calls"], job_dir, i, cpu, setting, run, proc,
                                                             check)
         ordered = [rows[i, cpu, k] for i in range(len(self.runnable)) for cpu in self.cpus for k in self.kleidiai]
-        return ordered + [_row(a, arm_cpu=None, checked=False, notes=[self.reason(a)]) for a in self.skipped]
+        return ordered + [self._row(a, arm_cpu=None, checked=False, notes=[self.reason(a)]) for a in self.skipped]
+
+    def _row(self, art: Any, **kw: Any) -> Any:
+        return self.row(runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
+                        tying=getattr(art, "tying", "pit"), isa="aarch64", **kw)
 
     def _finished(self, job_dir: Path, cpu: str) -> dict[tuple[int, str], dict[str, Any]]:
         """The runner's ``results.json`` by (artifact, setting); empty if it never started."""
@@ -186,7 +173,7 @@ class EmulatedVerify:
         return {(int(r["artifact"]), r["kleidiai"]): r for r in data.get("runs", [])}
 
     def _judge(self, art: Any, calls: list, job_dir: Path, i: int, cpu: str, setting: str, run: dict | None,
-               proc: Any, check: Callable[..., tuple[ArtifactResult, Any, bool]]) -> ArtifactResult:
+               proc: Any, check: Callable[..., tuple[Any, Any, bool]]) -> Any:
         where = {"arm_cpu": cpu, "kleidiai": setting}
         if run is None or run.get("error"):
             if run is None:
@@ -195,7 +182,7 @@ class EmulatedVerify:
                          + (f": {said[-1][:300]}" if said else ""))
             else:
                 error = run["error"]
-            return _row(art, **where, failures=[f"onnxruntime on aarch64 ({cpu}) failed: {error}"],
+            return self._row(art, **where, failures=[f"onnxruntime on aarch64 ({cpu}) failed: {error}"],
                         emulated_s=None if run is None else run.get("seconds"))
         with np.load(job_dir / f"{i}-{setting}.npz") as data:
             outputs = {key: data[key] for key in data.files}

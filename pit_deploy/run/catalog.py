@@ -19,14 +19,7 @@ def scheme_targets(scheme: Any) -> list[str]:
     that takes it)."""
     from ..targets import get_target, target_names
 
-    out = []
-    for name in target_names():
-        target = get_target(name)
-        if scheme.runtimes is not None and name not in scheme.runtimes:
-            continue
-        if scheme.dtype in target.dtypes and (target.schemes is None or scheme.name in target.schemes):
-            out.append(name)
-    return out
+    return [name for name in target_names() if get_target(name).supports_scheme(scheme)]
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -93,8 +86,7 @@ def list_families() -> str:
 
     rows = []
     for adapter in families():
-        targets = [n for n in target_names() if get_target(n).model_types is None
-                   or set(adapter.model_types) & set(get_target(n).model_types)]
+        targets = [n for n in target_names() if any(get_target(n).supports_family(t) for t in adapter.model_types)]
         rows.append((adapter.name, ",".join(adapter.model_types), ",".join(targets)))
     return _table(("family", "model types", "targets"), rows)
 

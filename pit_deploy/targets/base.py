@@ -130,14 +130,6 @@ class Target:
     bundle_install: str = ""
     #: whether ``bench --adb`` can run the artifact on a phone (ExecuTorch's ``llama_main``)
     phone: bool = False
-    #: the ``config.model_type`` values the exporter builds (``None``: every supported family);
-    #: ``precheck`` refuses the others, ``pit-deploy list`` and the README's support matrix read it
-    families: tuple[str, ...] | None = None
-    #: the PIT export modes the target writes (``tied``, the transpose-tied baseline, is always possible)
-    modes: tuple[str, ...] = ("materialized", "factorized")
-    #: the scheme names the target writes (``None``: every scheme of its dtypes that is not meant
-    #: for other targets only)
-    schemes: tuple[str, ...] | None = None
     #: whether an export that names no runtime includes this target (an opt-in target, whose
     #: exporter needs an extra distribution or supports fewer families, says ``False``)
     default_export: bool = True
@@ -163,7 +155,7 @@ class Target:
 
     def supports_family(self, model_type: str | None) -> bool:
         """Whether the exporter builds models of ``model_type``."""
-        return self.families is None or model_type in self.families
+        return self.model_types is None or model_type in self.model_types
 
     def supports_scheme(self, scheme: Any) -> bool:
         """Whether the exporter writes ``scheme`` (a :class:`~pit_deploy.schemes.Scheme`)."""

@@ -70,13 +70,11 @@ class LlamaCppTarget(Target):
     standalone = ("pit_deploy.runtime.llama_cpp_decoder", "LlamaCppDecoder")
     bundle_install = f"llama-cpp-python=={PACKAGE_VERSION} numpy"
     ship_priority = 20
+    aarch64_blocker = "llama-cpp-python is built from source for the host's CPU; no aarch64 build of it is set up"
     #: opt-in (``--runtime gguf``): it needs llama-cpp-python and writes materialized Llama/Qwen3 only
     default_export = False
     #: the quantized schemes read only the PIT correction of the head/table pair
     scheme_settings = ("pit_correction",)
-    families = tuple(ARCHITECTURES)
-    modes = ("materialized",)
-    schemes = tuple(FILE_TYPES)
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse, before any slow work: a family llama.cpp has no architecture for here, a

@@ -90,6 +90,11 @@ class OnnxGenaiTarget(Target):
     standalone = ("pit_deploy.runtime.standalone", "OrtDecoder")
     bundle_install = "onnxruntime numpy"
     ship_priority = 15
+    #: the builder's decoder takes batched inputs; the interface graph is the onnx target's
+    aarch64_layout = "batched"
+
+    def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
+        return folder / DECODER_NAME, folder / INTERFACE_NAME
     #: opt-in (``--runtime onnx-genai``): it needs onnxruntime-genai and builds fewer families
     #: (no GPT-2) than the default targets
     default_export = False
@@ -97,7 +102,6 @@ class OnnxGenaiTarget(Target):
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
     scheme_settings = Target.scheme_settings + ("rounding",)
-    families = tuple(BUILDER_FAMILIES)
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``

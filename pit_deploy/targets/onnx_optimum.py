@@ -82,6 +82,11 @@ class OnnxOptimumTarget(Target):
     primary_file = DECODER_NAME
     ship_priority = 20
     web_ready = True
+    #: the decoder runs prompt by prompt, the interface graph one call for all ids
+    aarch64_layout = "plain"
+
+    def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
+        return decoder_file(folder), interface_file(folder)
     scheme_settings = Target.scheme_settings + ("rounding",)
 
     def primary_path(self, folder: Path) -> str:
