@@ -32,7 +32,6 @@ with its reference weight (a few rows pick the candidate, then every element is 
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-#: the manifest's ``details`` key of the calibrated codes' digests
-CODES_FIELD = "weight_codes"
+from ..io.weight_codes import CODES_FIELD, code_digest, table_codes
+
 #: what a dequantized element may exceed one grid step by (float32 rounding of scale × code)
 STEP_SLACK = 1e-3
 #: rows of an artifact tensor that pick its reference weight among those of its shape
@@ -93,92 +92,8 @@ class WeightCheck:
 
 
 # --------------------------------------------------------------------------------------
-# digests of calibrated codes (recorded at export, compared at verify)
-# --------------------------------------------------------------------------------------
-
-
-def code_digest(qz: np.ndarray, scales: np.ndarray) -> str:
-    """sha256 of a tensor's codes minus zero points (int16, ``(rows, K)``) and its block scales
-    (float32, ``(rows, blocks)``): the same for every layout the runtimes store them in."""
-    h = hashlib.sha256(np.ascontiguousarray(qz, dtype=np.int16).tobytes())
-    h.update(np.ascontiguousarray(scales, dtype=np.float32).tobytes())
-    return h.hexdigest()
-
-
-def rounded_entry(rounded: Any) -> dict[str, Any]:
-    """The manifest entry of one calibrated linear (a
-    :class:`~pit_deploy.export.calibrated_rounding.RoundedWeight`)."""
-    qz = rounded.codes.numpy().astype(np.int32)
-    per = qz.shape[1] // rounded.scales.shape[1]
-    qz = qz - np.repeat(rounded.zeros.numpy().astype(np.int32), per, axis=1)
-    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]),
-            "sha256": code_digest(qz, rounded.scales.numpy())}
-
-
-def table_entry(table: Any) -> dict[str, Any]:
-    """The manifest entry of a calibrated token table (a
-    :class:`~pit_deploy.export.quantize_onnx.BlockTable`)."""
-    qz, scales = _table_codes(table.packed, table.scales, table.zero_points, table.bits, table.block)
-    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]), "sha256": code_digest(qz, scales)}
-
-
-def calibrated_codes_field(model: Any) -> dict[str, Any] | None:
-    """``details.weight_codes`` of an artifact exported from the calibrated ``model``: one entry
-    per calibrated linear, by module name (``None``: the model carries no calibrated codes)."""
-    from ..export.calibrated_rounding import rounded_weights
-
-    codes = rounded_weights(model)
-    if not codes:
-        return None
-    return {"digest": "sha256 of (codes − zero points) as int16 (rows × K) then the float32 block scales",
-            "tensors": {name: rounded_entry(r) for name, r in codes.items()}}
-
-
-# --------------------------------------------------------------------------------------
 # reading the artifact
 # --------------------------------------------------------------------------------------
-
-
-def _unpack(packed: np.ndarray, bits: int, rows: int, blocks: int, block: int) -> np.ndarray:
-    """Codes ``(rows, blocks, block)`` from packed bytes (4-bit: two a byte, low nibble first) or
-    from an array that already holds one code an element."""
-    flat = np.asarray(packed).reshape(-1)
-    if flat.size == rows * blocks * block:
-        return flat.astype(np.int32).reshape(rows, blocks, block)
-    if bits == 4 and flat.size * 2 == rows * blocks * block:
-        b = flat.astype(np.uint8)
-        q = np.empty(b.size * 2, np.int32)
-        q[0::2], q[1::2] = b & 0x0F, b >> 4
-        return q.reshape(rows, blocks, block)
-    raise ValueError(f"{flat.size} code bytes for {rows}×{blocks} blocks of {block} at {bits} bits")
-
-
-def _zeros(zp: np.ndarray | None, bits: int, rows: int, blocks: int) -> np.ndarray:
-    """Zero points ``(rows, blocks)``: onnxruntime's default ``2^(b−1)`` where none are stored."""
-    if zp is None:
-        return np.full((rows, blocks), 2 ** (bits - 1), np.int32)
-    flat = np.asarray(zp).reshape(-1)
-    if flat.size == rows * blocks:
-        return flat.astype(np.int32).reshape(rows, blocks)
-    if bits == 4:
-        per_row = flat.astype(np.uint8).reshape(rows, -1)
-        z = np.empty((rows, per_row.shape[1] * 2), np.int32)
-        z[:, 0::2], z[:, 1::2] = per_row & 0x0F, per_row >> 4
-        return z[:, :blocks]
-    raise ValueError(f"{flat.size} zero points for {rows}×{blocks} blocks")
-
-
-def _table_codes(packed, scales, zp, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes − zero points (rows, K), scales (rows, blocks))`` of a block-quantized tensor."""
-    scales = np.asarray(scales, dtype=np.float32)
-    rows = scales.shape[0] if scales.ndim >= 2 else None
-    if rows is None:
-        raise ValueError("scales without a row dimension")
-    scales = scales.reshape(rows, -1)
-    blocks = scales.shape[1]
-    q = _unpack(packed, bits, rows, blocks, block)
-    z = _zeros(zp, bits, rows, blocks)
-    return (q - z[..., None]).reshape(rows, blocks * block), scales
 
 
 def _from_codes(name: str, qz: np.ndarray, scales: np.ndarray, bits: int, block: int, cols: int) -> Stored:
@@ -229,7 +144,7 @@ def onnx_stored(path: Path) -> list[Stored]:
         if data_name in seen:
             continue
         seen.add(data_name)
-        qz, scales = _table_codes(arr(data_name), scales, zp, bits, block)
+        qz, scales = table_codes(arr(data_name), scales, zp, bits, block)
         plane = _PLANE.match(data_name)
         if plane:
             planes.setdefault(plane.group(1), {})[int(plane.group(2))] = (qz, scales, bits, block)
@@ -248,7 +163,7 @@ def onnx_stored(path: Path) -> list[Stored]:
         scales = arr(f"{base}.scales")
         rows, blocks = scales.shape[0], scales.shape[1]
         block = arr(name).reshape(-1).size * 8 // bits // (rows * blocks)
-        qz, scales = _table_codes(arr(name), scales.reshape(rows, blocks), arr(f"{base}.zero_points"), bits, block)
+        qz, scales = table_codes(arr(name), scales.reshape(rows, blocks), arr(f"{base}.zero_points"), bits, block)
         out.append(_from_codes(base, qz, scales, bits, block, qz.shape[1]))
     return out
 
@@ -440,25 +355,43 @@ def compare(stored_tensors: list[Stored], reference: dict[str, np.ndarray] | Non
 
 
 def check_artifact_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
-    """The weight-level check of one quantized artifact (see the module docstring)."""
+    """The weight-level check of one quantized artifact (see the module docstring): the check its
+    target names (:attr:`~pit_deploy.targets.base.Target.weight_check`), or "not checked"."""
+    from ..targets import get_target, resolve
+
+    target = get_target(art.runtime)
+    if target.weight_check is None:
+        return WeightCheck(checked=False, note=f"not checked at the weight level: {target.weight_check_blocker} "
+                                               "(KL bounds only)")
+    return resolve(target.weight_check)(Path(directory), art, reference)
+
+
+def _mode(art: Any) -> str:
+    return art.mode if art.mode in ("materialized", "factorized", "tied") else "materialized"
+
+
+def check_onnx_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
+    """An ONNX artifact (either ONNX target): its decoder's quantized tensors against every
+    weight of the prepared reference that has their shape."""
     from ..export.passes import prepare
-    from ..targets.onnx_optimum import decoder_file
+    from ..targets import get_target
 
-    folder = Path(directory) / art.path
-    mode = art.mode if art.mode in ("materialized", "factorized", "tied") else "materialized"
-    if art.runtime in ("onnx", "onnx-genai"):
-        path = decoder_file(folder) if art.runtime == "onnx" else folder / "model.onnx"
-        stored = onnx_stored(path)
-        candidates = onnx_candidates(prepare(reference, mode), int(art.shapes["vocab_size"]), mode == "factorized")
-        return compare(stored, None, candidates, art.details)
-    if art.runtime == "gguf":
-        from ..export.to_gguf import gguf_tensors
+    folder = directory / art.path
+    stored = onnx_stored(folder / get_target(art.runtime).primary_path(folder))
+    candidates = onnx_candidates(prepare(reference, _mode(art)), int(art.shapes["vocab_size"]),
+                                 _mode(art) == "factorized")
+    return compare(stored, None, candidates, art.details)
 
-        name = (art.details or {}).get("file") if isinstance(art.details, dict) else None
-        files = [rel for rel in art.files if rel.endswith(".gguf")]
-        rel = next((f for f in files if Path(f).name == name), files[0] if files else None)
-        if rel is None:
-            return WeightCheck(checked=False, note="the artifact lists no .gguf file")
-        return compare(gguf_stored(Path(directory) / rel), gguf_tensors(prepare(reference, mode)), None, art.details)
-    return WeightCheck(checked=False, note=f"not checked at the weight level: the {art.runtime} artifact's weights "
-                                           "are packed where no reader here can open them (KL bounds only)")
+
+def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
+    """A GGUF artifact: every quantized tensor against the tensor the exporter wrote from the
+    prepared reference under the same name."""
+    from ..export.passes import prepare
+    from ..export.to_gguf import gguf_tensors
+
+    name = (art.details or {}).get("file") if isinstance(art.details, dict) else None
+    files = [rel for rel in art.files if rel.endswith(".gguf")]
+    rel = next((f for f in files if Path(f).name == name), files[0] if files else None)
+    if rel is None:
+        return WeightCheck(checked=False, note="the artifact lists no .gguf file")
+    return compare(gguf_stored(directory / rel), gguf_tensors(prepare(reference, _mode(art))), None, art.details)

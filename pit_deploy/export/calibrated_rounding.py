@@ -26,7 +26,7 @@ with layers ``< i`` already rounded, so each layer corrects for the error before
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -376,3 +376,15 @@ def head_moments_array(model: nn.Module):
     token tables are rounded in numpy (:func:`pit_deploy.export.quantize_onnx.calibrated_table`)."""
     moments = head_moments(model)
     return None if moments is None else moments.numpy()
+
+
+def calibrated_codes_field(model: Any) -> dict[str, Any] | None:
+    """``details.weight_codes`` of an artifact exported from the calibrated ``model``: one entry
+    per calibrated linear, by module name (``None``: the model carries no calibrated codes)."""
+    from ..io.weight_codes import rounded_entry
+
+    codes = rounded_weights(model)
+    if not codes:
+        return None
+    return {"digest": "sha256 of (codes − zero points) as int16 (rows × K) then the float32 block scales",
+            "tensors": {name: rounded_entry(r) for name, r in codes.items()}}

@@ -28,7 +28,8 @@ from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
 from .residual_rotation import rotate_residual, rotation_blocker
-from ..evaluate.weight_check import CODES_FIELD, calibrated_codes_field
+from ..io.weight_codes import CODES_FIELD
+from .calibrated_rounding import calibrated_codes_field
 from ..io.sources import LoadedModel, load_source
 from ..schemes import Scheme
 from ..targets import get_target

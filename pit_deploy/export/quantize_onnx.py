@@ -471,7 +471,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
                                "table_rounding": "to nearest" if head_moments is None else
                                "GPTQ against the head input's second moments on the calibration text"}
     if head_moments is not None:  # GPTQ codes: verify's weight-level check compares them with this digest
-        from ..evaluate.weight_check import CODES_FIELD, table_entry
+        from ..io.weight_codes import CODES_FIELD, table_entry
 
         details[CODES_FIELD] = {"tensors": {"token_table": table_entry(head_q)}}
     if rotated:

@@ -139,6 +139,11 @@ class Target:
     #: (``"plain"`` or ``"batched"``, :mod:`pit_deploy.runtime.emulated_runner`); ``None``: the
     #: artifact does not run emulated, for the reason :attr:`aarch64_blocker` gives
     aarch64_layout: str | None = None
+    #: ``"module:function"`` ``(directory, art, reference) -> WeightCheck`` that reads a quantized
+    #: artifact's weights back for ``verify``'s weight-level check
+    #: (:mod:`pit_deploy.evaluate.weight_check`); ``None``: not checked, for the reason below
+    weight_check: str | None = None
+    weight_check_blocker: str = "no reader of this runtime's stored weights"
     aarch64_blocker: str = "no aarch64 build of its runtime is set up for emulation"
     #: which artifact a user ships first when an export holds several (lower first)
     ship_priority: int = 50

@@ -52,6 +52,8 @@ class ExecuTorchXnnpackTarget(Target):
     primary_file = PTE_NAME
     phone = True
     ship_priority = 10
+    weight_check_blocker = ("the .pte keeps its linears inside XNNPACK's packed delegate data, which no "
+                            "public reader of ExecuTorch opens")
     aarch64_blocker = ("ExecuTorch's aarch64 Python bindings need an aarch64 libtorch, which PyPI has only as "
                        "its CUDA build; no emulated .pte runtime is set up")
     scheme_settings = Target.scheme_settings + ("pte_head_bits", "pte_shared_table", "rounding", "rotate_residual")

@@ -70,6 +70,7 @@ class LlamaCppTarget(Target):
     standalone = ("pit_deploy.runtime.llama_cpp_decoder", "LlamaCppDecoder")
     bundle_install = f"llama-cpp-python=={PACKAGE_VERSION} numpy"
     ship_priority = 20
+    weight_check = "pit_deploy.evaluate.weight_check:check_gguf_weights"
     aarch64_blocker = "llama-cpp-python is built from source for the host's CPU; no aarch64 build of it is set up"
     #: opt-in (``--runtime gguf``): it needs llama-cpp-python and writes materialized Llama/Qwen3 only
     default_export = False

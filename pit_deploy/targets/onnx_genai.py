@@ -92,6 +92,7 @@ class OnnxGenaiTarget(Target):
     ship_priority = 15
     #: the builder's decoder takes batched inputs; the interface graph is the onnx target's
     aarch64_layout = "batched"
+    weight_check = "pit_deploy.evaluate.weight_check:check_onnx_weights"
 
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         return folder / DECODER_NAME, folder / INTERFACE_NAME

@@ -84,6 +84,7 @@ class OnnxOptimumTarget(Target):
     web_ready = True
     #: the decoder runs prompt by prompt, the interface graph one call for all ids
     aarch64_layout = "plain"
+    weight_check = "pit_deploy.evaluate.weight_check:check_onnx_weights"
 
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         return decoder_file(folder), interface_file(folder)

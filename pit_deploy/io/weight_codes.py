@@ -1,0 +1,85 @@
+"""The codes of a block-quantized weight as the runtimes store them, and their digests.
+
+Exporters that round by GPTQ record a digest of each calibrated tensor's codes and scales in the
+manifest (``details.weight_codes``); ``verify``'s weight-level check
+(:mod:`pit_deploy.evaluate.weight_check`) reads the artifact's codes back and compares. Both
+sides unpack and digest codes here, so the two cannot disagree on the format. numpy only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+#: the manifest's ``details`` key of the calibrated codes' digests
+CODES_FIELD = "weight_codes"
+
+
+def code_digest(qz: np.ndarray, scales: np.ndarray) -> str:
+    """sha256 of a tensor's codes minus zero points (int16, ``(rows, K)``) and its block scales
+    (float32, ``(rows, blocks)``): the same for every layout the runtimes store them in."""
+    h = hashlib.sha256(np.ascontiguousarray(qz, dtype=np.int16).tobytes())
+    h.update(np.ascontiguousarray(scales, dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def rounded_entry(rounded: Any) -> dict[str, Any]:
+    """The manifest entry of one calibrated linear (a
+    :class:`~pit_deploy.export.calibrated_rounding.RoundedWeight`: ``codes``, ``zeros``, ``scales``)."""
+    qz = rounded.codes.numpy().astype(np.int32)
+    per = qz.shape[1] // rounded.scales.shape[1]
+    qz = qz - np.repeat(rounded.zeros.numpy().astype(np.int32), per, axis=1)
+    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]),
+            "sha256": code_digest(qz, rounded.scales.numpy())}
+
+
+def table_entry(table: Any) -> dict[str, Any]:
+    """The manifest entry of a calibrated token table (a
+    :class:`~pit_deploy.export.quantize_onnx.BlockTable`: ``packed``, ``scales``, ``zero_points``,
+    ``bits``, ``block``)."""
+    qz, scales = table_codes(table.packed, table.scales, table.zero_points, table.bits, table.block)
+    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]), "sha256": code_digest(qz, scales)}
+
+
+def unpack_codes(packed: np.ndarray, bits: int, rows: int, blocks: int, block: int) -> np.ndarray:
+    """Codes ``(rows, blocks, block)`` from packed bytes (4-bit: two a byte, low nibble first) or
+    from an array that already holds one code an element."""
+    flat = np.asarray(packed).reshape(-1)
+    if flat.size == rows * blocks * block:
+        return flat.astype(np.int32).reshape(rows, blocks, block)
+    if bits == 4 and flat.size * 2 == rows * blocks * block:
+        b = flat.astype(np.uint8)
+        q = np.empty(b.size * 2, np.int32)
+        q[0::2], q[1::2] = b & 0x0F, b >> 4
+        return q.reshape(rows, blocks, block)
+    raise ValueError(f"{flat.size} code bytes for {rows}×{blocks} blocks of {block} at {bits} bits")
+
+
+def zero_points(zp: np.ndarray | None, bits: int, rows: int, blocks: int) -> np.ndarray:
+    """Zero points ``(rows, blocks)``: onnxruntime's default ``2^(b−1)`` where none are stored."""
+    if zp is None:
+        return np.full((rows, blocks), 2 ** (bits - 1), np.int32)
+    flat = np.asarray(zp).reshape(-1)
+    if flat.size == rows * blocks:
+        return flat.astype(np.int32).reshape(rows, blocks)
+    if bits == 4:
+        per_row = flat.astype(np.uint8).reshape(rows, -1)
+        z = np.empty((rows, per_row.shape[1] * 2), np.int32)
+        z[:, 0::2], z[:, 1::2] = per_row & 0x0F, per_row >> 4
+        return z[:, :blocks]
+    raise ValueError(f"{flat.size} zero points for {rows}×{blocks} blocks")
+
+
+def table_codes(packed, scales, zp, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes − zero points (rows, K), scales (rows, blocks))`` of a block-quantized tensor."""
+    scales = np.asarray(scales, dtype=np.float32)
+    rows = scales.shape[0] if scales.ndim >= 2 else None
+    if rows is None:
+        raise ValueError("scales without a row dimension")
+    scales = scales.reshape(rows, -1)
+    blocks = scales.shape[1]
+    q = unpack_codes(packed, bits, rows, blocks, block)
+    z = zero_points(zp, bits, rows, blocks)
+    return (q - z[..., None]).reshape(rows, blocks * block), scales
