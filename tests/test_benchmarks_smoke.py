@@ -232,6 +232,17 @@ def test_web_decode(work, tmp_path):
     assert all(row["decode_ms_per_token"] > 0 for row in data["table"])
 
 
+def test_verify_aarch64(work, tmp_path):
+    """One emulated CPU profile over the tiny fp32 ONNX export (the set-up comes with the test
+    command, ``bash scripts/setup_aarch64.sh``)."""
+    out = tmp_path / "verify_aarch64.json"
+    assert run_benchmark("verify_aarch64", ["--export", str(work / "bench" / "pit"), "--runtime", "onnx",
+                                            "--dtype", "float32", "--arm-cpu", "max", "--kleidiai", "on",
+                                            "--out", str(out)]) == 0
+    data = well_formed(out, "verify_aarch64", "rows")
+    assert any(row.get("isa") == "aarch64" for row in data["rows"]) and data["passed"] is True
+
+
 def test_onnx_head_kernels_as_a_script(tmp_path):
     """Run the way the docs say, from the repository root in a fresh interpreter."""
     out = tmp_path / "onnx_head_kernels.json"
