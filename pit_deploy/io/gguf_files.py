@@ -84,6 +84,22 @@ class _Cursor:
             raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
 
+def _header(buf: Any) -> tuple["_Cursor", int, int]:
+    """A cursor past a GGUF header's magic, version and counts, and the two counts (tensors,
+    key/value pairs).
+
+    Raises:
+        GGUFFormatError: bad magic or an unsupported version (1).
+    """
+    cur = _Cursor(buf)
+    if cur.take("4s") != b"GGUF":
+        raise GGUFFormatError("bad magic bytes")
+    version = cur.take("I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+    return cur, cur.take("Q"), cur.take("Q")
+
+
 def gguf_tensor_names(path: str | os.PathLike) -> list[str]:
     """The tensor names a GGUF file declares, read from its header only.
 
@@ -91,13 +107,7 @@ def gguf_tensor_names(path: str | os.PathLike) -> list[str]:
         GGUFFormatError: bad magic, an unsupported version (1), or a truncated header.
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _Cursor(buf)
-        if cur.take("4s") != b"GGUF":
-            raise GGUFFormatError("bad magic bytes")
-        version = cur.take("I")
-        if version not in (2, 3):
-            raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
-        n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+        cur, n_tensors, n_kv = _header(buf)
         for _ in range(n_kv):
             cur.string()
             cur.skip_value(cur.take("I"))
@@ -120,15 +130,9 @@ def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
         GGUFFormatError: bad magic, an unsupported version (1), or a truncated header.
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _Cursor(buf)
-        if cur.take("4s") != b"GGUF":
-            raise GGUFFormatError("bad magic bytes")
-        version = cur.take("I")
-        if version not in (2, 3):
-            raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
-        cur.take("Q")
+        cur, _, n_kv = _header(buf)
         out: dict[str, Any] = {}
-        for _ in range(cur.take("Q")):
+        for _ in range(n_kv):
             key = cur.string().decode("utf-8", "replace")
             vtype = cur.take("I")
             if vtype in _SCALARS:
