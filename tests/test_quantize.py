@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pit_deploy.cli import main
+from pit_deploy.convert.conversion import convert_model
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.verify import verify_directory
 from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix, split_nibbles
@@ -516,3 +517,24 @@ def test_int4_compact_recipe_exports_the_smallest_int4_artifacts(tmp_path):
             for n in graph.node if n.op_type == "MatMulNBits" and n is not head}
     assert {name for name, b in body.items() if b == 8} == {name for name in body if "v_proj" in name.split("/")}
     assert any("down_proj" in name.split("/") and b == 4 for name, b in body.items())
+
+
+def test_the_token_gather_is_told_from_a_position_table_of_the_same_shape(tmp_path):
+    """GPT-2 with as many positions as tokens has two ``V×d`` Gathers (``wte`` and ``wpe``): the
+    quantizer must rewrite the one of ``input_ids``, never the position table's."""
+    from onnx import load
+
+    from pit_deploy.export.quantize_onnx import _reads_token_ids, find_graph_interface
+
+    model = convert_model(tiny_model("gpt2", max_positions=512))  # vocabulary 512 too
+    assert model.config.n_positions == model.config.vocab_size
+    save_model(model, tmp_path / "pit")
+    out = tmp_path / "exp"
+    assert main(["export", str(tmp_path / "pit"), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+                 "--max-seq-len", "32"]) == 0
+    graph = load(str(decoder_file(out / "onnx-factorized")), load_external_data=True).graph
+    same_shape = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in {i.name for i in graph.initializer}
+                  and {tuple(i.dims) for i in graph.initializer if i.name == n.input[0]} & {(512, 64), (64, 512)}]
+    assert len(same_shape) == 2  # the case this test is about
+    iface = find_graph_interface(graph, 512, 64)
+    assert _reads_token_ids(graph, iface.gather.input[1]) and iface.gather.input[0] == iface.head.input[1]

@@ -141,11 +141,11 @@ def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
     from onnx import numpy_helper
 
     inits = _initializers(graph)
-    gather = head = None
+    gathers, head = [], None
     for node in graph.node:
         if node.op_type == "Gather" and node.input[0] in inits:
             if tuple(inits[node.input[0]].dims) in ((vocab, hidden), (hidden, vocab)):
-                gather = node
+                gathers.append(node)
         if node.op_type == "MatMul":
             b = node.input[1]
             if b in inits and tuple(inits[b].dims) == (hidden, vocab):
@@ -155,6 +155,7 @@ def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
                 if (producer is not None and producer.op_type == "Transpose" and producer.input[0] in inits
                         and tuple(inits[producer.input[0]].dims) == (vocab, hidden)):
                     head = node
+    gather = _token_gather(graph, gathers)
     if gather is None or head is None:
         raise PitError("the exported graph has no recognizable embedding Gather and head MatMul; "
                        "cannot quantize its token interface")
@@ -176,6 +177,36 @@ def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
             if len(after) == 1 and after[0].op_type == "MatMul" and after[0].input[1] in inits:
                 iface.t_inv_name = after[0].input[1]
     return iface
+
+
+#: ops that pass their first input's values on unchanged, only reshaped or retyped
+_PASS_THROUGH = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity")
+
+
+def _reads_token_ids(graph, name: str) -> bool:
+    """Does the tensor ``name`` hold the graph input ``input_ids`` (through reshapes and casts)?"""
+    for _ in range(16):
+        if name == "input_ids":
+            return True
+        producer = _producer(graph, name)
+        if producer is None or producer.op_type not in _PASS_THROUGH:
+            return False
+        name = producer.input[0]
+    return False
+
+
+def _token_gather(graph, gathers: list):
+    """The embedding ``Gather`` among those reading a ``V×d`` table: the one whose indices are
+    the token ids. A model whose learned position table has as many rows as the vocabulary
+    (GPT-2 with ``n_positions == vocab_size``) has two such Gathers; the one of ``position_ids``
+    is not the token table."""
+    if len(gathers) <= 1:
+        return gathers[0] if gathers else None
+    by_ids = [node for node in gathers if _reads_token_ids(graph, node.input[1])]
+    if len(by_ids) != 1:
+        raise PitError(f"the exported graph has {len(gathers)} Gathers of a vocabulary-by-hidden table and "
+                       f"{len(by_ids)} of them read input_ids; cannot tell the token embedding apart")
+    return by_ids[0]
 
 
 # --------------------------------------------------------------------------------------
