@@ -463,3 +463,41 @@ def test_a_killed_genai_export_leaves_no_builder_and_no_checkpoint_copy(source, 
     remove_stale_partials(tmp_path, "exp")  # what the next export of exp does first
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != ".exp.pit-deploy.lock")  # taken over next time
     assert left == ["system-temp"]
+
+
+# ----------------------------------------------------------------------------------------
+# Settings that do not apply are refused before any work, naming the key and the fix
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["rounding flag", "rounding key", "rotate_residual key"])
+def test_a_rounding_setting_without_a_quantized_dtype_is_exit_2(source, tmp_path, capsys, how):
+    out = tmp_path / "exp"
+    args = ["export", str(source), "--out", str(out), "--runtime", "executorch", "--mode", "factorized",
+            "--dtype", "float32", "--max-seq-len", "64"]
+    if how == "rounding flag":
+        args += ["--rounding", "gptq"]
+    else:
+        recipe = tmp_path / "mine.toml"
+        recipe.write_text("rounding = \"gptq\"\n" if how == "rounding key" else "rotate_residual = true\n")
+        args += ["--recipe", str(recipe)]
+    key = "rotate_residual" if how.startswith("rotate") else "rounding"
+    _refused(args, capsys, key, "float32", "int4")
+    assert not out.exists()
+
+
+def test_a_max_seq_len_past_the_model_positions_is_exit_2_on_every_target(source, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from pit_deploy.errors import PitError
+    from pit_deploy.export.recipes import MAX_SEQ_LEN_CEILING, Recipe
+
+    out = tmp_path / "exp"
+    _refused(["export", str(source), "--out", str(out), "--runtime", "gguf", "--mode", "materialized",
+              "--max-seq-len", "1000000000000"], capsys, "max_seq_len 1000000000000", "128 positions", "--max-seq-len")
+    assert not out.exists()
+    gguf = Recipe(runtimes=("gguf",), modes=("materialized",), max_seq_len=MAX_SEQ_LEN_CEILING + 1)
+    with pytest.raises(PitError, match="declares no limit"):  # a config without positions: the ceiling
+        gguf.check_model(SimpleNamespace(hidden_size=64, model_type="llama"))
+    Recipe(runtimes=("gguf",), modes=("materialized",)).check_model(SimpleNamespace(hidden_size=64,
+                                                                                    max_position_embeddings=128))

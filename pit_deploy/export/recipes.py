@@ -46,6 +46,10 @@ ALL = "all"
 #: the recipes shipped with the package (package data)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
+#: the longest ``max_seq_len`` taken for a model whose config declares no positions
+MAX_SEQ_LEN_CEILING = 1 << 20
+#: scheme settings that only the schemes storing int8/int4 codes read (refused without one)
+CODE_SETTINGS = {"rounding": "--rounding", "rotate_residual": "--no-rotate-residual"}
 #: scheme settings a recipe may override (``None``: each scheme's own)
 SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits",
                    "pte_shared_table", "rounding", "rotate_residual")
@@ -112,6 +116,13 @@ class Recipe:
             raise PitError(f"bounds must be a table per exported scheme ({', '.join(self.dtype)}), got {self.bounds!r}")
         # the overrides' values, whatever the schemes (on a scheme whose settings cannot conflict with them)
         get_scheme("int4").with_settings(pte_shared_table=False).with_settings(**self.overrides())
+        coded = [name for name in self.dtype if get_scheme(name).dtype in ("int8", "int4")]
+        moot = [k for k in CODE_SETTINGS if k in self.overrides()]
+        if moot and not coded:
+            raise PitError(f"{moot[0]} ({CODE_SETTINGS[moot[0]]}) applies to the schemes that store int8/int4 codes "
+                           f"(it changes how their body is rounded), and this export's dtype is "
+                           f"{', '.join(self.dtype)} only; drop {moot[0]} or add a quantized dtype (e.g. --dtype "
+                           f"{','.join(self.dtype)},int4)")
         if self.runtimes == (ALL,):
             self.schemes()  # the targets are chosen for the model (for_model), which checks the rest
             return
@@ -167,8 +178,9 @@ class Recipe:
 
     def check_model(self, config: Any, linears: list[str] | tuple[str, ...] | None = None) -> None:
         """Raise :class:`PitError`, before any slow work, if the recipe cannot fit the model: a
-        quantized scheme's group size that does not divide the hidden size, a static cache longer
-        than the model's positions, or (given the model's body ``linears``, module paths) a name of
+        quantized scheme's group size that does not divide the hidden size, a ``max_seq_len`` longer
+        than the model's positions (past :data:`MAX_SEQ_LEN_CEILING` when the config declares none;
+        without a static cache the default may exceed them), or (given the model's body ``linears``, module paths) a name of
         ``int4_8bit_layers`` that matches none of them."""
         from ..model.families import max_positions
 
@@ -179,9 +191,16 @@ class Recipe:
                                f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
         static = [r for r in (target_names() if self.runtimes == (ALL,) else self.runtimes) if get_target(r).static_cache]
         limit = max_positions(config)
-        if static and limit is not None and self.max_seq_len > limit:
-            raise PitError(f"max_seq_len {self.max_seq_len} (the static KV cache of {', '.join(static)}) exceeds the "
-                           f"model's {limit} positions; set max_seq_len (--max-seq-len) to {limit} or less")
+        what = f" (the static KV cache of {', '.join(static)})" if static else ""
+        if limit is None and self.max_seq_len > MAX_SEQ_LEN_CEILING:
+            raise PitError(f"max_seq_len {self.max_seq_len}{what} is past {MAX_SEQ_LEN_CEILING} positions, and the "
+                           "model's config declares no limit (max_position_embeddings); set max_seq_len "
+                           "(--max-seq-len) to the context the model was trained for")
+        # without a static cache the length only caps the held-out blocks, which the model's
+        # positions cap too: the default may exceed a short model's positions, a value given may not
+        if limit is not None and self.max_seq_len > limit and (static or self.max_seq_len != DEFAULT_MAX_SEQ_LEN):
+            raise PitError(f"max_seq_len {self.max_seq_len}{what} exceeds the model's {limit} positions; set "
+                           f"max_seq_len (--max-seq-len) to {limit} or less")
         if linears is not None and self.int4_8bit_layers and any(s.dtype == "int4" for s in self.schemes()):
             check_layer_names(self.int4_8bit_layers, linears, getattr(config, "model_type", "?"))
 
