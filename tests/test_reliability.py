@@ -501,3 +501,56 @@ def test_a_max_seq_len_past_the_model_positions_is_exit_2_on_every_target(source
         gguf.check_model(SimpleNamespace(hidden_size=64, model_type="llama"))
     Recipe(runtimes=("gguf",), modes=("materialized",)).check_model(SimpleNamespace(hidden_size=64,
                                                                                     max_position_embeddings=128))
+
+
+# ----------------------------------------------------------------------------------------
+# Refusals a target can make from the model and the recipe come before any slow work
+# ----------------------------------------------------------------------------------------
+
+
+def test_a_linear_the_genai_builder_has_no_node_for_is_refused_before_gptq(source, tmp_path, capsys, monkeypatch):
+    """A linear the model has but the builder does not write (simulated: the model-side name
+    check passes) is refused by the target's precheck, before calibration or GPTQ starts."""
+    pytest.importorskip("onnxruntime_genai")
+    from pit_deploy.export import pipeline, recipes
+    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.targets import get_target
+
+    def no_gptq(*args, **kwargs):
+        raise AssertionError("GPTQ started")
+
+    monkeypatch.setattr(recipes, "check_layer_names", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline._Calibration, "model", no_gptq)
+    out = tmp_path / "exp"
+    _refused(["export", str(source), "--out", str(out), "--runtime", "onnx-genai", "--mode", "factorized",
+              "--dtype", "int4", "--int4-8bit-layers", "v_proj,c_fc"], capsys,
+             "int4_8bit_layers", "'c_fc'", "builder", "down_proj")
+    assert not out.exists()
+    from pit_deploy.io.checkpoint import load_config
+
+    config = load_config(source)
+    target = get_target("onnx-genai")
+    target.precheck(config, Recipe(runtimes=("onnx-genai",), dtype=("float32", "int4")))  # the scheme's own names
+    with pytest.raises(Exception, match="c_fc"):
+        target.precheck(config, Recipe(runtimes=("onnx-genai",), dtype=("int4",), int4_8bit_layers=("c_fc",)))
+
+
+def test_a_pre_tokenizer_llama_cpp_lacks_is_refused_before_any_conversion(tmp_path, capsys, monkeypatch):
+    from tokenizers import pre_tokenizers
+
+    from pit_deploy.export import to_gguf
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    src = tmp_path / "src"
+    save_model(tiny_pit_model("llama"), src, tokenizer)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the GGUF conversion started")
+
+    monkeypatch.setattr(to_gguf, "gguf_tensors", no_conversion)
+    out = tmp_path / "exp"
+    _refused(["export", str(src), "--out", str(out), "--runtime", "gguf", "--mode", "materialized"], capsys,
+             "pre-tokenizer", "WhitespaceSplit", "--runtime")
+    assert not out.exists()

@@ -91,10 +91,11 @@ def export_model(
     else:
         modes = recipe.modes
     out = check_output_dir(out, force, protect=(loaded.source.get("path") or "",))  # never the source
-    recipe = recipe.for_model(model.config, say)  # `--runtime all`: the targets that export this model
+    recipe = recipe.for_model(model.config, say, tokenizer=loaded.tokenizer)  # `--runtime all`: the targets that export it
     wanted = [(r, m) for m in modes for r in recipe.runtimes]
     for runtime in dict.fromkeys(r for r, _ in wanted):
         get_target(runtime).precheck(model.config, recipe)
+        get_target(runtime).precheck_tokenizer(loaded.tokenizer)
     recipe.check_model(model.config, body_linears(model))
     from ..convert.conversion import check_tokenizer_fits
 

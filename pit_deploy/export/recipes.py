@@ -204,10 +204,11 @@ class Recipe:
         if linears is not None and self.int4_8bit_layers and any(s.dtype == "int4" for s in self.schemes()):
             check_layer_names(self.int4_8bit_layers, linears, getattr(config, "model_type", "?"))
 
-    def for_model(self, config: Any, say: Callable[[str], None] | None = None) -> "Recipe":
+    def for_model(self, config: Any, say: Callable[[str], None] | None = None, tokenizer: Any = None) -> "Recipe":
         """This recipe with ``runtimes = ["all"]`` made concrete for a model of ``config``: every
-        installed target that exports its family, the recipe's modes and its schemes (the others
-        are left out, each with its reason through ``say``); any other recipe as it is.
+        installed target that exports its family, the recipe's modes and its schemes (and, given the
+        model's ``tokenizer``, can hold it; the others are left out, each with its reason through
+        ``say``); any other recipe as it is.
 
         Raises:
             PitError: no installed target can export this model as asked.
@@ -223,6 +224,8 @@ class Recipe:
             try:
                 candidate = replace(self, runtimes=(name,))
                 target.precheck(config, candidate)
+                if tokenizer is not None:
+                    target.precheck_tokenizer(tokenizer)
             except PitError as exc:
                 left_out.append(f"{name} ({exc})")
                 continue

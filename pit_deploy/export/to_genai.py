@@ -46,8 +46,8 @@ from transformers import PreTrainedModel
 from ..errors import PitError
 from ..io.checkpoint import save_model
 from ..schemes import Scheme, names_linear
-from ..targets.onnx_genai import (BUILDER_ARCHITECTURES, BUILDER_DATA, CONFIG_NAME, DECODER_NAME,
-                                  INTERFACE_NAME)
+from ..targets.onnx_genai import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME,
+                                  DECODER_NAME, INTERFACE_NAME, unknown_projections)
 
 #: builder ``-p`` value of each dtype the target exports
 PRECISIONS = {"float32": "fp32", "int8": "int8", "int4": "int4"}
@@ -129,10 +129,6 @@ def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
         raise PitError(f"the onnxruntime-genai builder failed (exit {proc.returncode}):\n{tail}")
 
 
-#: the builder's node path of each projection (``/model/layers.{i}/<path>/MatMul``)
-_BUILDER_PROJECTIONS = {**{p: f"attn/{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-                        **{p: f"mlp/{p}" for p in ("gate_proj", "up_proj", "down_proj")}}
-
 
 def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tuple[dict[str, str], dict[str, Any]]:
     """The builder options that keep the linears named in ``layers`` (the int4 scheme's
@@ -142,16 +138,17 @@ def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tupl
     projection is among them (fused, it has no node of its own).
 
     Raises:
-        PitError: a name the builder has no projection node for.
+        PitError: a name the builder has no projection node for (the target's precheck refuses it
+            before any work; this guards direct callers).
     """
-    unknown = [name for name in layers if name.rsplit(".", 1)[-1] not in _BUILDER_PROJECTIONS]
+    unknown = unknown_projections(layers)
     if unknown:
         raise PitError(f"int4_8bit_layers {unknown}: the onnxruntime-genai builder has no such projection "
-                       f"(known: {', '.join(_BUILDER_PROJECTIONS)})")
+                       f"(known: {', '.join(BUILDER_PROJECTIONS)})")
     names, hf_parent = tuple(layers), {"attn": "self_attn", "mlp": "mlp"}
     overrides, projections = [], set()
     for i in range(num_layers):
-        for proj, node in _BUILDER_PROJECTIONS.items():
+        for proj, node in BUILDER_PROJECTIONS.items():
             if names_linear(f"model.layers.{i}.{hf_parent[node.split('/')[0]]}.{proj}", names):
                 overrides.append({"match": {"name": f"/model/layers.{i}/{node}/MatMul"}, "type": "int8"})
                 projections.add(proj)

@@ -191,7 +191,36 @@ def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
         return "smollm"  # digits one by one, then the GPT-2 regex
     raise PitError(f"the tokenizer's pre-tokenizer {kinds or pre.get('type')} has no llama.cpp counterpart checked "
-                   "here (byte-level BPE with the GPT-2 split, optionally single digits first)")
+                   "here (byte-level BPE with the GPT-2 split, optionally single digits first); export this model "
+                   "with another --runtime (onnx, executorch)")
+
+
+def _checked_tokenizer(tokenizer: Any, tmp: Path) -> tuple[dict[str, Any], str]:
+    """``(tokenizer.json, llama.cpp pre-tokenizer name)`` of ``tokenizer`` saved into ``tmp``.
+
+    Raises:
+        PitError: no tokenizer, no ``tokenizer.json`` (a slow tokenizer), not BPE, or a
+            pre-tokenizer llama.cpp lacks (:func:`pre_tokenizer_name`).
+    """
+    if tokenizer is None:
+        raise PitError("a GGUF file needs the tokenizer (llama.cpp reads it from the file); the source has none")
+    tokenizer.save_pretrained(tmp)
+    try:
+        data = json.loads((Path(tmp) / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise PitError("the gguf runtime writes byte-level BPE tokenizers from their tokenizer.json, and this "
+                       "tokenizer has none (not a fast tokenizer); export this model with another --runtime") from None
+    if (data.get("model") or {}).get("type") != "BPE":
+        raise PitError("the gguf runtime writes byte-level BPE tokenizers only; export this model with another "
+                       "--runtime (onnx, executorch)")
+    return data, pre_tokenizer_name(data)
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuse, before any conversion work, a tokenizer a GGUF file cannot hold (the ``gguf``
+    target's :meth:`~pit_deploy.targets.base.Target.precheck_tokenizer`)."""
+    with tempfile.TemporaryDirectory(prefix="pit-gguf-tok-") as tmp:
+        _checked_tokenizer(tokenizer, Path(tmp))
 
 
 def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_size: int) -> None:
@@ -199,11 +228,7 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_size: int) -> None:
     import gguf
 
     with tempfile.TemporaryDirectory(prefix="pit-gguf-tok-") as tmp:
-        tokenizer.save_pretrained(tmp)
-        data = json.loads((Path(tmp) / "tokenizer.json").read_text(encoding="utf-8"))
-        if (data.get("model") or {}).get("type") != "BPE":
-            raise PitError("the gguf runtime writes byte-level BPE tokenizers only")
-        pre = pre_tokenizer_name(data)
+        data, pre = _checked_tokenizer(tokenizer, Path(tmp))
         by_id = {i: t for t, i in tokenizer.get_vocab().items()}
         specials = {int(a["id"]) for a in data.get("added_tokens", []) if a.get("special")}
         added = {int(a["id"]) for a in data.get("added_tokens", [])}

@@ -158,6 +158,10 @@ class Target:
     def precheck(self, config: Any, recipe: Any) -> None:
         """Raise :class:`PitError` before any slow work if the model cannot be exported."""
 
+    def precheck_tokenizer(self, tokenizer: Any) -> None:
+        """Raise :class:`PitError` before any slow work if the artifact cannot hold the model's
+        ``tokenizer`` (``None``: the source has none); called after :meth:`precheck`."""
+
     def supports_family(self, model_type: str | None) -> bool:
         """Whether the exporter builds models of ``model_type``."""
         return self.model_types is None or model_type in self.model_types

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import PitError
 from . import register_target
-from .base import Target, plain_relative
+from .base import Target, plain_relative, resolve
 
 #: the JSON beside the GGUF file: which file, which KV-cache type, which llama.cpp version
 SPEC_NAME = "llama_cpp.json"
@@ -104,6 +104,11 @@ class LlamaCppTarget(Target):
         if any(name not in ("float32", "f16", "q8_0") for name in recipe.dtype) and not self.installed():
             raise PitError(f"q4_0/q4_k_m GGUF files are made by llama.cpp's quantizer; install llama-cpp-python "
                            f"with `bash scripts/setup_llama_cpp.sh` (pins {PACKAGE_VERSION})")
+
+    def precheck_tokenizer(self, tokenizer: Any) -> None:
+        """Refuse, before the GGUF conversion, a tokenizer the file cannot hold: none, not byte-level
+        BPE, or a pre-tokenizer whose llama.cpp counterpart was not checked here."""
+        resolve("pit_deploy.export.to_gguf:check_tokenizer")(tokenizer)
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe), "architecture": ARCHITECTURES.get(config.model_type)}

@@ -38,6 +38,16 @@ BUILDER_FAMILIES: dict[str, str] = {
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
 #: onnxruntime's GroupQueryAttention (the builder's attention) takes head sizes in multiples of this
 HEAD_SIZE_MULTIPLE = 16
+#: the builder's node path of each projection (``/model/layers.{i}/<path>/MatMul``): the linears
+#: ``int4_8bit_layers`` can keep at 8 bits through its int8 overrides
+BUILDER_PROJECTIONS: dict[str, str] = {**{p: f"attn/{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                                       **{p: f"mlp/{p}" for p in ("gate_proj", "up_proj", "down_proj")}}
+
+
+def unknown_projections(names: tuple[str, ...] | list[str]) -> list[str]:
+    """The names of ``int4_8bit_layers`` whose last component is no projection the builder writes
+    a node for (:data:`BUILDER_PROJECTIONS`)."""
+    return [name for name in names if name.rsplit(".", 1)[-1] not in BUILDER_PROJECTIONS]
 
 
 def head_size(config: dict[str, Any]) -> int:
@@ -117,7 +127,9 @@ class OnnxGenaiTarget(Target):
                           embed_bits=0, full_range=True)
 
     def precheck(self, config: Any, recipe: Any) -> None:
-        """Refuse a family the builder cannot build, or a missing builder, before any slow work."""
+        """Refuse, before any slow work (calibration, GPTQ): a missing builder, a family it cannot
+        build, a head size its attention cannot run, an int4 linear kept at 8 bits that the builder
+        writes no node of its own for."""
         if not self.installed():
             raise PitError(f"the {self.name} runtime needs the onnxruntime-genai model builder; "
                            f"install it with `pip install {self.package}==0.18.0`")
@@ -130,6 +142,19 @@ class OnnxGenaiTarget(Target):
             raise PitError(f"the {self.name} runtime runs attention in onnxruntime's GroupQueryAttention, whose head "
                            f"size must be a multiple of {HEAD_SIZE_MULTIPLE}; this model's is {head} (hidden size "
                            f"{config.hidden_size} / {config.num_attention_heads} heads) — export it with --runtime onnx")
+        for scheme in recipe.schemes(config):
+            unknown = unknown_projections(scheme.int4_8bit_layers) if scheme.dtype == "int4" else []
+            if unknown:
+                raise PitError(f"int4_8bit_layers {', '.join(repr(n) for n in unknown)} ({scheme.name}): the "
+                               f"onnxruntime-genai builder writes no node of its own for it, so the {self.name} runtime "
+                               f"cannot keep it at 8 bits (it can: {', '.join(BUILDER_PROJECTIONS)}); drop it from "
+                               "--int4-8bit-layers or export it with --runtime onnx")
+
+    def precheck_tokenizer(self, tokenizer: Any) -> None:
+        """The folder needs the tokenizer (onnxruntime-genai loads it from there)."""
+        if tokenizer is None:
+            raise PitError("an onnxruntime-genai folder needs the tokenizer; the source has none (add its tokenizer "
+                           "files to the model directory)")
 
     #: the tokenizer files onnxruntime-genai loads, and the folder's own files
     required_files = (("tokenizer.json", "tokenizer.model"), ("tokenizer_config.json",), (CONFIG_NAME,),
