@@ -554,3 +554,37 @@ def test_a_pre_tokenizer_llama_cpp_lacks_is_refused_before_any_conversion(tmp_pa
     _refused(["export", str(src), "--out", str(out), "--runtime", "gguf", "--mode", "materialized"], capsys,
              "pre-tokenizer", "WhitespaceSplit", "--runtime")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------
+# Resuming a training run: run.json says what the resumed run used; a refusal names the flag
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_assets(tmp_path_factory):
+    from train_fixtures import make_corpus, make_model_dir
+
+    root = tmp_path_factory.mktemp("train")
+    return make_model_dir(root), make_corpus(root, n_docs=12)
+
+
+def test_a_resumed_run_records_the_values_it_used_and_which_changed(train_assets, tmp_path, capsys):
+    from train_fixtures import config
+
+    from pit_deploy.train.loop import train
+
+    model, corpus = train_assets  # identity: a conversion of no cost, the same on resume
+    run = tmp_path / "r"
+    train(config(run, model, corpus, t_init="identity", steps=2, save_every=2, eval_every=0))
+    assert json.loads((run / "run.json").read_text())["steps"] == 2
+    capsys.readouterr()
+    train(config(run, model, corpus, t_init="identity", steps=3, t_max_cond=500.0, save_every=2, eval_every=0,
+                 resume=True))
+    record = json.loads((run / "run.json").read_text())
+    assert record["steps"] == 3 and record["t_max_cond"] == 500.0 and record["resume"] is True
+    (resumed,) = record["resumes"]
+    assert resumed["step"] == 2 and resumed["changed"] == {"steps": [2, 3], "t_max_cond": [1000.0, 500.0]}
+    err = capsys.readouterr().err
+    assert "--steps 2 → 3" in err and "--t-max-cond 1000.0 → 500.0" in err, err[-800:]
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,23 @@ def changed_resume_keys(saved: dict[str, Any], mine: dict[str, Any]) -> list[str
     (both as written to JSON). A key newer than the checkpoint counts as its default, which is
     what the run that saved it did: a run saved before an option existed still resumes."""
     return [k for k in RESUME_KEYS if saved.get(k, field_default(TrainConfig, k)) != mine.get(k)]
+
+
+def option_flag(key: str) -> str:
+    """The command-line flag of the :class:`TrainConfig` field ``key`` (``train_body``:
+    ``--interface-only``)."""
+    meta = next((f.metadata for f in fields(TrainConfig) if f.name == key), {})
+    return meta.get("flag") or flag_name(key)
+
+
+def describe_change(key: str, before: Any, now: Any) -> str:
+    """One option's change between two invocations, named by its flag: ``--steps 2 → 3``; a
+    switch says whether it was given (``--interface-only given now, not before``)."""
+    flag, default = option_flag(key), field_default(TrainConfig, key)
+    if isinstance(default, bool):
+        given = lambda value: "given" if value != default else "not given"  # noqa: E731
+        return f"{flag} {given(now)} now, {given(before)} before"
+    return f"{flag} {before} → {now}"
 
 
 def validate(cfg: TrainConfig) -> None:

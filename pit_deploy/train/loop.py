@@ -56,7 +56,7 @@ from ..model.inspect import interface_delta_ti as delta_ti
 from ..model.modules import INTERFACE_ATTR
 from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng_state,
                            save_checkpoint, set_rng_state)
-from .config import TrainConfig, changed_resume_keys, validate, with_start_defaults
+from .config import TrainConfig, changed_resume_keys, describe_change, validate, with_start_defaults
 from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll, prose_blocks
 from .interface_guard import InterfaceGuard
@@ -223,6 +223,7 @@ class TrainingRecipe:
         self._setup_optimizer()
         if self._resume_from is not None:
             self._load_checkpoint(self._resume_from)
+            self._record_resume()
         elif write:
             self._start_run_dir()
         if self.ddp:
@@ -435,16 +436,43 @@ class TrainingRecipe:
         if self.master:
             print(f"resuming from {ck.path.name} (step {self.step})", file=sys.stderr)
 
+    def _run_record(self) -> dict[str, Any]:
+        """What ``run.json`` records: the options this invocation runs with."""
+        return json.loads(json.dumps({**asdict(self.cfg), "world_size": self.world, "source": self.source_info},
+                                     default=str))
+
     def _start_run_dir(self) -> None:
         if not self.master:
             return
         if self.out.exists() and self.cfg.force:
             shutil.rmtree(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.out / "run.json", json.dumps(
-            {**asdict(self.cfg), "world_size": self.world, "source": self.source_info}, indent=2, default=str))
+        write_text_atomic(self.out / "run.json", json.dumps(self._run_record(), indent=2))
         self.metrics = MetricsLog(self.out, enabled=True)
         self.metrics.start()
+
+    def _record_resume(self) -> None:
+        """``run.json`` of a resumed run records the options it runs with (not the first
+        invocation's), and under ``resumes`` the step it resumed at and each option that differs
+        from the previous record (``"steps": [old, new]``); the changes are printed too."""
+        if not self.master:
+            return
+        path = self.out / "run.json"
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            before = {}
+        before = before if isinstance(before, dict) else {}
+        now = self._run_record()
+        keys = [f for f in now if f not in ("resume", "force", "source") and f in before]
+        changed = {k: [before[k], now[k]] for k in keys if before[k] != now[k]}
+        history = before.get("resumes") if isinstance(before.get("resumes"), list) else []
+        now["resumes"] = [*history, {"step": self.step, "changed": changed}]
+        write_text_atomic(path, json.dumps(now, indent=2))
+        if changed:
+            print("resumed with changed options: " + "; ".join(
+                describe_change(k, old, new) if k != "world_size" else f"processes {old} → {new}"
+                for k, (old, new) in changed.items()), file=sys.stderr)
 
     def _wrap_ddp(self) -> None:
         if self.ddp and not self.cfg.fsdp:
