@@ -588,3 +588,26 @@ def test_a_resumed_run_records_the_values_it_used_and_which_changed(train_assets
     err = capsys.readouterr().err
     assert "--steps 2 → 3" in err and "--t-max-cond 1000.0 → 500.0" in err, err[-800:]
 
+
+
+# ----------------------------------------------------------------------------------------
+# llama.cpp's log: a warning at most once per process
+# ----------------------------------------------------------------------------------------
+
+
+def test_llama_cpp_context_warning_is_printed_at_most_once(gguf_export):
+    """The model has 128 positions and llama.cpp rounds every context up to 256: its warning of a
+    possible overflow came once per context (decoders, the interface read), about ten times per
+    verify of a quantized file; errors still pass through."""
+    pytest.importorskip("llama_cpp")
+    gguf = gguf_export / "gguf-materialized" / "model-f32.gguf"
+    code = textwrap.dedent(f"""
+        from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder
+        from pit_deploy.runtime.llama_cpp_interface import runtime_interface
+        for _ in range(3):
+            LlamaCppDecoder({str(gguf)!r}, 1).close()
+        runtime_interface({str(gguf)!r}, 1)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert done.stderr.count("n_ctx_train (128)") == 1, done.stderr[-1500:]

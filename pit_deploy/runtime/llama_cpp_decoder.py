@@ -29,6 +29,43 @@ KV_TYPES = {"f32": 0, "f16": 1}
 DEFAULT_CONTEXT = 2048
 
 
+#: llama.cpp's log levels (ggml.h): debug 1, info 2, warning 3, error 4, continuation 5
+_WARN, _ERROR, _CONT = 3, 4, 5
+_LOG: dict[str, Any] = {"callback": None, "seen": set(), "last": False}
+
+
+def quiet_llama_log() -> None:
+    """Route llama.cpp's log through a filter, once per process: errors as they come, each
+    distinct warning once, nothing below. llama-cpp-python's own filter reads the levels of an
+    older llama.cpp and lets every warning through, so a context longer than the model's positions
+    (llama.cpp rounds a context up to 256) was warned about at every context made."""
+    import ctypes
+    import sys
+
+    import llama_cpp
+    from llama_cpp import Llama  # noqa: F401 — installs llama-cpp-python's logger, which this replaces
+
+    if _LOG["callback"] is not None:
+        return
+
+    @llama_cpp.llama_log_callback
+    def callback(level: int, text: bytes, _user: Any) -> None:
+        message = text.decode("utf-8", errors="replace")
+        if level == _CONT:
+            show = _LOG["last"]
+        elif level == _WARN:
+            show = message not in _LOG["seen"]
+            _LOG["seen"].add(message)
+        else:
+            show = level >= _ERROR
+        _LOG["last"] = show
+        if show:
+            print(message, end="", file=sys.stderr, flush=True)
+
+    _LOG["callback"] = callback  # kept alive: llama.cpp holds a pointer to it
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+
+
 def read_spec(path: Path) -> dict[str, Any]:
     """The export's ``llama_cpp.json`` beside ``path`` (``{}`` when there is none: llama.cpp's defaults)."""
     spec = path.parent / SPEC_NAME
@@ -44,6 +81,7 @@ class LlamaCppDecoder:
         """``kv_cache_type`` overrides the recorded one (``f32``/``f16``; a study compares them)."""
         from llama_cpp import Llama
 
+        quiet_llama_log()
         path = Path(path)
         spec = read_spec(path)
         self.kv_cache_type = kv_cache_type or spec.get("kv_cache_type", "f16")

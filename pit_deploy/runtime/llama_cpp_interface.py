@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PitError
+from .llama_cpp_decoder import quiet_llama_log
 
 #: names the embedding gather's output has had in llama.cpp's graph
 GATHER_NAMES = ("embd", "inp_embd")
@@ -63,6 +64,7 @@ def runtime_interface(path: str | Path, threads: int) -> tuple[np.ndarray, np.nd
     """
     import llama_cpp as lc
 
+    quiet_llama_log()
     ggml = _ggml(lc)
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
