@@ -590,6 +590,22 @@ def test_a_resumed_run_records_the_values_it_used_and_which_changed(train_assets
 
 
 
+def test_a_changed_interface_only_on_resume_is_named_by_its_flag(train_assets, tmp_path):
+    from train_fixtures import config
+
+    from pit_deploy.errors import PitError
+    from pit_deploy.train.loop import train
+
+    model, corpus = train_assets  # identity: a conversion of no cost, the same on resume
+    run = tmp_path / "r"
+    train(config(run, model, corpus, t_init="identity", steps=2, save_every=2, eval_every=0))
+    with pytest.raises(PitError) as refused:
+        train(config(run, model, corpus, t_init="identity", steps=4, save_every=2, eval_every=0, train_body=False,
+                     resume=True))
+    message = str(refused.value)
+    assert "--interface-only" in message and "train_body" not in message, message
+
+
 # ----------------------------------------------------------------------------------------
 # llama.cpp's log: a warning at most once per process
 # ----------------------------------------------------------------------------------------

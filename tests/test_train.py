@@ -280,7 +280,7 @@ def test_resume_with_other_options_is_refused(tmp_path, assets):
     model, corpus = assets
     run = tmp_path / "r"
     train(config(run, model, corpus, steps=2, save_every=2, eval_every=0))
-    with pytest.raises(PitError, match="seq_len"):
+    with pytest.raises(PitError, match="--seq-len 32 → 16"):
         train(config(run, model, corpus, steps=4, seq_len=16, resume=True, eval_every=0))
 
 

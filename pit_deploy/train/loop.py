@@ -56,6 +56,7 @@ from ..model.inspect import interface_delta_ti as delta_ti
 from ..model.modules import INTERFACE_ATTR
 from .checkpointer import (LoadedCheckpoint, latest_checkpoint, load_latest, rng_state,
                            save_checkpoint, set_rng_state)
+from ..options import field_default
 from .config import TrainConfig, changed_resume_keys, describe_change, validate, with_start_defaults
 from ..data.corpus import Block, TextSource, TrainStream, validation_blocks
 from .evaluation import block_nll, prose_blocks
@@ -265,8 +266,10 @@ class TrainingRecipe:
             mine = _jsonable(cfg)
             changed = changed_resume_keys(saved, mine)
             if changed:
-                raise PitError(f"--resume with different options: {', '.join(changed)}; resume with the "
-                               "options of the original run (see its run.json)")
+                what = "; ".join(describe_change(k, saved.get(k, field_default(TrainConfig, k)), mine.get(k))
+                                 for k in changed)
+                raise PitError(f"--resume with different options: {what}; resume with the options of the "
+                               "original run (see its run.json)")
         else:
             check_output_dir(self.out, cfg.force, protect=(cfg.model, cfg.data))
         if self.ddp:  # every process has checked before rank 0 writes anything
