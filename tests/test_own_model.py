@@ -67,21 +67,8 @@ def test_readme_block_is_short():
     assert any("--runtime all" in line for line in commands)
 
 
-#: models on which the README's commands are known to fail today, with what fails (reported as
-#: xfailed, not run: each costs minutes of export for a known outcome)
-KNOWN_FAILURES: dict[str, str] = {
-    "gpt2": "verify: the onnx target's factorized int4 of a trained tiny GPT-2 measures 17-31x its expected "
-            "KL and its interface graph's table differs from the decoder's",
-    "qwen3-untied": "verify: ExecuTorch's stock runner generates other text than the reference on the tiny "
-                    "byte-level tokenizer's partial UTF-8 pieces (its Python binding cannot pass them over)",
-}
-
-
 def _model_param(i: int, name: str):
-    marks = [pytest.mark.xdist_group(f"test_own_model_{i % 2}")]
-    if name in KNOWN_FAILURES:
-        marks.append(pytest.mark.xfail(run=False, strict=True, reason=KNOWN_FAILURES[name]))
-    return pytest.param(name, marks=marks)
+    return pytest.param(name, marks=[pytest.mark.xdist_group(f"test_own_model_{i % 2}")])
 
 
 @pytest.mark.parametrize("name", [_model_param(i, name) for i, name in enumerate(MODELS)])

@@ -123,7 +123,10 @@ def generate_in_process(pte: str, tokenizer: str, prompts: Sequence[str], max_ne
     """Greedy generation of each prompt (temperature 0, no BOS added, prompt not echoed).
 
     Each prompt runs ``reps`` times (the runner's KV cache reset between runs); the pieces of
-    the first run and the ``Stats`` figures of every run are returned.
+    the first run and the ``Stats`` figures of every run are returned. The binding hands pieces
+    over as ``str``, so a generated piece that is not whole UTF-8 ends the prompt's generation
+    with a ``UnicodeDecodeError``: its result then has ``"partial_utf8": True`` and the pieces
+    before it, and its remaining runs are not made.
     """
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
@@ -137,17 +140,26 @@ def generate_in_process(pte: str, tokenizer: str, prompts: Sequence[str], max_ne
     for prompt in prompts:
         pieces: list[str] = []
         runs: list[dict[str, float]] = []
+        partial = False
         for rep in range(reps):
             got: list[str] = []
             stats: list[Any] = []
             runner.reset()
             config = GenerationConfig(echo=False, max_new_tokens=int(max_new_tokens), temperature=0.0)
-            runner.generate(prompt, config, token_callback=got.append, stats_callback=stats.append)
+            try:
+                runner.generate(prompt, config, token_callback=got.append, stats_callback=stats.append)
+            except UnicodeDecodeError:
+                partial = True
             if rep == 0:
                 pieces = got
             if stats:
                 runs.append(stats_dict(stats[-1]))
-        results.append({"prompt": prompt, "pieces": pieces, "text": "".join(pieces), "runs": runs})
+            if partial:
+                break
+        result: dict[str, Any] = {"prompt": prompt, "pieces": pieces, "text": "".join(pieces), "runs": runs}
+        if partial:
+            result["partial_utf8"] = True
+        results.append(result)
     return results
 
 
