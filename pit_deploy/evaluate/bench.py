@@ -373,6 +373,9 @@ def bench_directories(directories: Sequence[str | Path], opts: BenchOptions,
         if cell.get("variant"):
             row, more = get_target(cell["target"]).measure_variant(cell, opts.cell_timeout_s)
             warnings += more
+            if row is None:  # the variant could not be timed: its warning says why
+                say(f"    not timed ({cell['variant']}): {more[-1] if more else 'no figures'}")
+                continue
             say(f"    pp{meta['prompt_len']} {row['prefill_tok_s']:.1f} tok/s, tg{meta['gen_len']} "
                 f"{row['decode_tok_s']:.1f} tok/s, RSS {row['peak_rss_mb']:.0f} MB ({cell['variant']})")
             rows.append(row)

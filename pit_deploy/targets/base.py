@@ -302,6 +302,7 @@ class Target:
         that :meth:`measure_variant` measures."""
         return []
 
-    def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[str]]:
-        """Measure one of this target's extra cells: ``(row, warnings)``."""
+    def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, list[str]]:
+        """Measure one of this target's extra cells: ``(row, warnings)``; ``row`` is ``None`` when
+        the cell could not be timed, and the last warning says why."""
         raise PitError(f"the {self.name} target has no benchmark variant {cell.get('variant')!r}")

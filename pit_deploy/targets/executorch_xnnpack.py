@@ -99,9 +99,13 @@ class ExecuTorchXnnpackTarget(Target):
                  "meta": {**cell["meta"], "runtime": runner, "variant": RUNNER_VARIANT, "threads": t}}
                 for t in threads]
 
-    def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[str]]:
+    def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, list[str]]:
         row = resolve("pit_deploy.evaluate.stock_runner:measure_runner_cell")(cell, timeout)
         meta, warnings = cell["meta"], []
+        if row is None:
+            return None, [f"{meta['artifact']} (stock runner, {meta['threads']} threads): not timed — it generated a "
+                          "piece that is not whole UTF-8, which its Python binding cannot hand over, so it "
+                          "reported no figures"]
         if row["generated_tokens"] < meta["gen_len"] - 1:
             warnings.append(f"{meta['artifact']} (stock runner): stopped after {row['generated_tokens']} "
                             f"generated tokens (an end-of-sequence token), not {meta['gen_len']}")
