@@ -1,0 +1,22 @@
+"""The suite's two workers keep each test file on one worker (``tests/conftest.py``), so a
+file's module fixtures — most of them exports that take minutes — are built once, not once per
+worker. Checked by running a fast test file of many tests under the suite's own xdist options."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_test_file_runs_on_one_worker():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                           "-v", "tests/test_scripts_resolve.py"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTEST_ADDOPTS": ""}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    workers = re.findall(r"^\[(gw\d+)\] .*PASSED", proc.stdout, flags=re.M)
+    assert len(workers) > 10 and len(set(workers)) == 1, sorted(set(workers))
