@@ -297,17 +297,9 @@ register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5,
 # int4's .pte: the head an 8-bit linear over the gather's own 8-bit table, stored once (model.ptd);
 # measured on the default model: the fp32 head's KL at 104.6 MB instead of 222.9 (studies/pte-head-and-table.md).
 # int4's body is GPTQ-rounded where the target writes calibrated codes (.pte, onnx, and onnx-genai into
-# the builder's nodes; docs/quantization.md, "Calibrated rounding"). GPTQ artifacts are held to bounds set
-# from their own measurements on the default model: .pte 0.0550 / 0.407 / 89.3 % / 1.035, onnx 0.0354 /
-# 0.302 / 90.6 % / 1.040 (kl_mean / kl_p99 / same top-1 / ppl ratio), a margin of about 2x on the KL.
-# The .pte with the residual rotation (rotate_residual): 0.0450 / 0.344 / 88.8 % / 1.053, a margin of
-# 2.7x on the mean KL, 2.6x on the p99, 6.8 points on the top-1 rate; the bounds are left as they are.
-# The int4 .pte of `pit-deploy run default` under 90 MB (a GPTQ-rounded 4-bit table, the recipe's 56 8-bit linears):
-# 0.0665 / 0.516 / 87.8 % / 1.058, a margin of 1.8x on the mean KL, 1.7x on the p99, 5.8 points on
-# the top-1 rate (studies/int4-frontier.md, "Under 90 MB"); left as they are. The default run's genai folder with
-# GPTQ codes in the builder's body and the rotated 4-bit table (99.7 MB): 0.0585 / 0.428 / 87.6 % / 1.041, a
-# margin of 2.1x on the mean KL and the p99, 5.6 points on the top-1 rate (studies/onnx-genai-int4.md, "GPTQ in
-# the builder's body"); left as they are.
+# the builder's nodes; docs/quantization.md, "Calibrated rounding"). GPTQ artifacts are held to bounds
+# set from their own measurements on the default model, with a margin of about 2x on the KL; the
+# measurements behind them are in studies/gptq.md, "The GPTQ bounds".
 INT4_GPTQ_BOUNDS = QuantizedBounds(kl_mean=0.12, kl_p99=0.9, same_top1=0.82, ppl_ratio=1.1)
 register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
                        "4-bit linears in groups of 32 rounded by GPTQ, v_proj/down_proj and the token tables at 8 "
