@@ -148,7 +148,7 @@ def check_stock_runner(folder: Path, reference: Any, tokenizer: Any, text_prompt
             runner_tokens = got["runs"][0]["prompt_tokens"] if got.get("runs") else None
             check.answers.append({"prompt": prompt, "runner": got["text"], "reference": want})
             if got.get("partial_utf8") or got["text"] != want or (runner_tokens is not None and runner_tokens != len(ids)):
-                at = next((i for i, (a, b) in enumerate(zip(got["text"], want)) if a != b),
+                at = next((k for k, (a, b) in enumerate(zip(got["text"], want)) if a != b),
                           min(len(got["text"]), len(want)))
                 check.mismatches.append({"prompt": prompt, "runner_prompt_tokens": runner_tokens,
                                          "reference_prompt_tokens": len(ids), "first_differing_char": at,

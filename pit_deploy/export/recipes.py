@@ -48,6 +48,9 @@ PACKAGE_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_MAX_SEQ_LEN = 256
 #: the longest ``max_seq_len`` taken for a model whose config declares no positions
 MAX_SEQ_LEN_CEILING = 1 << 20
+#: :meth:`Recipe.for_model`'s ``tokenizer`` when the caller has not loaded it (``None`` means the
+#: model has none)
+TOKENIZER_UNKNOWN: Any = object()
 #: scheme settings that only the schemes storing int8/int4 codes read (refused without one)
 CODE_SETTINGS = {"rounding": "--rounding", "rotate_residual": "--no-rotate-residual"}
 #: scheme settings a recipe may override (``None``: each scheme's own)
@@ -204,10 +207,11 @@ class Recipe:
         if linears is not None and self.int4_8bit_layers and any(s.dtype == "int4" for s in self.schemes()):
             check_layer_names(self.int4_8bit_layers, linears, getattr(config, "model_type", "?"))
 
-    def for_model(self, config: Any, say: Callable[[str], None] | None = None, tokenizer: Any = None) -> "Recipe":
+    def for_model(self, config: Any, say: Callable[[str], None] | None = None,
+                  tokenizer: Any = TOKENIZER_UNKNOWN) -> "Recipe":
         """This recipe with ``runtimes = ["all"]`` made concrete for a model of ``config``: every
         installed target that exports its family, the recipe's modes and its schemes (and, given the
-        model's ``tokenizer``, can hold it; the others are left out, each with its reason through
+        model's ``tokenizer`` — ``None`` when it has none —, can hold it; the others are left out, each with its reason through
         ``say``); any other recipe as it is.
 
         Raises:
@@ -224,7 +228,7 @@ class Recipe:
             try:
                 candidate = replace(self, runtimes=(name,))
                 target.precheck(config, candidate)
-                if tokenizer is not None:
+                if tokenizer is not TOKENIZER_UNKNOWN:  # None: the model has none, which a target may refuse
                     target.precheck_tokenizer(tokenizer)
             except PitError as exc:
                 left_out.append(f"{name} ({exc})")
