@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,16 @@ def family(request) -> str:
 def tiny(family):
     """A fresh tiny tied model of each family."""
     return tiny_model(family)
+
+
+@pytest.fixture(scope="module")
+def arm_setup() -> None:
+    """The aarch64 emulation set-up for ``verify --isa aarch64``, installed by its script (a no-op
+    once installed). Skipped only where the script itself says the platform cannot run it."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "setup_aarch64.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = proc.stderr.strip()
+        if "unsupported platform" in said:
+            pytest.skip(f"scripts/setup_aarch64.sh reports that this platform cannot run the emulation: {said}")
+        pytest.fail(f"scripts/setup_aarch64.sh failed: {said}")

@@ -115,6 +115,46 @@ def test_from_stage_redoes_that_stage_and_later_ones(finished_run, capsys):
     assert (next(out.glob("*-convert")) / "stage.json").stat().st_mtime_ns == convert_before
 
 
+def test_verify_on_aarch64_kernels_is_a_run_setting(finished_run, arm_setup, tmp_path, capsys):
+    """``verify.isa`` adds the emulated aarch64 rows to the run's verify stage and its report;
+    the stages before it stay up to date (a copy of the finished run, so the shared one is kept)."""
+    import shutil
+
+    _, done = finished_run
+    out = tmp_path / "smoke"
+    shutil.copytree(done, out)
+    code = main(["run", "smoke", "--out", str(out), *_same_model_args(out), *NO_BENCH,
+                 "--set", 'verify.isa=["x86_64", "aarch64"]', "--set", 'verify.arm_cpu=["max"]'])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "export: up to date" in err and "verify: running (settings or inputs changed)" in err
+    assert "report: running (settings or inputs changed)" in err  # the report shows the new rows
+    rows = [a for r in json.loads((next(out.glob("*-verify")) / "verify.json").read_text())["reports"]
+            for a in r["artifacts"]]
+    arm = [a for a in rows if a["isa"] == "aarch64" and a["checked"]]
+    assert arm and {a["runtime"] for a in arm} == {"onnx"}
+    assert all(a["arm_cpu"] == "max" and a["kleidiai"] == "on" and a["passed"] for a in arm)
+    assert {a["dtype"] for a in arm} == {"float32", "int4"}
+    # the .pte rows are listed on aarch64 as not checked, never as passed
+    unchecked = [a for a in rows if a["isa"] == "aarch64" and not a["checked"]]
+    assert {a["runtime"] for a in unchecked} == {"executorch"} and not any(a["passed"] for a in unchecked)
+    report = (out / "report.md").read_text()
+    assert "onnx [aarch64 max, KleidiAI on]" in report and "not checked:" in report
+
+
+def test_verify_on_aarch64_without_its_setup_is_refused_before_any_stage(assets, tmp_path, monkeypatch, capsys):
+    model, corpus = assets
+    monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(tmp_path / "none"))
+    code, _, err = _run(["smoke", "--model", str(model), "--data", str(corpus), "--out", str(tmp_path / "r"),
+                         "--set", 'verify.isa=["aarch64"]'], capsys)
+    assert code == 2
+    assert "verify.isa includes aarch64" in err and "bash scripts/setup_aarch64.sh" in err
+    assert not (tmp_path / "r").exists() or not list((tmp_path / "r").glob("*-convert"))
+    code, _, err = _run(["smoke", "--model", str(model), "--data", str(corpus), "--out", str(tmp_path / "r"),
+                         "--set", 'verify.arm_cpu=["cortex-a99"]'], capsys)
+    assert code == 2 and "[verify]: unknown aarch64 CPU profile 'cortex-a99'" in err
+
+
 def test_changed_setting_reruns_downstream_only(assets, tmp_path, capsys):
     model, corpus = assets
     out = tmp_path / "r"

@@ -1,7 +1,9 @@
 """``verify --isa aarch64``: a tiny model's fp32 and int4 ONNX artifacts run on onnxruntime's
 aarch64 kernels under qemu (``scripts/setup_aarch64.sh``), judged by verify's own bounds; a
-corrupted weight fails there as on x86; a ``.pte`` is listed as not checked, never passed; a
-missing set-up is exit 2 naming the script; ``bench`` cannot be pointed at the emulated runtime.
+corrupted weight fails there as on x86; the same model's fp32 and int4 ``.pte`` programs run on the
+ExecuTorch runtime's aarch64 wheel and pass, and are not checked (never passed) on ARMv8.0; a
+``.gguf`` is listed as not checked, never passed; a missing set-up is exit 2 naming the script;
+``bench`` cannot be pointed at the emulated runtime.
 
 Emulated code runs 50-100x slower than native: one export (fp32 + int4, ``--max-seq-len 64``)
 serves every test, and each verify asks for the fewest CPU profiles that show the point.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -24,19 +25,6 @@ from pit_deploy.io.manifest import MANIFEST_NAME, Manifest
 from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUP = ROOT / "scripts" / "setup_aarch64.sh"
-
-
-@pytest.fixture(scope="module")
-def arm_setup() -> None:
-    """The emulation set-up, installed by the script (a no-op once installed). Skipped only where
-    the script itself says the platform cannot run it."""
-    proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        said = proc.stderr.strip()
-        if "unsupported platform" in said:
-            pytest.skip(f"scripts/setup_aarch64.sh reports that this platform cannot run the emulation: {said}")
-        pytest.fail(f"scripts/setup_aarch64.sh failed: {said}")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +34,18 @@ def export(tmp_path_factory) -> Path:
     save_model(tiny_pit_model("llama"), src, tiny_tokenizer())
     out = root / "exp"
     assert main(["export", str(src), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+                 "--dtype", "float32,int4", "--rounding", "rtn", "--max-seq-len", "64"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def pte_export(tmp_path_factory) -> Path:
+    """The same tiny model's fp32 and int4 ``.pte`` programs."""
+    root = tmp_path_factory.mktemp("arm-pte")
+    src = root / "src"
+    save_model(tiny_pit_model("llama"), src, tiny_tokenizer())
+    out = root / "exp"
+    assert main(["export", str(src), "--out", str(out), "--runtime", "executorch", "--mode", "factorized",
                  "--dtype", "float32,int4", "--rounding", "rtn", "--max-seq-len", "64"]) == 0
     return out
 
@@ -110,33 +110,61 @@ def test_a_corrupted_weight_fails_on_aarch64_as_on_x86(arm_setup, export, tmp_pa
         assert not r["passed"] and any("rel_l2" in f for f in r["failures"]), r["failures"]
 
 
-def test_a_pte_is_listed_as_not_checked_never_passed(arm_setup, export, tmp_path, capsys):
-    """A ``.pte`` artifact beside the ONNX one (a stand-in file: on aarch64 it must never be
-    loaded, only reported); a selection of nothing but it is refused, exit 2."""
+def test_a_gguf_is_listed_as_not_checked_never_passed(arm_setup, export, tmp_path, capsys):
+    """A ``.gguf`` artifact beside the ONNX one (a stand-in file: llama.cpp has no emulated build,
+    so it must never be loaded, only reported); a selection of nothing but it is refused, exit 2."""
     from scramble import rehash
 
     out = _copy(export, tmp_path)
     data = json.loads((out / MANIFEST_NAME).read_text())
     fp32 = next(a for a in data["artifacts"] if a.get("scheme", a["dtype"]) == "float32")
-    (out / "executorch-factorized").mkdir()
-    (out / "executorch-factorized" / "model.pte").write_bytes(b"\0" * 64)
-    pte = {**fp32, "runtime": "executorch", "path": "executorch-factorized",
-           "files": {"executorch-factorized/model.pte": {"sha256": "", "bytes": 0}}, "details": {}}
-    data["artifacts"].append(pte)
+    folder = out / "gguf-materialized"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(b"\0" * 64)
+    (folder / "llama_cpp.json").write_text(json.dumps({"file": "model.gguf"}))
+    gguf = {**fp32, "runtime": "gguf", "mode": "materialized", "path": folder.name, "details": {},
+            "files": {f"{folder.name}/{name}": {"sha256": "", "bytes": 0} for name in ("model.gguf", "llama_cpp.json")}}
+    data["artifacts"].append(gguf)
     (out / MANIFEST_NAME).write_text(json.dumps(data))
     rehash(out)
     report = verify_directory(out, dtypes="float32", isa="aarch64", arm_cpu="cortex-a53", record=False)
-    onnx_row, pte_row = report.artifacts
+    onnx_row, gguf_row = report.artifacts
     assert onnx_row.checked and onnx_row.passed, onnx_row.failures
-    assert pte_row.runtime == "executorch" and not pte_row.checked and not pte_row.passed and pte_row.notes
+    assert gguf_row.runtime == "gguf" and not gguf_row.checked and not gguf_row.passed and gguf_row.notes
     assert report.passed  # what exit code 0 says: every checked artifact passed, at least one checked
     table = str(report)
-    row = next(line for line in table.splitlines() if line.startswith("executorch-factorized"))
+    row = next(line for line in table.splitlines() if line.startswith("gguf-materialized"))
     assert "not checked on aarch64" in row and "pass" not in row.split("not checked")[0]
     assert "1 not checked" in table and "all artifacts passed" not in table
     capsys.readouterr()
-    assert main(["verify", str(out), "--runtime", "executorch", "--isa", "aarch64", "--no-record"]) == 2
+    assert main(["verify", str(out), "--runtime", "gguf", "--isa", "aarch64", "--no-record"]) == 2
     assert "none of the selected artifacts can run on aarch64" in capsys.readouterr().err
+
+
+def test_pte_fp32_and_int4_pass_on_max_and_are_not_checked_on_a53(arm_setup, pte_export, capsys):
+    """Both programs run in one emulated process on ``max`` and pass verify's bounds there, with
+    ``delta_ti`` measured through the program's own ``embed``/``head``; on ARMv8.0 (cortex-a53)
+    the wheel cannot run, so those rows are not checked, never passed, and exit 0 still needs the
+    checked ones to pass. Only ARMv8.0 profiles selected: nothing would be checked, exit 2."""
+    code, report = _verify_json(capsys, str(pte_export), "--isa", "aarch64", "--arm-cpu", "cortex-a53,max")
+    assert code == 0, report
+    rows = report["artifacts"]
+    assert [(r["scheme"], r["arm_cpu"]) for r in rows] == [
+        ("float32", "cortex-a53"), ("float32", "max"), ("int4", "cortex-a53"), ("int4", "max")]
+    for r in rows:
+        assert r["isa"] == "aarch64" and r["runtime"] == "executorch" and r["kleidiai"] is None
+        if r["arm_cpu"] == "cortex-a53":
+            assert not r["checked"] and not r["passed"] and any("ARMv8.0" in n for n in r["notes"]), r
+            continue
+        assert r["checked"] and r["passed"], r["failures"]
+        assert r["delta_ti"] <= 1e-5 and r["emulated_s"] > 0
+        assert any("ExecuTorch runtime's aarch64 kernels" in n and "not a latency" in n for n in r["notes"])
+        if r["scheme"] == "float32":
+            assert r["logits_rel_l2"] <= 1e-4 and r["top1_agreement"] == 1 and r["greedy_match"]
+        else:
+            assert r["kl_mean"] is not None and r["heldout_tokens"] > 0
+    assert main(["verify", str(pte_export), "--isa", "aarch64", "--arm-cpu", "cortex-a53", "--no-record"]) == 2
+    assert "none of the selected artifacts runs on the aarch64 CPU profiles cortex-a53" in capsys.readouterr().err
 
 
 def test_a_missing_setup_is_exit_2_naming_the_script(export, tmp_path, monkeypatch, capsys):

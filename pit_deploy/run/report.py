@@ -78,6 +78,22 @@ def warnings_of(records: dict[str, StageRecord | None], recipe: RunRecipe) -> li
     return warn
 
 
+def isa_tag(artifact: dict[str, Any]) -> str:
+    """`` [aarch64 max, KleidiAI on]`` for a verify row computed on emulated aarch64 kernels
+    (``verify.isa``), else ``""``."""
+    if artifact.get("isa", "x86_64") == "x86_64":
+        return ""
+    kleidiai = artifact.get("kleidiai")
+    where = ", ".join(x for x in (artifact.get("arm_cpu"), kleidiai and f"KleidiAI {kleidiai}") if x)
+    return f" [{artifact['isa']}{' ' + where if where else ''}]"
+
+
+def _verdict(artifact: dict[str, Any]) -> str:
+    if artifact.get("checked", True) is False:
+        return "not checked: " + "; ".join(artifact.get("notes") or [])
+    return "pass" if artifact["passed"] else "FAIL: " + "; ".join(artifact["failures"])
+
+
 def build(out: Path, recipe: RunRecipe) -> list[Block]:
     records = collect(out)
     blocks: list[Block] = [("h1", f"pit-deploy run — {recipe.name}")]
@@ -129,12 +145,12 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
         rows = []
         for rep in reports:
             for a in rep["artifacts"]:
-                rows.append([Path(rep["directory"]).name, a["runtime"], a["mode"], a.get("dtype", "float32"),
+                rows.append([Path(rep["directory"]).name, a["runtime"] + isa_tag(a), a["mode"], a.get("dtype", "float32"),
                              _fmt(a.get("logits_rel_l2"), ".2e"), _fmt(a.get("top1_agreement"), ".2%"),
                              _fmt(a.get("greedy_match")), _fmt(a.get("kl_mean"), ".4f"),
                              _fmt(a.get("kl_p99"), ".3f"), _fmt(a.get("same_top1"), ".1%"),
                              _fmt(a.get("ppl_ratio"), ".3f"), _fmt(a.get("delta_ti"), ".2e"),
-                             "pass" if a["passed"] else "FAIL: " + "; ".join(a["failures"])])
+                             _verdict(a)])
         blocks.append(("p", "fp32 artifacts are held to logit bounds (rel L2, top-1, greedy); quantized ones to KL "
                             "divergence from the fp32 reference on the held-out tokens (mean, p99, same top-1, "
                             "perplexity ratio)."))
