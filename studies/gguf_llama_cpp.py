@@ -33,7 +33,8 @@ import torch
 from pit_deploy.io.result_file import write_result  # noqa: E402
 
 from pit_deploy.evaluate.verify import GREEDY_TOKENS, load_reference, make_prompts, reference_run
-from pit_deploy.export.to_gguf import EMBED, HEAD, corrected_table, delta_ti
+from pit_deploy.export.to_gguf import EMBED, HEAD
+from pit_deploy.model.quantized_interface import corrected_table, identity_defect
 from pit_deploy.io.gguf_files import read_gguf_tensors
 from pit_deploy.io.manifest import Manifest
 from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder
@@ -101,8 +102,8 @@ def interface_figures(path: Path, details: dict[str, Any]) -> dict[str, Any]:
         "head_type": quant.get("head_type"), "table_type": quant.get("table_type"),
         "delta_ti_uncorrected": quant.get("delta_ti_uncorrected"),
         "delta_ti_corrected_table_rounded": quant.get("delta_ti_corrected_table_rounded"),
-        "delta_ti_corrected_table_f16": delta_ti(corrected.astype(np.float16).astype(np.float32), head),
-        "delta_ti_exported": delta_ti(tables[EMBED], head),
+        "delta_ti_corrected_table_f16": identity_defect(corrected.astype(np.float16).astype(np.float32), head.T),
+        "delta_ti_exported": identity_defect(tables[EMBED], head.T),
         "table_mib_f32": corrected.size * 4 / 2**20, "table_mib_f16": corrected.size * 2 / 2**20,
     }
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         (art,) = [a for a in tt.artifacts if a.runtime == "gguf" and a.dtype == "float32"]
         path = Path(args.tt) / art.path / art.details["file"]
         table = read_gguf_tensors(path, (EMBED,))[EMBED]
-        result["interface"]["tt-baseline (f32, tied)"] = {"delta_ti_exported": delta_ti(table, table)}
+        result["interface"]["tt-baseline (f32, tied)"] = {"delta_ti_exported": identity_defect(table, table.T)}
         result["answers"]["tt-baseline gguf"] = chat_answer(path, args.threads)
     print(json.dumps(result, indent=1, default=str))
     return write_result(args.out, result, __file__, argv)

@@ -17,7 +17,8 @@ from pit_deploy.cli import main
 from pit_deploy.convert.conversion import convert_model
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.quantize_onnx import block_quantize, correction_matrix, split_nibbles
+from pit_deploy.export.quantize_onnx import block_quantize, split_nibbles
+from pit_deploy.model.quantized_interface import correction_matrix
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME

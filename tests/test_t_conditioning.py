@@ -14,7 +14,8 @@ from train_fixtures import config, make_corpus, make_model_dir, read_metrics
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.io.checkpoint import load_pit_model, save_model
-from pit_deploy.model.core import FLOOR_MARGIN, PITInterface, identity_defect, init_random
+from pit_deploy.model.core import FLOOR_MARGIN, PITInterface, init_random
+from pit_deploy.model.quantized_interface import identity_defect
 from pit_deploy.model.inspect import find_interface
 from pit_deploy.tiny import ALL_FAMILIES
 from pit_deploy.train.interface_guard import IdentityLost, InterfaceGuard

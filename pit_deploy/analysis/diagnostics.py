@@ -28,7 +28,8 @@ import torch
 
 from ..io.fs import json_text
 from ..model.inspect import effective_interface, find_interface
-from ..model.core import identity_defect, polar_factor
+from ..model.core import polar_factor
+from ..model.quantized_interface import identity_defect
 
 METRIC_KEYS = ("delta_ti", "cosine_distance", "procrustes_error", "principal_angle")
 

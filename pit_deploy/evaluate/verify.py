@@ -52,7 +52,7 @@ from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, json_text, lock_target, write_json_atomic
 from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests, pin_sha256,
                            read_manifest_json)
-from ..model.core import identity_defect
+from ..model.quantized_interface import identity_defect
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, SCHEMES, ParityBounds, QuantizedBounds, bounds_for, scheme_names
 from ..targets import VerifyContext, get_target, target_names

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..model.quantized_interface import correction_matrix
 from .quantize_onnx import (
     BITS,
     BlockTable,
@@ -36,7 +37,6 @@ from .quantize_onnx import (
     _initializers,
     _remove_unused_initializers,
     block_quantize,
-    correction_matrix,
     find_graph_interface,
     gemm_to_matmul,
     layer_matmuls,

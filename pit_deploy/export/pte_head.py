@@ -23,7 +23,7 @@ rotates every layer); in the factorized PIT head it is local: only ``T`` and ``Z
 
 The interface identity then holds for the *weights*: with ``Ẑ_h`` the head's dequantized rows,
 ``Ẑ_e`` the embedding's rows and ``M = (Ẑ_hᵀ Ẑ_e)⁻¹ (T R)⁻¹`` on the input side,
-``(T R) Ẑ_hᵀ Ẑ_e M = I`` (:func:`pit_deploy.export.quantize_onnx.correction_matrix`).
+``(T R) Ẑ_hᵀ Ẑ_e M = I`` (:func:`pit_deploy.model.quantized_interface.correction_matrix`).
 
 It holds on the runtime too, because the ``d×d`` matrix is not exactly ``T R``. Any invertible
 ``S`` works in its place — ``h T Zᵀ = (h S)(Z T S⁻ᵀ)ᵀ`` — so ``S`` is ``T R`` with each row moved

@@ -14,7 +14,7 @@ The head: the XNNPACK partitioner lowers a quantized linear only with int8 *acti
 therefore keeps reading the fp32 ``Zᵀ``, and the embedding reads the 8-bit ``Ẑ``: with
 ``M = (Zᵀ Ẑ)⁻¹ T⁻¹`` in place of ``T⁻¹`` (computed in float64 from the very numbers the kernel
 produces) ``W_out E = T Zᵀ Ẑ M = I`` still holds on the runtime — the same correction as the ONNX
-exports' (:func:`pit_deploy.export.quantize_onnx.correction_matrix`), with different tables on
+exports' (:func:`pit_deploy.model.quantized_interface.correction_matrix`), with different tables on
 the two sides. ``head_bits`` 4 or 8 trades that exactness for size and speed: the head becomes
 a quantized linear over a rotated table (:mod:`.pte_head`), the correction is computed against
 its dequantized weights, and only the head's rounding of its input is left in ``W_out E − I``.
@@ -31,9 +31,9 @@ from transformers import PreTrainedModel
 
 from ..errors import PitError
 from ..model.modules import PITEmbedding, PITHead
+from ..model.quantized_interface import correction_matrix
 from .passes import FACTORS_ATTR, PITFactors
 from .pte_head import ROTATION_SEED, RotatedQuantizedHead
-from .quantize_onnx import correction_matrix
 from .residual_rotation import rotation_of
 
 QMAX = 127

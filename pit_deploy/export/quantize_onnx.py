@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PitError
+from ..model.quantized_interface import correction_matrix
 from ..schemes import names_linear
 
 #: bits of each quantized dtype
@@ -520,21 +521,6 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
             inits[iface.t_inv_name].CopyFrom(numpy_helper.from_array(m.astype(np.float32), iface.t_inv_name))
     _remove_unused_initializers(graph)
     return details
-
-
-def correction_matrix(head_rows: np.ndarray, embed_rows: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """``M = (Ẑ_hᵀ Ẑ_e)⁻¹ T⁻¹`` in float64, so that ``T Ẑ_hᵀ Ẑ_e M = I``.
-
-    Raises:
-        PitError: the quantized table has lost rank (``Ẑᵀ Ẑ`` singular): use more bits.
-    """
-    zh, ze = head_rows.astype(np.float64), embed_rows.astype(np.float64)
-    gram = zh.T @ ze
-    cond = np.linalg.cond(gram)
-    if not np.isfinite(cond) or cond > 1e12:
-        raise PitError(f"the quantized token table is (nearly) rank-deficient (cond {cond:.2e}); "
-                       "the PIT correction needs ẐᵀẐ invertible — use int8 or a smaller group size")
-    return np.linalg.solve(gram, np.linalg.inv(t))
 
 
 def gemm_to_matmul(graph) -> int:

@@ -51,6 +51,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import PitError
+from ..model.quantized_interface import corrected_table, identity_defect
 from ..io.gguf_files import gguf_raw_tensor, read_gguf_tensors
 from ..runtime.llama_cpp_decoder import DEFAULT_CONTEXT
 from ..schemes import Scheme
@@ -149,26 +150,6 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
         raise PitError(f"the {arch} GGUF architecture has no place for {', '.join(unplaced[:4])}"
                        f"{' …' if len(unplaced) > 4 else ''}")
     return out
-
-
-def delta_ti(table: np.ndarray, head: np.ndarray) -> float:
-    """``‖W_out E − I‖_F`` in float64 of a table ``E (V, d)`` and a head weight ``(V, d)``
-    stored as PyTorch stores it (``logits = h @ head.T``, so ``W_out = headᵀ``)."""
-    e, w = table.astype(np.float64), head.astype(np.float64)
-    return float(np.linalg.norm(w.T @ e - np.eye(e.shape[1])))
-
-
-def corrected_table(head: np.ndarray) -> np.ndarray:
-    """The pseudo-inverse of the (dequantized) head as a token table: ``E = Ŵ (ŴᵀŴ)⁻¹``, in
-    float64 by a Cholesky solve, so ``Ŵᵀ E = I_d`` (``head``: ``(V, d)``, full column rank)."""
-    w = head.astype(np.float64)
-    gram = w.T @ w
-    try:
-        chol = np.linalg.cholesky(gram)
-    except np.linalg.LinAlgError:
-        raise PitError("the quantized head is rank-deficient: no token table can make W_out E = I") from None
-    inv = np.linalg.solve(chol.T, np.linalg.solve(chol, np.eye(gram.shape[0])))
-    return w @ inv
 
 
 # --------------------------------------------------------------------------------------
@@ -335,11 +316,11 @@ def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | 
     import gguf
     from gguf.quants import dequantize, quantize
 
-    out = {"delta_ti_uncorrected": delta_ti(plain_table, head)}
+    out = {"delta_ti_uncorrected": identity_defect(plain_table, head.T)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
     if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
         rounded = dequantize(quantize(corrected_table(head).astype(np.float32), qtype), qtype)
-        out["delta_ti_corrected_table_rounded"] = delta_ti(rounded, head)
+        out["delta_ti_corrected_table_rounded"] = identity_defect(rounded, head.T)
     return out
 
 
@@ -370,7 +351,7 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
         if correction:
             tensors = {**tensors, EMBED: corrected_table(head).astype(np.float32)}
             info["table_type"] = "F32"
-            info["delta_ti_corrected"] = delta_ti(tensors[EMBED], head)
+            info["delta_ti_corrected"] = identity_defect(tensors[EMBED], head.T)
         else:
             codes[EMBED] = (plain, body_t)
     write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType[_GGUF_PY_TYPES[kind]])
@@ -407,7 +388,7 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
                            "corrected table would not match it")
         final = read_gguf_tensors(path, (EMBED, HEAD))
         info["table_type"] = types(path).get(EMBED)
-        info["delta_ti_corrected"] = delta_ti(final[EMBED], final[HEAD])
+        info["delta_ti_corrected"] = identity_defect(final[EMBED], final[HEAD].T)
     return info
 
 

@@ -395,13 +395,6 @@ class PITInterface(nn.Module):
         return f"V={self.vocab_size}, d={self.hidden_size}, diagonal={self.spec.diagonal}, train_z={self.spec.train_z}"
 
 
-def identity_defect(e: torch.Tensor, w_out: torch.Tensor) -> float:
-    """``delta_ti = ‖W_out E − I_d‖_F`` in float64, for ``E`` ``(V, d)`` and ``W_out`` ``(d, V)``."""
-    e64, w64 = e.to(torch.float64), w_out.to(torch.float64)
-    eye = torch.eye(e64.shape[1], dtype=torch.float64, device=e64.device)
-    return float(torch.linalg.matrix_norm(w64 @ e64 - eye))
-
-
 # --------------------------------------------------------------------------------------
 # Initializations
 # --------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from .core import PITInterface, identity_defect
+from .core import PITInterface
+from .quantized_interface import identity_defect
 from .families import adapter_for
 from .modules import PITEmbedding
 
