@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from .errors import PitError
 
@@ -89,6 +89,94 @@ class QuantizedBounds:
 
 
 @dataclass(frozen=True)
+class SchemeSetting:
+    """A quantization setting that the schemes carry and that an export recipe, ``pit-deploy
+    export``'s flag and the Python API may override for every quantized scheme of an export.
+
+    Declared once, in :data:`SETTINGS`: the :class:`Scheme` field and its default, the export
+    recipe's field, flag and help (:class:`pit_deploy.export.recipes.Recipe`), the check of a
+    value and whether only the schemes that store int8/int4 codes read it all derive from the
+    entry (:func:`declare_settings`). Which targets read a setting is said by each target
+    (``Target.scheme_settings``, next to its exporter), so that a new target stays in its own
+    module. A new setting is one entry here, the exporters that read it, and their targets'
+    ``scheme_settings``.
+    """
+
+    name: str
+    #: the value's type, written as a dataclass annotation
+    annotation: str
+    #: the schemes' default (a scheme may set its own)
+    default: Any
+    #: the export flag's help (``pit-deploy export --help``)
+    help: str
+    #: the export flag when not ``--name-with-dashes`` (``--no-…`` for a setting that is on by default)
+    flag: str | None = None
+    #: the values a value must be one of, and how an error names them
+    values: tuple[Any, ...] | None = None
+    values_text: str = ""
+    #: whether the command line refuses a value outside ``values`` itself (argparse ``choices``)
+    cli_choices: bool = False
+    #: read only by the schemes that store int8/int4 codes (refused with float32 or f16 alone)
+    coded: bool = False
+
+    def check(self, value: Any) -> None:
+        """Raise :class:`PitError` for a value of the wrong kind or outside :attr:`values`."""
+        if self.annotation == "bool":
+            ok, wanted = isinstance(value, bool), "true or false"
+        elif self.annotation.startswith("tuple"):
+            ok = isinstance(value, (list, tuple)) and all(isinstance(n, str) and n for n in value)
+            wanted = "a list of layer names (e.g. [\"v_proj\", \"down_proj\"])"
+        else:
+            ok = not isinstance(value, bool) and (self.values is None or value in self.values)
+            wanted = self.values_text or ", ".join(map(str, self.values or ()))
+        if not ok:
+            raise PitError(f"{self.name} must be {wanted}, got {value!r}")
+
+
+#: every scheme setting a recipe may override, in the order recipes, flags and manifests list them
+SETTINGS: tuple[SchemeSetting, ...] = (
+    SchemeSetting("group_size", "int", 32, "int4/int8 block size along the input dimension (default: the scheme's, 32)",
+                  values=GROUP_SIZES, values_text="one of " + ", ".join(map(str, GROUP_SIZES))),
+    SchemeSetting("pit_correction", "bool", True, "factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then "
+                  "drifts from I)", flag="--no-pit-correction"),
+    SchemeSetting("table_bits", "int", 8, "bits of the quantized token tables (default: the scheme's): ONNX head and "
+                  "embedding, the .pte embedding's gather table", values=(4, 8), values_text="4 or 8", cli_choices=True),
+    SchemeSetting("int4_8bit_layers", "tuple[str, ...]", (),
+                  "int4: comma list of linears kept at 8 bits: down_proj (every layer's) or "
+                  "layers.3.mlp.down_proj (one layer's) (default: the scheme's)"),
+    SchemeSetting("pte_head_bits", "int", 0, "quantized factorized .pte with a head of its own: 0 keeps the fp32 head "
+                  "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; W_out E = I still holds on the "
+                  "runtime)", values=(0, 4, 8), values_text="0 (a float32 head), 4 or 8", cli_choices=True),
+    SchemeSetting("pte_shared_table", "bool", False, "quantized factorized .pte: a head of its own (fp32 or "
+                  "--pte-head-bits) instead of one quantized table that the head and the gather share (int4's "
+                  "default)", flag="--no-pte-shared-table"),
+    SchemeSetting("rounding", "str", "rtn", "how the body linears are rounded: rtn (nearest grid point) or gptq (error "
+                  "feedback from calibration text, in PyTorch; the exporter writes those codes) (default: the "
+                  "scheme's)", values=ROUNDINGS, values_text="one of " + ", ".join(ROUNDINGS), cli_choices=True,
+                  coded=True),
+    SchemeSetting("rotate_residual", "bool", False, "quantized .pte: round the body without first rotating the "
+                  "residual stream by a randomized Hadamard matrix (int4's default rotates)",
+                  flag="--no-rotate-residual", coded=True),
+)
+
+
+def declare_settings(namespace: dict[str, Any], field_of: Callable[[SchemeSetting], Any], optional: bool = False) -> None:
+    """Declare every :data:`SETTINGS` entry as a field of the dataclass whose class body calls
+    this with ``locals()``: annotation from the entry (``X | None`` when ``optional``: a recipe's
+    override, ``None`` for the scheme's own value) and the value ``field_of(entry)`` gives (a
+    default, or a ``dataclasses.field``)."""
+    annotations = namespace.setdefault("__annotations__", {})
+    for setting in SETTINGS:
+        annotations[setting.name] = f"{setting.annotation} | None" if optional else setting.annotation
+        namespace[setting.name] = field_of(setting)
+
+
+def setting(name: str) -> SchemeSetting:
+    """The :data:`SETTINGS` entry called ``name``."""
+    return next(s for s in SETTINGS if s.name == name)
+
+
+@dataclass(frozen=True)
 class Scheme:
     """One way of storing an artifact's weights (see the module docstring).
 
@@ -129,49 +217,28 @@ class Scheme:
     dtype: str
     bounds: ParityBounds | QuantizedBounds
     description: str = ""
-    group_size: int = 32
-    table_bits: int = 8
-    int4_8bit_layers: tuple[str, ...] = ()
-    pit_correction: bool = True
-    pte_head_bits: int = 0
-    pte_shared_table: bool = False
+    # group_size, table_bits, int4_8bit_layers, pit_correction, pte_head_bits, pte_shared_table,
+    # rounding, rotate_residual: the SETTINGS, with their defaults
+    declare_settings(locals(), lambda s: s.default)
     fold_at_load: bool = False
-    rounding: str = "rtn"
-    rotate_residual: bool = False
     runtimes: tuple[str, ...] | None = None
     gptq_bounds: QuantizedBounds | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise PitError(f"scheme {self.name}: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.group_size not in GROUP_SIZES or isinstance(self.group_size, bool):
-            raise PitError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
-        if self.table_bits not in (4, 8) or isinstance(self.table_bits, bool):
-            raise PitError(f"table_bits must be 4 or 8, got {self.table_bits!r}")
-        if self.pte_head_bits not in (0, 4, 8) or isinstance(self.pte_head_bits, bool):
-            raise PitError(f"pte_head_bits must be 0 (a float32 head), 4 or 8, got {self.pte_head_bits!r}")
-        layers = self.int4_8bit_layers
-        if not isinstance(layers, (list, tuple)) or not all(isinstance(n, str) and n for n in layers):
-            raise PitError(f"int4_8bit_layers must be a list of layer names (e.g. [\"v_proj\", \"down_proj\"]), "
-                           f"got {layers!r}")
-        object.__setattr__(self, "int4_8bit_layers", tuple(layers))
-        if not isinstance(self.pit_correction, bool):
-            raise PitError(f"pit_correction must be true or false, got {self.pit_correction!r}")
-        if not isinstance(self.pte_shared_table, bool):
-            raise PitError(f"pte_shared_table must be true or false, got {self.pte_shared_table!r}")
+        for entry in SETTINGS:
+            entry.check(getattr(self, entry.name))
+        object.__setattr__(self, "int4_8bit_layers", tuple(self.int4_8bit_layers))
         if self.pte_shared_table and self.pte_head_bits not in (0, self.table_bits):
             raise PitError(f"scheme {self.name}: a shared token table needs pte_head_bits equal to table_bits "
                            f"(the head and the gather read one table), got {self.pte_head_bits} and {self.table_bits}; "
                            "pass --no-pte-shared-table for a head of its own")
-        if not isinstance(self.rotate_residual, bool):
-            raise PitError(f"rotate_residual must be true or false, got {self.rotate_residual!r}")
         if self.rotate_residual and not self.quantized:
             raise PitError(f"scheme {self.name}: rotate_residual applies to quantized schemes (it helps their "
                            "rounding); drop it for float32")
         if not isinstance(self.fold_at_load, bool):
             raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
-        if self.rounding not in ROUNDINGS:
-            raise PitError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         if self.rounding != "rtn" and (self.fold_at_load or not self.quantized):
             raise PitError(f"scheme {self.name}: rounding {self.rounding} applies to the int8/int4 schemes that "
                            "store codes (not float32, not the web schemes folded at load); drop it for this dtype")

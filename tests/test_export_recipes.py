@@ -67,3 +67,30 @@ def test_manifest_read_errors(tmp_path):
         Manifest.read(tmp_path)
     with pytest.raises(PitError, match="not a directory"):
         Manifest.read(tmp_path / "missing")
+
+
+def test_a_scheme_setting_is_declared_once():
+    """Each ``SETTINGS`` entry is the ``Scheme`` field with its default, the export recipe's
+    override field with its help, flag and choices, the run's ``[export]`` key, and the check of a
+    value; every target reads only declared settings."""
+    import dataclasses
+
+    from pit_deploy.run.recipe import table_keys
+    from pit_deploy.schemes import SETTINGS, Scheme
+    from pit_deploy.targets import get_target, target_names
+
+    scheme_fields = {f.name: f for f in dataclasses.fields(Scheme)}
+    recipe_fields = {f.name: f for f in dataclasses.fields(Recipe)}
+    for s in SETTINGS:
+        assert scheme_fields[s.name].default == s.default and scheme_fields[s.name].type == s.annotation
+        f = recipe_fields[s.name]
+        assert f.default is None and f.type == f"{s.annotation} | None"
+        assert (f.metadata["help"], f.metadata["flag"], f.metadata["group"]) == (s.help, s.flag, "quantization")
+        assert f.metadata["choices"] == (s.values if s.cli_choices else None)
+        assert s.name in table_keys("export")
+        s.check(s.default)
+        wrong = "x" if s.annotation != "str" else 3
+        with pytest.raises(PitError, match=f"{s.name} must be"):
+            s.check(wrong)
+    for name in target_names():
+        assert set(get_target(name).scheme_settings) <= {s.name for s in SETTINGS}, name

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from ..errors import PitError
 from ..options import opt
-from ..schemes import GROUP_SIZES, ROUNDINGS, Scheme, get_scheme, scheme_names
+from ..schemes import GROUP_SIZES, SETTINGS, Scheme, declare_settings, get_scheme, scheme_names
 from ..targets import default_target_names, get_target, target_names
 
 MODES: tuple[str, ...] = ("materialized", "factorized")
@@ -51,11 +51,11 @@ MAX_SEQ_LEN_CEILING = 1 << 20
 #: :meth:`Recipe.for_model`'s ``tokenizer`` when the caller has not loaded it (``None`` means the
 #: model has none)
 TOKENIZER_UNKNOWN: Any = object()
-#: scheme settings that only the schemes storing int8/int4 codes read (refused without one)
-CODE_SETTINGS = {"rounding": "--rounding", "rotate_residual": "--no-rotate-residual"}
-#: scheme settings a recipe may override (``None``: each scheme's own)
-SCHEME_SETTINGS = ("group_size", "table_bits", "int4_8bit_layers", "pit_correction", "pte_head_bits",
-                   "pte_shared_table", "rounding", "rotate_residual")
+#: scheme settings a recipe may override (``None``: each scheme's own; :data:`~pit_deploy.schemes.SETTINGS`)
+SCHEME_SETTINGS = tuple(s.name for s in SETTINGS)
+#: scheme settings that only the schemes storing int8/int4 codes read (refused without one; the
+#: others are refused without a quantized scheme)
+CODE_SETTINGS = tuple(s.name for s in SETTINGS if s.coded)
 
 
 @dataclass(frozen=True)
@@ -74,28 +74,10 @@ class Recipe:
     max_seq_len: int = opt(DEFAULT_MAX_SEQ_LEN, "static KV cache length of the .pte (default 256)", group="what")
     description: str = opt("", cli=False)
     name: str = opt("builtin-default", cli=False)
-    group_size: int | None = opt(None, "int4/int8 block size along the input dimension (default: the scheme's, 32)",
-                                 group="quantization")
-    pit_correction: bool | None = opt(None, "factorized quantized: keep T⁻¹ instead of (ẐᵀẐ)⁻¹T⁻¹ (W_out E then "
-                                      "drifts from I)", flag="--no-pit-correction", group="quantization")
-    table_bits: int | None = opt(None, "bits of the quantized token tables (default: the scheme's): ONNX head and "
-                                 "embedding, the .pte embedding's gather table", group="quantization",
-                                 choices=(4, 8))
-    int4_8bit_layers: tuple[str, ...] | None = opt(
-        None, "int4: comma list of linears kept at 8 bits: down_proj (every layer's) or "
-        "layers.3.mlp.down_proj (one layer's) (default: the scheme's)", group="quantization")
-    pte_head_bits: int | None = opt(None, "quantized factorized .pte with a head of its own: 0 keeps the fp32 head "
-                                    "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; W_out E = I "
-                                    "still holds on the runtime)", group="quantization", choices=(0, 4, 8))
-    pte_shared_table: bool | None = opt(None, "quantized factorized .pte: a head of its own (fp32 or --pte-head-bits) "
-                                        "instead of one quantized table that the head and the gather share (int4's "
-                                        "default)", flag="--no-pte-shared-table", group="quantization")
-    rounding: str | None = opt(None, "how the body linears are rounded: rtn (nearest grid point) or gptq "
-                               "(error feedback from calibration text, in PyTorch; the exporter writes those "
-                               "codes) (default: the scheme's)", group="quantization", choices=ROUNDINGS)
-    rotate_residual: bool | None = opt(None, "quantized .pte: round the body without first rotating the residual "
-                                       "stream by a randomized Hadamard matrix (int4's default rotates)",
-                                       flag="--no-rotate-residual", group="quantization")
+    # group_size, pit_correction, table_bits, int4_8bit_layers, pte_head_bits, pte_shared_table,
+    # rounding, rotate_residual: the schemes' SETTINGS, as overrides (None: each scheme's own value)
+    declare_settings(locals(), lambda s: opt(None, s.help, group="quantization", flag=s.flag,
+                                             choices=s.values if s.cli_choices else None), optional=True)
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:
@@ -119,11 +101,13 @@ class Recipe:
             raise PitError(f"bounds must be a table per exported scheme ({', '.join(self.dtype)}), got {self.bounds!r}")
         # the overrides' values, whatever the schemes (on a scheme whose settings cannot conflict with them)
         get_scheme("int4").with_settings(pte_shared_table=False).with_settings(**self.overrides())
+        quantized = [name for name in self.dtype if get_scheme(name).quantized]
         coded = [name for name in self.dtype if get_scheme(name).dtype in ("int8", "int4")]
-        moot = [k for k in CODE_SETTINGS if k in self.overrides()]
-        if moot and not coded:
-            raise PitError(f"{moot[0]} ({CODE_SETTINGS[moot[0]]}) applies to the schemes that store int8/int4 codes "
-                           f"(it changes how their body is rounded), and this export's dtype is "
+        moot = [k for k in self.overrides() if not quantized or (k in CODE_SETTINGS and not coded)]
+        if moot:
+            what = ("the schemes that store int8/int4 codes (it changes how their body is rounded)"
+                    if quantized else "quantized schemes only (float32 has no grid, blocks or tables)")
+            raise PitError(f"{moot[0]} ({_flag(moot[0])}) applies to {what}, and this export's dtype is "
                            f"{', '.join(self.dtype)} only; drop {moot[0]} or add a quantized dtype (e.g. --dtype "
                            f"{','.join(self.dtype)},int4)")
         if self.runtimes == (ALL,):
@@ -241,6 +225,15 @@ class Recipe:
                            f"(modes {', '.join(self.modes)}, dtype {', '.join(self.dtype)}): {'; '.join(left_out)}")
         return replace(self, runtimes=tuple(chosen))
 
+    def only(self, scheme: str) -> "Recipe":
+        """This recipe for one of its schemes (``pit-deploy run`` writes one export directory a
+        scheme): the settings that scheme reads (none for float32, no rounding for f16) and its
+        own bounds only, so that the one-scheme recipe is as valid as the whole one."""
+        one = get_scheme(scheme)
+        coded = one.dtype in ("int8", "int4")
+        cleared = {k: None for k in SCHEME_SETTINGS if not one.quantized or (k in CODE_SETTINGS and not coded)}
+        return replace(self, dtype=(scheme,), bounds={k: v for k, v in self.bounds.items() if k == scheme}, **cleared)
+
     def override(self, **kwargs: Any) -> "Recipe":
         """A copy with every non-``None`` keyword replaced."""
         return replace(self, **{k: v for k, v in kwargs.items() if v is not None})
@@ -287,6 +280,12 @@ MODEL_RECIPES: dict[str, dict[str, Any]] = {
                    "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3},
     },
 }
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of the recipe field ``name`` (``--no-rotate-residual``, ``--group-size``)."""
+    meta = next(f.metadata for f in fields(Recipe) if f.name == name)
+    return meta.get("flag") or "--" + name.replace("_", "-")
 
 
 def model_recipe(source: str | None, config: Any = None) -> str | None:
