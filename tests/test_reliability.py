@@ -17,7 +17,7 @@ import pytest
 
 from pit_deploy.cli import main
 from pit_deploy.io.checkpoint import save_model
-from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
+from pit_deploy.tiny import tiny_model, tiny_pit_model, tiny_tokenizer
 
 PIT_DEPLOY = Path(sys.executable).with_name("pit-deploy")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -470,20 +470,37 @@ def test_a_killed_genai_export_leaves_no_builder_and_no_checkpoint_copy(source, 
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["rounding flag", "rounding key", "rotate_residual key"])
-def test_a_rounding_setting_without_a_quantized_dtype_is_exit_2(source, tmp_path, capsys, how):
+@pytest.mark.parametrize("how", ["rounding flag", "rounding key", "rotate_residual key", "group_size flag",
+                                 "table_bits flag", "pit_correction flag", "int4_8bit_layers key", "pte_head_bits key"])
+def test_a_quantization_setting_without_a_quantized_dtype_is_exit_2(source, tmp_path, capsys, how):
     out = tmp_path / "exp"
     args = ["export", str(source), "--out", str(out), "--runtime", "executorch", "--mode", "factorized",
             "--dtype", "float32", "--max-seq-len", "64"]
-    if how == "rounding flag":
-        args += ["--rounding", "gptq"]
+    key, kind = how.split(" ")
+    flags = {"rounding": ["--rounding", "gptq"], "group_size": ["--group-size", "64"],
+             "table_bits": ["--table-bits", "8"], "pit_correction": ["--no-pit-correction"]}
+    keys = {"rounding": 'rounding = "gptq"', "rotate_residual": "rotate_residual = true",
+            "int4_8bit_layers": 'int4_8bit_layers = ["down_proj"]', "pte_head_bits": "pte_head_bits = 8"}
+    if kind == "flag":
+        args += flags[key]
     else:
         recipe = tmp_path / "mine.toml"
-        recipe.write_text("rounding = \"gptq\"\n" if how == "rounding key" else "rotate_residual = true\n")
+        recipe.write_text(keys[key] + "\n")
         args += ["--recipe", str(recipe)]
-    key = "rotate_residual" if how.startswith("rotate") else "rounding"
     _refused(args, capsys, key, "float32", "int4")
     assert not out.exists()
+
+
+def test_a_run_that_exports_float32_beside_a_quantized_scheme_gives_each_its_own_settings():
+    """``pit-deploy run`` writes one export directory a scheme: the float32 one gets none of the
+    quantization settings (which it would refuse), the int4 one all of them."""
+    from pit_deploy.export.recipes import Recipe
+
+    recipe = Recipe(runtimes=("onnx",), dtype=("float32", "int4"), group_size=64, rounding="rtn",
+                    bounds={"int4": {"kl_mean": 1.0}})
+    assert recipe.only("float32").overrides() == {} and recipe.only("float32").bounds == {}
+    assert recipe.only("int4").overrides() == {"group_size": 64, "rounding": "rtn"}
+    assert recipe.only("int4").bounds == {"int4": {"kl_mean": 1.0}}
 
 
 def test_a_max_seq_len_past_the_model_positions_is_exit_2_on_every_target(source, tmp_path, capsys):
@@ -554,6 +571,27 @@ def test_a_pre_tokenizer_llama_cpp_lacks_is_refused_before_any_conversion(tmp_pa
     _refused(["export", str(src), "--out", str(out), "--runtime", "gguf", "--mode", "materialized"], capsys,
              "pre-tokenizer", "WhitespaceSplit", "--runtime")
     assert not out.exists()
+
+
+def test_run_refuses_a_pre_tokenizer_llama_cpp_lacks_before_any_stage(tmp_path, capsys):
+    """``pit-deploy run`` with the gguf target checks the source's tokenizer with the recipe, not
+    at its export stage after conversion and training."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoConfig
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    src = tmp_path / "src"
+    model = tiny_model("llama")
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    assert AutoConfig.from_pretrained(src).model_type == "llama"
+    out = tmp_path / "run"
+    _refused(["run", "smoke", "--model", str(src), "--data", "default", "--out", str(out),
+              "--set", 'export.runtimes=["gguf"]', "--set", 'export.modes=["materialized"]',
+              "--set", 'export.dtype=["float32"]'], capsys, "[export]", "pre-tokenizer", "WhitespaceSplit")
+    assert not list(out.glob("*-convert"))
 
 
 # ----------------------------------------------------------------------------------------

@@ -290,6 +290,12 @@ def _check_supported(config, where: str) -> None:
         raise PitError(f"{where}: {exc.args[0]}") from None
 
 
+def directory_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    """The tokenizer saved in the model directory ``path``, or ``None`` when it holds none or one
+    transformers cannot read (as loading the model finds it)."""
+    return _maybe_tokenizer(Path(path), True, trust_remote_code)
+
+
 def _maybe_tokenizer(path: Path, wanted: bool, trust_remote_code: bool):
     if not wanted:
         return None

@@ -75,6 +75,54 @@ def source_config(spec: str) -> Any:
     return None
 
 
+def _source_tokenizer(spec: str) -> Any:
+    """The tokenizer of a model directory (``None``: it has none) for the targets' tokenizer
+    checks; :data:`~pit_deploy.export.recipes.TOKENIZER_UNKNOWN` for the other sources (the
+    bundled default's fits every target; a GGUF file's or a hub model's is read by the convert
+    stage, and the export stage checks it)."""
+    from ..export.recipes import TOKENIZER_UNKNOWN
+    from ..io.sources import directory_tokenizer
+
+    path = Path(spec).expanduser()
+    if spec == "default" or not path.is_dir():
+        return TOKENIZER_UNKNOWN
+    return directory_tokenizer(path)
+
+
+def check_verify_isa(recipe: RunRecipe) -> None:
+    """``[verify]`` ``isa``, ``arm_cpu`` and ``kleidiai``: known values, and for ``aarch64`` the
+    emulation set-up present and an export with an artifact it runs — found before the run trains
+    and exports for an hour, not at its verify stage.
+
+    Raises:
+        PitError: one line naming the key, or the set-up command.
+    """
+    if not recipe["verify"]["enabled"]:
+        return
+    from ..evaluate.verify import ISAS
+    from ..export.recipes import parse_list
+    from ..runtime.emulated import KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, find_setup
+    from ..targets import get_target
+
+    v = recipe.effective("verify")
+    try:
+        isas = parse_list(v["isa"], ISAS, "ISA")
+        parse_list(v["arm_cpu"], PROFILES + OTHER_CPUS, "aarch64 CPU profile")
+        parse_list(v["kleidiai"], KLEIDIAI_SETTINGS, "KleidiAI setting")
+    except PitError as exc:
+        raise PitError(f"[verify]: {exc}") from None
+    if "aarch64" not in isas:
+        return
+    runtimes = recipe.export_recipe().runtimes
+    if not any(get_target(r).aarch64_layout is not None for r in runtimes):
+        raise PitError(f"verify.isa includes aarch64, but none of the export's runtimes ({', '.join(runtimes)}) "
+                       "runs emulated here; add onnx or onnx-genai to export.runtimes")
+    try:
+        find_setup()
+    except PitError as exc:
+        raise PitError(f"verify.isa includes aarch64: {exc}") from None
+
+
 def check_run_fits(recipe: RunRecipe) -> None:
     """Refuse, before any stage runs, a recipe that cannot fit its model (module docstring); keep
     the model's config on ``recipe``.
@@ -82,9 +130,11 @@ def check_run_fits(recipe: RunRecipe) -> None:
     Raises:
         PitError: one line naming the key and the fix.
     """
+    from ..export.recipes import TOKENIZER_UNKNOWN
     from ..model.families import body_linears, max_positions, skeleton
     from ..targets import get_target
 
+    check_verify_isa(recipe)
     config = source_config(str(recipe["run"]["model"]))
     if config is None:
         return
@@ -104,10 +154,13 @@ def check_run_fits(recipe: RunRecipe) -> None:
     if not getattr(config, "pit", None):  # the run converts it: the export sees a PIT model
         pit = copy.deepcopy(config)
         pit.pit = {"converted_by": "run"}
+    tokenizer = _source_tokenizer(str(recipe["run"]["model"]))
     try:
-        exp = exp.for_model(pit)
+        exp = exp.for_model(pit, tokenizer=tokenizer)
         for runtime in exp.runtimes:
             get_target(runtime).precheck(pit, exp)
+            if tokenizer is not TOKENIZER_UNKNOWN:  # e.g. a pre-tokenizer llama.cpp lacks, before training
+                get_target(runtime).precheck_tokenizer(tokenizer)
         exp.check_model(config, body_linears(skeleton(config)))
     except PitError as exc:
         raise PitError(f"[export]: {exc}") from None
