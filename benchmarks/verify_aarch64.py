@@ -64,19 +64,34 @@ def main(argv=None) -> int:
                     "--dtype", args.dtype, "--max-seq-len", str(args.max_seq_len), "--force"])
         if code:
             return code
+    # one verify pass per artifact and (ISA, CPU profile, KleidiAI setting), in the order the
+    # options list them, the result file rewritten after each: a run of hours that stops keeps
+    # what it measured ("complete": false until the last pass)
+    passes = [(dtype, runtime, isa, cpu, kleidiai)
+              for dtype in args.dtype.split(",") for runtime in args.runtime.split(",")
+              for isa, cpu, kleidiai in [("x86_64", None, None)] + [
+                  ("aarch64", cpu, k) for cpu in args.arm_cpu.split(",") for k in args.kleidiai.split(",")]]
     start = time.perf_counter()
-    report = verify_directory(export, runtimes=args.runtime, modes="factorized", dtypes=args.dtype, record=False,
-                              isa="x86_64,aarch64", arm_cpu=args.arm_cpu, kleidiai=args.kleidiai)
-    rows = []
-    for r in report.artifacts:
-        rows.append({"artifact": r.key, "isa": r.isa, "arm_cpu": r.arm_cpu, "kleidiai": r.kleidiai,
-                     "checked": r.checked, **{name: getattr(r, name) for name in FIGURES},
-                     "passed": r.passed, "failures": r.failures})
-    print(report)
-    result = {"model": args.model, "export": str(export), "setup": setup.describe(),
-              "arm_cpu": args.arm_cpu.split(","), "kleidiai": args.kleidiai.split(","),
-              "seconds": round(time.perf_counter() - start, 1), "passed": report.passed, "rows": rows}
-    return write_result(args.out, result, __file__, argv)
+    rows: list[dict] = []
+    passed = True
+    code = 0
+    for number, (dtype, runtime, isa, cpu, kleidiai) in enumerate(passes, 1):
+        report = verify_directory(export, runtimes=runtime, modes="factorized", dtypes=dtype,
+                                  record=False, isa=isa, arm_cpu=cpu, kleidiai=kleidiai)
+        print(report, flush=True)
+        for r in report.artifacts:
+            rows.append({"artifact": r.key, "isa": r.isa, "arm_cpu": r.arm_cpu, "kleidiai": r.kleidiai,
+                         "checked": r.checked, **{name: getattr(r, name) for name in FIGURES},
+                         "passed": r.passed, "failures": r.failures})
+        passed = passed and report.passed
+        result = {"model": args.model, "export": str(export), "setup": setup.describe(),
+                  "arm_cpu": args.arm_cpu.split(","), "kleidiai": args.kleidiai.split(","),
+                  "complete": number == len(passes), "passes_done": number, "passes": len(passes),
+                  "seconds": round(time.perf_counter() - start, 1), "passed": passed, "rows": rows}
+        code = write_result(args.out, result, __file__, argv)
+        if code:
+            return code
+    return code
 
 
 if __name__ == "__main__":
