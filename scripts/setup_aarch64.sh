@@ -8,7 +8,15 @@
 #   - an arm64 Python 3.11: Debian's arm64 packages, downloaded and unpacked (no binfmt, no chroot;
 #     qemu runs it with QEMU_LD_PREFIX and PYTHONHOME pointing at that root);
 #   - the pinned aarch64 wheels (onnxruntime, numpy, onnxruntime-genai), installed from this side
-#     with pip --target.
+#     with pip --target into site/;
+#   - for the ExecuTorch programs (.pte): the pinned aarch64 wheels of torch, executorch, torchao and
+#     the pure-Python packages they import, into their own site-executorch/ (the ONNX jobs keep their
+#     small import path), libatomic1:arm64 in the sysroot, and stubs/: stand-ins for the CUDA
+#     libraries PyPI's aarch64 torch (a CUDA build) links, built here by scripts/aarch64_cuda_stubs.py
+#     with the aarch64 assembler and linker of Debian's binutils-aarch64-linux-gnu (downloaded and
+#     unpacked for the build, not installed), in place of about 3 GB of nvidia-* wheels.
+#     pip keeps its download cache (~/.cache/pip): a machine that keeps it does not download the
+#     427 MB torch wheel again.
 # Everything goes into ${PIT_DEPLOY_AARCH64_ROOT:-$HOME/.cache/pit_deploy/aarch64}; setup.json there
 # records what was installed and is what pit-deploy reads. Idempotent: a rerun with the same pins
 # checks the stamp and exits at once. Quiet unless something fails; a failure prints one `error:`
@@ -20,6 +28,14 @@ ort_version=1.31.1
 numpy_version=2.4.6
 genai_version=0.18.0
 qemu_major=10
+torch_version=2.13.0
+executorch_version=1.5.1
+torchao_version=0.18.0
+# what torch, executorch and torchao import (pinned: the set-up is reproducible)
+et_deps="typing_extensions==4.16.0 sympy==1.14.0 mpmath==1.3.0 filelock==4.3.1 jinja2==3.1.6 markupsafe==3.0.4
+networkx==3.6.1 fsspec==2026.9.0 setuptools==84.2.1 ruamel.yaml==0.19.1 tabulate==0.10.0 tqdm==4.70.1
+wcwidth==0.9.4 PyYAML==6.0.4"
+stubs_script=scripts/aarch64_cuda_stubs.py
 python=${PIT_DEPLOY_PYTHON:-.venv/bin/python}
 root=${PIT_DEPLOY_AARCH64_ROOT:-$HOME/.cache/pit_deploy/aarch64}
 # the arm64 Debian packages an onnxruntime/numpy Python needs (python3.11-minimal and the libraries
@@ -27,7 +43,7 @@ root=${PIT_DEPLOY_AARCH64_ROOT:-$HOME/.cache/pit_deploy/aarch64}
 debs="python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libc6 libgcc-s1 libstdc++6 zlib1g
 libexpat1 libssl3 libffi8 libbz2-1.0 liblzma5 libuuid1 libsqlite3-0 libncursesw6 libtinfo6 libreadline8
 libcrypt1 libdb5.3 libnsl2 libtirpc3 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libcom-err2
-libkrb5support0 libkeyutils1"
+libkrb5support0 libkeyutils1 libatomic1"
 
 fail() {
   echo "error: setup_aarch64: $*" >&2
@@ -36,9 +52,10 @@ fail() {
 
 stamp=$root/.pit-deploy-installed
 want=$(printf '%s\n' "$ort_version" "$numpy_version" "$genai_version" "$qemu_major" "$debs" \
-  | cat - "$0" | sha256sum | cut -d' ' -f1)
+  "$torch_version" "$executorch_version" "$torchao_version" "$et_deps" \
+  | cat - "$0" "$stubs_script" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$root/setup.json" ] &&
-   [ -x "$root/bin/qemu-aarch64" ]; then
+   [ -x "$root/bin/qemu-aarch64" ] && [ -d "$root/site-executorch/executorch" ]; then
   exit 0
 fi
 
@@ -97,12 +114,12 @@ esac
 arm_debs=""
 for p in $debs; do arm_debs="$arm_debs $p:arm64"; done
 # shellcheck disable=SC2086
-(cd "$work" && apt_quiet download "qemu-user=$qemu_version" $arm_debs) ||
-  fail "apt-get download of qemu-user $qemu_version and the arm64 Python packages failed: $(apt_error)"
+(cd "$work" && apt_quiet download "qemu-user=$qemu_version" binutils-aarch64-linux-gnu $arm_debs) ||
+  fail "apt-get download of qemu-user $qemu_version, binutils-aarch64-linux-gnu and the arm64 Python packages failed: $(apt_error)"
 
 new=$root.new
 rm -rf "$new"
-mkdir -p "$new/bin" "$new/sysroot" "$new/site" || fail "cannot create $new"
+mkdir -p "$new/bin" "$new/sysroot" "$new/site" "$new/site-executorch" "$new/stubs" || fail "cannot create $new"
 dpkg-deb -x "$work"/qemu-user_*_amd64.deb "$work/qemu" || fail "cannot unpack qemu-user"
 cp "$work/qemu/usr/bin/qemu-aarch64" "$new/bin/qemu-aarch64" 2>/dev/null ||
   fail "qemu-user $qemu_version holds no usr/bin/qemu-aarch64"
@@ -110,16 +127,35 @@ for deb in "$work"/*_arm64.deb; do
   dpkg-deb -x "$deb" "$new/sysroot" || fail "cannot unpack $(basename "$deb")"
 done
 qemu=$new/bin/qemu-aarch64
+dpkg-deb -x "$work"/binutils-aarch64-linux-gnu_*_amd64.deb "$work/binutils" || fail "cannot unpack binutils-aarch64-linux-gnu"
 
 # --- the aarch64 wheels ----------------------------------------------------------------------
 pip_arm() {
-  "$python" -m pip install --quiet --disable-pip-version-check --no-compile --target "$new/site" --upgrade \
+  local target=$1
+  shift
+  "$python" -m pip install --quiet --disable-pip-version-check --no-compile --target "$target" --upgrade \
     --only-binary=:all: --implementation cp --python-version 3.11 --platform manylinux_2_28_aarch64 "$@" >>"$log" 2>&1
 }
-pip_arm "onnxruntime==$ort_version" "numpy==$numpy_version" ||
-  fail "pip could not install the aarch64 wheels onnxruntime==$ort_version numpy==$numpy_version: $(grep -m1 -i error "$log" || tail -n1 "$log")"
+pip_error() {
+  grep -m1 -i error "$log" || tail -n1 "$log"
+}
+pip_arm "$new/site" "onnxruntime==$ort_version" "numpy==$numpy_version" ||
+  fail "pip could not install the aarch64 wheels onnxruntime==$ort_version numpy==$numpy_version: $(pip_error)"
 genai=$genai_version
-pip_arm --no-deps "onnxruntime-genai==$genai_version" || genai=""  # optional: verify runs the ONNX graphs without it
+pip_arm "$new/site" --no-deps "onnxruntime-genai==$genai_version" || genai=""  # optional: verify runs the ONNX graphs without it
+# torch, executorch and their imports, each pinned (--no-deps: torch's CUDA wheels stay out); the
+# small packages' aarch64 builds carry older manylinux tags, which pip takes only when named
+tags=""
+for v in $(seq 17 27); do tags="$tags --platform manylinux_2_${v}_aarch64"; done
+# shellcheck disable=SC2086
+pip_arm "$new/site-executorch" --no-deps --platform manylinux2014_aarch64 --platform linux_aarch64 $tags \
+  "torch==$torch_version" "executorch==$executorch_version" "torchao==$torchao_version" $et_deps ||
+  fail "pip could not install the aarch64 wheels torch==$torch_version executorch==$executorch_version torchao==$torchao_version and their imports: $(pip_error)"
+
+# --- stand-ins for the CUDA libraries torch links ----------------------------------------------
+LD_LIBRARY_PATH=$work/binutils/usr/lib/x86_64-linux-gnu "$python" "$stubs_script" \
+  --binutils "$work/binutils/usr/bin/aarch64-linux-gnu-" --sysroot "$new/sysroot" --out "$new/stubs" \
+  "$new/site-executorch" >>"$log" 2>&1 || fail "cannot build the CUDA stand-in libraries: $(tail -n1 "$log")"
 
 # Byte-compiled once here: Debian compiles its packages' modules at install time, which unpacking skips,
 # and every emulated start would otherwise compile the standard library, numpy and onnxruntime again
@@ -127,7 +163,7 @@ pip_arm --no-deps "onnxruntime-genai==$genai_version" || genai=""  # optional: v
 compiler=$python
 "$compiler" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null ||
   compiler="env QEMU_LD_PREFIX=$new/sysroot PYTHONHOME=$new/sysroot/usr $new/bin/qemu-aarch64 $new/sysroot/usr/bin/python3.11"
-$compiler -m compileall -q -j 0 "$new/sysroot/usr/lib/python3.11" "$new/site" >/dev/null 2>&1 || true
+$compiler -m compileall -q -j 0 "$new/sysroot/usr/lib/python3.11" "$new/site" "$new/site-executorch" >/dev/null 2>&1 || true
 
 # --- check: onnxruntime imports and runs in the emulated Python ------------------------------
 probe=$(QEMU_LD_PREFIX=$new/sysroot PYTHONHOME=$new/sysroot/usr PYTHONPATH=$new/site PYTHONNOUSERSITE=1 QEMU_CPU=max \
@@ -135,6 +171,14 @@ probe=$(QEMU_LD_PREFIX=$new/sysroot PYTHONHOME=$new/sysroot/usr PYTHONPATH=$new/
   'import platform, numpy, onnxruntime; print(platform.machine(), onnxruntime.__version__, numpy.__version__)' 2>>"$log") ||
   fail "the emulated arm64 Python cannot import onnxruntime: $(tail -n1 "$log")"
 [ "$probe" = "aarch64 $ort_version $numpy_version" ] || fail "the emulated arm64 Python reports '$probe', not 'aarch64 $ort_version $numpy_version'"
+# the ExecuTorch runtime, imported as verify imports it: torch on the stand-ins, no GPU (under a
+# minute of emulation)
+probe=$(QEMU_LD_PREFIX=$new/sysroot PYTHONHOME=$new/sysroot/usr PYTHONPATH=$new/site-executorch:$new/site PYTHONNOUSERSITE=1 \
+  PYTHONDONTWRITEBYTECODE=1 LD_LIBRARY_PATH=$new/stubs QEMU_CPU=max "$qemu" "$new/sysroot/usr/bin/python3.11" \
+  pit_deploy/runtime/emulated_pte_runner.py --probe 2>>"$log") ||
+  fail "the emulated arm64 Python cannot import torch and the ExecuTorch runtime: $(tail -n1 "$log")"
+[ "$probe" = "aarch64 $torch_version $executorch_version False" ] ||
+  fail "the emulated arm64 Python reports '$probe', not 'aarch64 $torch_version $executorch_version False' (machine, torch, executorch, GPU)"
 
 cat >"$new/setup.json" <<EOF
 {
@@ -145,7 +189,12 @@ cat >"$new/setup.json" <<EOF
   "site": "site",
   "onnxruntime": "$ort_version",
   "numpy": "$numpy_version",
-  "onnxruntime_genai": "${genai}"
+  "onnxruntime_genai": "${genai}",
+  "executorch_site": "site-executorch",
+  "stubs": "stubs",
+  "torch": "$torch_version",
+  "executorch": "$executorch_version",
+  "torchao": "$torchao_version"
 }
 EOF
 rm -rf "$root.old"

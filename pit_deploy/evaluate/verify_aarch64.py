@@ -38,13 +38,15 @@ import torch
 from ..errors import PitError
 from ..export.recipes import parse_list
 from ..runtime.base import Driver
-from ..runtime.emulated import (KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, SETUP_COMMAND, Aarch64Setup, find_setup,
-                                run_job)
+from ..runtime.emulated import (ARMV8_0_CPUS, EXECUTORCH, KLEIDIAI_SETTINGS, ONNXRUNTIME, OTHER_CPUS, PROFILES,
+                                SETUP_COMMAND, Aarch64Setup, find_setup, run_job)
 from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
 from ..targets import get_target
 
 #: intra-op threads of the emulated sessions (the kernels chosen do not depend on it)
 THREADS = 1
+#: how rows and messages name each emulated runtime
+RUNTIME_NAMES = {ONNXRUNTIME: "onnxruntime", EXECUTORCH: "the ExecuTorch runtime"}
 
 
 class RecordingDriver(Driver):
@@ -101,6 +103,26 @@ def _emulated(art: Any) -> bool:
     return get_target(art.runtime).aarch64_layout is not None
 
 
+def _runtime(art: Any) -> str:
+    """The emulated runtime that runs ``art``: the ExecuTorch runtime or onnxruntime."""
+    return EXECUTORCH if get_target(art.runtime).aarch64_layout == "pte" else ONNXRUNTIME
+
+
+def _runs_on(art: Any, cpu: str) -> bool:
+    """Whether ``art``'s emulated runtime runs on CPU profile ``cpu`` at all (ARMv8.0 cores)."""
+    return cpu not in ARMV8_0_CPUS or getattr(get_target(art.runtime), "aarch64_armv8_0", True)
+
+
+def _illegal_instruction(proc: Any) -> bool:
+    """Whether the emulated process was stopped by an instruction the emulated CPU lacks."""
+    return proc is not None and (proc.returncode in (-4, 132) or "Illegal instruction" in (proc.stderr or ""))
+
+
+def _last_line(proc: Any) -> str:
+    said = (proc.stderr or "").strip().splitlines() if proc is not None else []
+    return said[-1][:300] if said else ""
+
+
 class EmulatedVerify:
     """One ``verify --isa aarch64`` over the selected artifacts; constructing it checks the
     selection and the set-up before any work (both the user's to fix: exit 2)."""
@@ -118,51 +140,97 @@ class EmulatedVerify:
         if not self.runnable:
             raise PitError("none of the selected artifacts can run on aarch64 here, so nothing would be checked: "
                            + "; ".join(f"{a.key}: {self.reason(a)}" for a in self.skipped)
-                           + " (select onnx or onnx-genai artifacts)")
+                           + " (select onnx, onnx-genai or executorch artifacts)")
+        if not any(_runs_on(a, cpu) for a in self.runnable for cpu in self.cpus):
+            raise PitError(f"none of the selected artifacts runs on the aarch64 CPU profiles {', '.join(self.cpus)}, "
+                           "so nothing would be checked: "
+                           + "; ".join(f"{a.key}: {self.reason(a)}" for a in self.runnable)
+                           + f" (choose a profile other than {', '.join(ARMV8_0_CPUS)})")
         self.setup: Aarch64Setup = find_setup()
+        for runtime in {_runtime(a) for a in self.runnable}:
+            self.setup.require(runtime)
 
     @staticmethod
     def reason(art: Any) -> str:
         return get_target(art.runtime).aarch64_blocker
 
+    def settings(self, art: Any) -> list[str | None]:
+        """The KleidiAI settings ``art`` runs under (an onnxruntime session setting; ``None``: one run)."""
+        return list(self.kleidiai) if _runtime(art) == ONNXRUNTIME else [None]
+
     def run(self, check: Callable[..., tuple[Any, Any, bool]]) -> list[Any]:
-        """Rows for every runnable artifact × CPU profile × KleidiAI setting, then the not-checked
-        ones. ``check(art, driver)`` is verify's own ``(result, bounds, quantized)`` of one artifact."""
+        """Rows for every runnable artifact × CPU profile × KleidiAI setting (one per profile for a
+        ``.pte``), then the not-checked ones. ``check(art, driver)`` is verify's own
+        ``(result, bounds, quantized)`` of one artifact."""
         jobs = []
         for art in self.runnable:
             recorder = RecordingDriver(int(art.shapes["vocab_size"]))
             check(art, recorder)
             target = get_target(art.runtime)
             decoder, interface = target.aarch64_graphs(self.directory / art.path)
-            jobs.append({"name": art.key, "decoder": str(decoder), "interface": str(interface),
-                         "layout": target.aarch64_layout, "calls": recorder.calls})
-        rows: dict[tuple[int, str, str], Any] = {}
+            job = {"name": art.key, "decoder": str(decoder), "interface": str(interface),
+                   "layout": target.aarch64_layout, "calls": recorder.calls}
+            if _runtime(art) == EXECUTORCH:
+                job["interface_chunks"] = list(target.aarch64_interface_chunks)
+            jobs.append(job)
+        rows: dict[tuple[int, str, str | None], Any] = {}
         with tempfile.TemporaryDirectory(prefix="pit-aarch64-") as tmp:
             for cpu in self.cpus:
-                job_dir = Path(tmp) / cpu
-                job_dir.mkdir()
-                (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "kleidiai": self.kleidiai,
-                                                            "artifacts": jobs}))
-                proc = run_job(self.setup, cpu, job_dir)
-                if not (job_dir / RESULTS_NAME).is_file():  # written once onnxruntime imports: the set-up is broken
-                    said = (proc.stderr or "").strip().splitlines()
-                    raise PitError(f"the emulated aarch64 Python ({cpu}) could not start onnxruntime (exit status "
-                                   f"{proc.returncode}{': ' + said[-1][:300] if said else ''}); rerun "
-                                   f"`{SETUP_COMMAND}`")
-                finished = self._finished(job_dir, cpu)
-                for i, art in enumerate(self.runnable):
-                    for setting in self.kleidiai:
-                        run = finished.get((i, setting))
-                        rows[i, cpu, setting] = self._judge(art, jobs[i]["calls"], job_dir, i, cpu, setting, run, proc,
-                                                            check)
-        ordered = [rows[i, cpu, k] for i in range(len(self.runnable)) for cpu in self.cpus for k in self.kleidiai]
+                for runtime in (ONNXRUNTIME, EXECUTORCH):
+                    mine = [i for i, a in enumerate(self.runnable) if _runtime(a) == runtime]
+                    for i in [i for i in mine if not _runs_on(self.runnable[i], cpu)]:
+                        rows[i, cpu, None] = self._not_checked(self.runnable[i], cpu, self.reason(self.runnable[i]))
+                    mine = [i for i in mine if _runs_on(self.runnable[i], cpu)]
+                    if mine:
+                        rows.update(self._run_job(Path(tmp), cpu, runtime, mine, jobs, check))
+        ordered = []
+        for i, art in enumerate(self.runnable):
+            for cpu in self.cpus:
+                keys = self.settings(art)
+                keys += [None] if None not in keys else []  # a not-checked row of a KleidiAI-run artifact
+                ordered += [rows[i, cpu, k] for k in keys if (i, cpu, k) in rows]
         return ordered + [self._row(a, arm_cpu=None, checked=False, notes=[self.reason(a)]) for a in self.skipped]
+
+    def _run_job(self, tmp: Path, cpu: str, runtime: str, indices: list[int], jobs: list[dict[str, Any]],
+                 check: Callable[..., tuple[Any, Any, bool]]) -> dict[tuple[int, str, str | None], Any]:
+        """One emulated process on ``cpu`` for the artifacts ``indices`` of one runtime; their rows."""
+        job_dir = tmp / f"{cpu}-{runtime}"
+        job_dir.mkdir()
+        settings = self.kleidiai if runtime == ONNXRUNTIME else [None]
+        (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "kleidiai": settings,
+                                                    "artifacts": [jobs[i] for i in indices]}))
+        proc = run_job(self.setup, cpu, job_dir, runtime=runtime)
+        rows: dict[tuple[int, str, str | None], Any] = {}
+        if not (job_dir / RESULTS_NAME).is_file():  # written once the runtime imports
+            if _illegal_instruction(proc):  # the wheel cannot run on this CPU profile at all
+                for i in indices:
+                    rows[i, cpu, None] = self._not_checked(
+                        self.runnable[i], cpu, f"{self.reason(self.runnable[i])} ({_last_line(proc)})")
+                return rows
+            said = _last_line(proc)
+            raise PitError(f"the emulated aarch64 Python ({cpu}) could not start {RUNTIME_NAMES[runtime]} (exit status "
+                           f"{proc.returncode}{': ' + said if said else ''}); rerun `{SETUP_COMMAND}`")
+        finished = self._finished(job_dir, cpu)
+        for n, i in enumerate(indices):
+            art = self.runnable[i]
+            for setting in settings:
+                run = finished.get((n, setting))
+                if run is None and _illegal_instruction(proc):
+                    rows[i, cpu, None] = self._not_checked(art, cpu, f"{self.reason(art)} ({_last_line(proc)})")
+                    break
+                rows[i, cpu, setting] = self._judge(art, jobs[i]["calls"], job_dir, n, cpu, setting, run, proc,
+                                                    check, runtime)
+        return rows
 
     def _row(self, art: Any, **kw: Any) -> Any:
         return self.row(runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
                         tying=getattr(art, "tying", "pit"), isa="aarch64", **kw)
 
-    def _finished(self, job_dir: Path, cpu: str) -> dict[tuple[int, str], dict[str, Any]]:
+    def _not_checked(self, art: Any, cpu: str, reason: str) -> Any:
+        """The row of an artifact whose runtime cannot run on CPU profile ``cpu``: never a pass."""
+        return self._row(art, arm_cpu=cpu, checked=False, notes=[f"on {cpu}: {reason}"])
+
+    def _finished(self, job_dir: Path, cpu: str) -> dict[tuple[int, str | None], dict[str, Any]]:
         """The runner's ``results.json`` by (artifact, setting); empty if it never started."""
         try:
             data = json.loads((job_dir / RESULTS_NAME).read_text())
@@ -172,22 +240,24 @@ class EmulatedVerify:
             raise RuntimeError(f"the emulated runner on {cpu} reports machine {data.get('machine')!r}, not aarch64")
         return {(int(r["artifact"]), r["kleidiai"]): r for r in data.get("runs", [])}
 
-    def _judge(self, art: Any, calls: list, job_dir: Path, i: int, cpu: str, setting: str, run: dict | None,
-               proc: Any, check: Callable[..., tuple[Any, Any, bool]]) -> Any:
+    def _judge(self, art: Any, calls: list, job_dir: Path, i: int, cpu: str, setting: str | None,
+               run: dict | None, proc: Any, check: Callable[..., tuple[Any, Any, bool]], runtime: str) -> Any:
         where = {"arm_cpu": cpu, "kleidiai": setting}
+        name = RUNTIME_NAMES[runtime]
         if run is None or run.get("error"):
             if run is None:
-                said = (proc.stderr or "").strip().splitlines()
-                error = (f"the emulated runtime exited with status {proc.returncode}"
-                         + (f": {said[-1][:300]}" if said else ""))
+                said = _last_line(proc)
+                error = f"the emulated runtime exited with status {proc.returncode}" + (f": {said}" if said else "")
             else:
                 error = run["error"]
-            return self._row(art, **where, failures=[f"onnxruntime on aarch64 ({cpu}) failed: {error}"],
-                        emulated_s=None if run is None else run.get("seconds"))
-        with np.load(job_dir / f"{i}-{setting}.npz") as data:
+            return self._row(art, **where, failures=[f"{name} on aarch64 ({cpu}) failed: {error}"],
+                             emulated_s=None if run is None else run.get("seconds"))
+        npz = f"{i}-{setting}.npz" if setting is not None else f"{i}.npz"
+        with np.load(job_dir / npz) as data:
             outputs = {key: data[key] for key in data.files}
         result, bounds, _ = check(art, ReplayDriver(calls, outputs))
         result.isa, result.arm_cpu, result.kleidiai, result.emulated_s = "aarch64", cpu, setting, run["seconds"]
-        result.notes.append(f"onnxruntime's aarch64 kernels on qemu's {cpu} CPU, KleidiAI {setting} "
-                            f"({self.setup.describe()}); emulated wall {run['seconds']:.1f} s, not a latency")
+        kernels = f"{name}'s aarch64 kernels on qemu's {cpu} CPU" + (f", KleidiAI {setting}" if setting else "")
+        result.notes.append(f"{kernels} ({self.setup.describe(runtime)}); emulated wall {run['seconds']:.1f} s, "
+                            "not a latency")
         return result.judge(bounds)

@@ -1,4 +1,5 @@
-"""Launching onnxruntime's aarch64 build under user-mode emulation (qemu), on an x86-64 machine.
+"""Launching the runtimes' aarch64 builds (onnxruntime, the ExecuTorch runtime) under user-mode
+emulation (qemu), on an x86-64 machine.
 
 Phones run the same runtimes as ``verify`` checks on x86, but other kernels: onnxruntime's MLAS
 picks NEON, dotprod, i8mm or Arm's KleidiAI code by what the CPU reports. qemu's user-mode
@@ -8,9 +9,13 @@ one x86 machine can run the kernels of several phone CPUs (:data:`PROFILES`). Em
 
 ``scripts/setup_aarch64.sh`` installs the emulator, an arm64 Python and the pinned wheels into
 :func:`aarch64_root` and describes them in ``setup.json``; :func:`find_setup` reads it (a missing
-set-up is the user's to install: exit 2 naming the script). :func:`run_job` copies
-:mod:`.emulated_runner` and :mod:`.standalone` into a job folder and runs the runner there in the
-emulated Python — those two files import nothing but the standard library, numpy and onnxruntime.
+set-up is the user's to install: exit 2 naming the script). :func:`run_job` copies a runner and
+:mod:`.standalone` into a job folder and runs the runner there in the emulated Python:
+:mod:`.emulated_runner` (the ONNX graphs; the standard library, numpy and onnxruntime) or
+:mod:`.emulated_pte_runner` (the ``.pte`` programs; PyTorch's aarch64 wheel, a CUDA build, on the
+set-up's stand-ins for the CUDA libraries, and the ExecuTorch runtime). The ExecuTorch wheel
+needs ARMv8.1+ cores (LSE atomics, dot products): on the ARMv8.0 profiles (:data:`ARMV8_0_CPUS`)
+qemu stops it with an illegal instruction, so its programs are not checked there.
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ SETUP_COMMAND = "bash scripts/setup_aarch64.sh"
 PROFILES = ("cortex-a53", "cortex-a76", "max")
 #: other qemu aarch64 CPU models accepted by ``--arm-cpu``
 OTHER_CPUS = ("cortex-a55", "cortex-a72", "cortex-a710", "neoverse-n1", "neoverse-n2", "neoverse-v1")
+#: the profiles above of ARMv8.0 cores (no LSE atomics, no dot products)
+ARMV8_0_CPUS = ("cortex-a53", "cortex-a72")
 KLEIDIAI_SETTINGS = ("on", "off")
 _HERE = Path(__file__).resolve().parent
 RUNNER_FILES = (_HERE / "emulated_runner.py", _HERE / "standalone.py")
+#: the runtimes a job runs on, and the runner of each (``RUNNER_FILES`` are copied beside it)
+ONNXRUNTIME, EXECUTORCH = "onnxruntime", "executorch"
+RUNNERS = {ONNXRUNTIME: _HERE / "emulated_runner.py", EXECUTORCH: _HERE / "emulated_pte_runner.py"}
 
 
 def aarch64_root() -> Path:
@@ -53,10 +63,27 @@ class Aarch64Setup:
     python: Path
     site: Path
     versions: dict
+    #: the ExecuTorch runtime's wheels and the CUDA stand-ins (``None``: a set-up without them)
+    executorch_site: Path | None = None
+    stubs: Path | None = None
 
-    def describe(self) -> str:
+    def describe(self, runtime: str = ONNXRUNTIME) -> str:
+        if runtime == EXECUTORCH:
+            return (f"qemu {self.versions.get('qemu_version', '?')}, executorch {self.versions.get('executorch', '?')}"
+                    f" (aarch64, XNNPACK), torch {self.versions.get('torch', '?')}")
         return (f"qemu {self.versions.get('qemu_version', '?')}, onnxruntime {self.versions.get('onnxruntime', '?')}"
                 f" (aarch64), numpy {self.versions.get('numpy', '?')}")
+
+    def require(self, runtime: str) -> None:
+        """Check that the set-up runs ``runtime``.
+
+        Raises:
+            PitError: a set-up installed before the script installed ExecuTorch (exit 2).
+        """
+        if runtime == EXECUTORCH and not (self.executorch_site and self.executorch_site.is_dir()
+                                          and self.stubs and self.stubs.is_dir()):
+            raise PitError(f"the aarch64 emulation set-up in {self.root} has no ExecuTorch runtime, which the "
+                           f"selected .pte artifacts need; rerun `{SETUP_COMMAND}`")
 
 
 def find_setup() -> Aarch64Setup:
@@ -71,7 +98,9 @@ def find_setup() -> Aarch64Setup:
     try:
         data = json.loads(spec.read_text())
         setup = Aarch64Setup(root=root, qemu=root / data["qemu"], sysroot=root / data["sysroot"],
-                             python=root / data["python"], site=root / data["site"], versions=data)
+                             python=root / data["python"], site=root / data["site"], versions=data,
+                             executorch_site=root / data["executorch_site"] if data.get("executorch_site") else None,
+                             stubs=root / data["stubs"] if data.get("stubs") else None)
     except (OSError, ValueError, KeyError, TypeError):
         raise PitError(f"verifying on aarch64 needs the emulation set-up, and {root} holds none; {fix}") from None
     missing = [p for p in (setup.qemu, setup.python, setup.site) if not p.exists()]
@@ -87,25 +116,34 @@ def check_cpu(name: str) -> str:
     return name
 
 
-def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run :mod:`.emulated_runner` on ``job_dir`` (which holds its ``job.json``) in the emulated
-    Python on qemu CPU model ``cpu``; its stdout and stderr are captured, its exit status returned
-    for the caller to judge (what it finished is in ``job_dir/results.json``)."""
-    for src in RUNNER_FILES:
+def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None = None,
+            runtime: str = ONNXRUNTIME) -> subprocess.CompletedProcess:
+    """Run the runner of ``runtime`` (:data:`RUNNERS`) on ``job_dir`` (which holds its
+    ``job.json``) in the emulated Python on qemu CPU model ``cpu``; its stdout and stderr are
+    captured, its exit status returned for the caller to judge (what it finished is in
+    ``job_dir/results.json``)."""
+    runner = RUNNERS[runtime]
+    for src in {runner, *RUNNER_FILES}:
         shutil.copy2(src, job_dir / src.name)
+    site = str(setup.site)
+    if runtime == EXECUTORCH:
+        setup.require(runtime)
+        site = f"{setup.executorch_site}{os.pathsep}{setup.site}"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/"),
         "LANG": "C.UTF-8",
         "PYTHONHOME": str(setup.sysroot / "usr"),
-        "PYTHONPATH": str(setup.site),
+        "PYTHONPATH": site,
         "PYTHONNOUSERSITE": "1",
         "PYTHONDONTWRITEBYTECODE": "1",  # the set-up byte-compiled everything; the cache stays as installed
         "OPENBLAS_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
     }
+    if runtime == EXECUTORCH:
+        env["LD_LIBRARY_PATH"] = str(setup.stubs)  # the CUDA stand-ins torch's libraries link
     cmd = [str(setup.qemu), "-L", str(setup.sysroot), "-cpu", cpu, str(setup.python),
-           str(job_dir / RUNNER_FILES[0].name), str(job_dir)]
+           str(job_dir / runner.name), str(job_dir)]
     try:
         return subprocess.run(cmd, env=env, cwd=job_dir, capture_output=True, text=True, timeout=timeout)
     except OSError as exc:

@@ -5,7 +5,8 @@ Like :mod:`.standalone` (whose :class:`~.standalone.OrtDecoder` it drives), this
 nothing but the standard library, ``numpy`` and ``onnxruntime``: it runs under user-mode emulation
 in an arm64 Python that has no PyTorch, transformers or ``pit_deploy`` (``scripts/setup_aarch64.sh``
 installs just those wheels). :mod:`pit_deploy.runtime.emulated` copies this file and
-``standalone.py`` into a job folder and runs it there as a script.
+``standalone.py`` into a job folder and runs it there as a script. ``.pte`` programs have their
+own runner, :mod:`.emulated_pte_runner`, which shares this file's job format and helpers.
 
 The x86 side does everything else. It records the calls its own verification makes on a driver —
 ``prefill`` of ids, ``step`` of a token at a position, ``interface`` of ``(vocab, dim)`` — into
@@ -96,7 +97,7 @@ def replay(artifact: dict[str, Any], kleidiai: str, threads: int) -> dict[str, n
     return out
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"machine": platform.machine(), "onnxruntime": ort.__version__,
                                "numpy": np.__version__, "runs": []}
-    _write_json(job_dir / RESULTS_NAME, results)
+    write_json(job_dir / RESULTS_NAME, results)
     for i, artifact in enumerate(job["artifacts"]):
         for kleidiai in job["kleidiai"]:
             start, error = time.perf_counter(), None
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 error = f"{type(exc).__name__}: {said}"
             results["runs"].append({"artifact": i, "kleidiai": kleidiai, "seconds": time.perf_counter() - start,
                                     "error": error})
-            _write_json(job_dir / RESULTS_NAME, results)
+            write_json(job_dir / RESULTS_NAME, results)
     return 0
 
 

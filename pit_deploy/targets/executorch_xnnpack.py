@@ -54,9 +54,21 @@ class ExecuTorchXnnpackTarget(Target):
     ship_priority = 10
     weight_check_blocker = ("the .pte keeps its linears inside XNNPACK's packed delegate data, which no "
                             "public reader of ExecuTorch opens")
-    aarch64_blocker = ("ExecuTorch's aarch64 Python bindings need an aarch64 libtorch, which PyPI has only as "
-                       "its CUDA build; no emulated .pte runtime is set up")
+    #: ``verify --isa aarch64`` runs the program on ExecuTorch's aarch64 wheel
+    #: (:mod:`pit_deploy.runtime.emulated_pte_runner`) through the same methods as the driver:
+    #: ``forward``, and ``embed``/``head`` in chunks of these sizes
+    aarch64_layout = "pte"
+    aarch64_interface_chunks = (INTERFACE_IDS, INTERFACE_HIDDEN_ROWS)
+    #: whether it runs on the ARMv8.0 CPU profiles (:data:`pit_deploy.runtime.emulated.ARMV8_0_CPUS`):
+    #: no, the wheel's libraries use ARMv8.1+ instructions; it is not checked there, for this reason
+    aarch64_armv8_0 = False
+    aarch64_blocker = ("ExecuTorch's aarch64 wheel executes ARMv8.1+ instructions (LSE atomics, dot products) "
+                       "that ARMv8.0 cores lack: the emulated CPU stops it with an illegal instruction")
     scheme_settings = Target.scheme_settings + ("pte_head_bits", "pte_shared_table", "rounding", "rotate_residual")
+
+    def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
+        """The program holds the decoder (``forward``) and the interface (``embed``/``head``)."""
+        return folder / PTE_NAME, folder / PTE_NAME
 
     def precheck(self, config: Any, recipe: Any) -> None:
         resolve("pit_deploy.export.to_executorch:precheck")(config, recipe)
