@@ -1,28 +1,34 @@
-"""``pit-deploy verify --isa aarch64``: the same verification, with the runtime's aarch64 kernels.
+"""``pit-deploy verify --isa aarch64``: the same verification, with the runtimes' aarch64 kernels.
 
 A phone runs onnxruntime's aarch64 build, whose MLAS picks its kernels by the CPU's features
-(NEON, dotprod, i8mm, Arm's KleidiAI): other arithmetic than the x86 kernels ``verify`` runs by
-default, so an int4 artifact's logits on a phone need not be the ones checked on x86. Here each
-artifact runs in an emulated aarch64 Python (:mod:`pit_deploy.runtime.emulated`) on each CPU
-profile and KleidiAI setting, and is judged by the very code and bounds of :mod:`.verify`:
+(NEON, dotprod, i8mm, Arm's KleidiAI), and ExecuTorch's XNNPACK, which does the same: other
+arithmetic than the x86 kernels ``verify`` runs by default, so an int4 artifact's logits on a
+phone need not be the ones checked on x86. Here each artifact runs in an emulated aarch64 Python
+(:mod:`pit_deploy.runtime.emulated`) on each CPU profile (and, for onnxruntime, each KleidiAI
+setting), and is judged by the very code and bounds of :mod:`.verify`:
 
 1. **record** — :func:`~.verify.verify_artifact` / :func:`~.verify.verify_quantized_artifact` run
    on x86 against a :class:`RecordingDriver`, which answers zeros and notes every call (prompt
-   prefills, greedy steps, held-out blocks, the interface graph's ``(V, d)``); the PyTorch
-   references are computed here, on x86, as always;
-2. **run** — the emulated Python makes the same calls on the artifact's graphs
-   (:mod:`pit_deploy.runtime.emulated_runner`) and writes the outputs as ``.npz`` files into a
+   prefills, greedy steps, held-out blocks, the interface's ``(V, d)``); the PyTorch references
+   are computed here, on x86, as always;
+2. **run** — the emulated Python makes the same calls on the artifact
+   (:mod:`pit_deploy.runtime.emulated_runner` for the ONNX graphs,
+   :mod:`pit_deploy.runtime.emulated_pte_runner` for the ``.pte`` programs: one process per CPU
+   profile and runtime, for all its artifacts) and writes the outputs as ``.npz`` files into a
    temporary folder;
 3. **judge** — the same functions run again against a :class:`ReplayDriver` serving those outputs,
    so the figures, bounds and failures are computed exactly as on x86; each row names its ISA,
-   CPU profile and KleidiAI setting.
+   CPU profile and KleidiAI setting (none for a ``.pte``).
 
-Only artifacts whose target has an ``aarch64_layout`` (the ONNX graphs) run emulated; every other
-artifact is reported "not checked on aarch64" with the target's ``aarch64_blocker`` — never as passed, and it fails nothing by itself
-(:attr:`~.verify.VerifyReport.passed`); a selection of only such artifacts is refused (exit 2).
-A runtime that cannot load or run an artifact on aarch64 fails that row (a phone would fail the
-same way); an emulated Python that cannot even import onnxruntime is a broken set-up (exit 2). Target extras that run other x86 programs (the genai generator, transformers.js) stay
-with the x86 rows; the interface graph's weight-sharing check is a file check and runs in both.
+Artifacts whose target has no ``aarch64_layout`` (``.gguf``), and ``.pte`` programs on the ARMv8.0
+profiles (ExecuTorch's aarch64 wheel needs ARMv8.1+ instructions), are reported "not checked on
+aarch64" with the target's ``aarch64_blocker`` — never as passed, and they fail nothing by
+themselves (:attr:`~.verify.VerifyReport.passed`); a selection of which nothing can be checked is
+refused (exit 2). A runtime that cannot load or run an artifact on aarch64 fails that row (a phone
+would fail the same way); an emulated Python that cannot even import its runtime is a broken
+set-up (exit 2). Target extras that run other x86 programs (the genai generator,
+transformers.js, ExecuTorch's stock LLM runner) stay with the x86 rows; the interface graph's
+weight-sharing check is a file check and runs in both.
 """
 
 from __future__ import annotations
