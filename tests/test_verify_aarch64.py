@@ -195,6 +195,23 @@ def test_an_emulator_that_cannot_start_onnxruntime_is_exit_2(export, tmp_path, m
     assert "could not start onnxruntime" in err and "qemu: cannot run this" in err and "setup_aarch64.sh" in err
 
 
+def test_a_setup_without_the_executorch_runtime_is_exit_2_for_a_pte(pte_export, tmp_path, monkeypatch, capsys):
+    """A set-up installed before the script installed ExecuTorch runs the ONNX graphs but not a
+    ``.pte``: exit 2 naming the script, before any work."""
+    root = tmp_path / "old"
+    for folder in ("bin", "sysroot/usr/bin", "site"):
+        (root / folder).mkdir(parents=True)
+    (root / "bin" / "qemu-aarch64").write_text("")
+    (root / "sysroot/usr/bin/python3.11").write_text("")
+    (root / "setup.json").write_text(json.dumps({"qemu": "bin/qemu-aarch64", "sysroot": "sysroot",
+                                                 "python": "sysroot/usr/bin/python3.11", "site": "site"}))
+    monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(root))
+    capsys.readouterr()
+    assert main(["verify", str(pte_export), "--isa", "aarch64", "--arm-cpu", "max", "--no-record"]) == 2
+    err = capsys.readouterr().err
+    assert "has no ExecuTorch runtime" in err and "setup_aarch64.sh" in err
+
+
 @pytest.mark.parametrize("argv, said", [(["--arm-cpu", "max"], "apply to --isa aarch64 only"),
                                         (["--isa", "riscv64"], "unknown ISA 'riscv64'"),
                                         (["--isa", "aarch64", "--arm-cpu", "pentium"], "unknown aarch64 CPU profile"),
