@@ -64,13 +64,13 @@ def main(argv=None) -> int:
                     "--dtype", args.dtype, "--max-seq-len", str(args.max_seq_len), "--force"])
         if code:
             return code
-    # one verify pass per artifact and (ISA, CPU profile, KleidiAI setting), in the order the
+    # one verify pass per artifact and (ISA, KleidiAI setting, CPU profile), in the order the
     # options list them, the result file rewritten after each: a run of hours that stops keeps
     # what it measured ("complete": false until the last pass)
     passes = [(dtype, runtime, isa, cpu, kleidiai)
               for dtype in args.dtype.split(",") for runtime in args.runtime.split(",")
               for isa, cpu, kleidiai in [("x86_64", None, None)] + [
-                  ("aarch64", cpu, k) for cpu in args.arm_cpu.split(",") for k in args.kleidiai.split(",")]]
+                  ("aarch64", cpu, k) for k in args.kleidiai.split(",") for cpu in args.arm_cpu.split(",")]]
     start = time.perf_counter()
     rows: list[dict] = []
     passed = True
