@@ -229,7 +229,7 @@ def test_bench_cannot_time_the_emulated_runtime():
 
     from bundle_device import assert_self_contained
 
-    from pit_deploy.runtime import emulated_runner
+    from pit_deploy.runtime import emulated_pte_runner, emulated_runner
 
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--isa", "aarch64", "x"])
@@ -239,3 +239,4 @@ def test_bench_cannot_time_the_emulated_runtime():
                  if isinstance(n, ast.ImportFrom)}
         assert not any("emulated" in name or "verify_aarch64" in name for name in names), path
     assert_self_contained(Path(emulated_runner.__file__), ("transformers", "optimum", "torch"))
+    assert_self_contained(Path(emulated_pte_runner.__file__), ("transformers", "optimum"))  # torch: the runtime's
