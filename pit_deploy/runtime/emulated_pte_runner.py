@@ -86,7 +86,8 @@ def _numpy(tensor: Any) -> np.ndarray:
     return tensor.detach().clone().float().numpy()
 
 
-def interface_outputs(decoder: Any, vocab: int, dim: int, ids_chunk: int, rows_chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def interface_outputs(decoder: Any, vocab: int, dim: int, ids_chunk: int,
+                      rows_chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """The program's embedding of every id ``(V, d)`` and head of ``I_d`` ``(d, V)``, through its
     ``embed`` and ``head`` methods in chunks of at most ``ids_chunk`` ids / ``rows_chunk`` rows."""
     import torch  # the executorch runtime's tensor type
