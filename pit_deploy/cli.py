@@ -229,14 +229,14 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
                    "comma list of node (onnxruntime-node), chromium (onnxruntime-web in headless Chromium); "
                    "needs `bash scripts/setup_web.sh` once")
     p.add_argument("--isa", default=None, metavar="ISAS",
-                   help="whose runtime kernels run the artifacts: x86_64 (default), aarch64 (the ONNX artifacts "
-                   "on onnxruntime's aarch64 build under qemu emulation; needs `bash scripts/setup_aarch64.sh` "
-                   "once; only x86_64 results are recorded), or x86_64,aarch64")
+                   help="whose runtime kernels run the artifacts: x86_64 (default), aarch64 (the ONNX and .pte "
+                   "artifacts on onnxruntime's and ExecuTorch's aarch64 builds under qemu emulation; needs `bash "
+                   "scripts/setup_aarch64.sh` once; only x86_64 results are recorded), or x86_64,aarch64")
     p.add_argument("--arm-cpu", default=None, metavar="CPUS",
                    help="with --isa aarch64: comma list of emulated CPU profiles (default: cortex-a53,cortex-a76,max: "
                    "plain NEON, dotprod, dotprod + i8mm)")
     p.add_argument("--kleidiai", default=None, metavar="SETTINGS",
-                   help="with --isa aarch64: on (default), off, or on,off: onnxruntime's KleidiAI kernels")
+                   help="with --isa aarch64: on (default), off, or on,off: onnxruntime's KleidiAI kernels (ONNX artifacts)")
     p.set_defaults(handler=run_verify)
 
 

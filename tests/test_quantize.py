@@ -366,7 +366,7 @@ def test_recipe_refuses_a_bad_int4_8bit_layers():
 
     with pytest.raises(PitError, match="int4_8bit_layers must be a list"):
         Recipe(int4_8bit_layers="down_proj")
-    assert Recipe(int4_8bit_layers=["o_proj"]).to_dict()["int4_8bit_layers"] == ["o_proj"]
+    assert Recipe(dtype=("int4",), int4_8bit_layers=["o_proj"]).to_dict()["int4_8bit_layers"] == ["o_proj"]
 
 
 def test_a_tied_export_stores_its_quantized_table_once(tmp_path):
@@ -454,7 +454,7 @@ def test_recipe_refuses_a_bad_pte_head_bits():
     for bad in (2, 16, True, "8"):
         with pytest.raises(PitError, match="pte_head_bits must be 0"):
             Recipe(pte_head_bits=bad)
-    assert Recipe(pte_head_bits=4).to_dict()["pte_head_bits"] == 4
+    assert Recipe(dtype=("int4",), pte_head_bits=4).to_dict()["pte_head_bits"] == 4
 
 
 def test_pack_nibbles_is_what_embedding_4bit_reads():

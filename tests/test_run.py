@@ -124,7 +124,7 @@ def test_verify_on_aarch64_kernels_is_a_run_setting(finished_run, arm_setup, tmp
     out = tmp_path / "smoke"
     shutil.copytree(done, out)
     code = main(["run", "smoke", "--out", str(out), *_same_model_args(out), *NO_BENCH,
-                 "--set", 'verify.isa=["x86_64", "aarch64"]', "--set", 'verify.arm_cpu=["max"]'])
+                 "--set", 'verify.isa=["x86_64", "aarch64"]', "--set", 'verify.arm_cpu=["max", "cortex-a53"]'])
     err = capsys.readouterr().err
     assert code == 0, err
     assert "export: up to date" in err and "verify: running (settings or inputs changed)" in err
@@ -132,14 +132,14 @@ def test_verify_on_aarch64_kernels_is_a_run_setting(finished_run, arm_setup, tmp
     rows = [a for r in json.loads((next(out.glob("*-verify")) / "verify.json").read_text())["reports"]
             for a in r["artifacts"]]
     arm = [a for a in rows if a["isa"] == "aarch64" and a["checked"]]
-    assert arm and {a["runtime"] for a in arm} == {"onnx"}
-    assert all(a["arm_cpu"] == "max" and a["kleidiai"] == "on" and a["passed"] for a in arm)
-    assert {a["dtype"] for a in arm} == {"float32", "int4"}
-    # the .pte rows are listed on aarch64 as not checked, never as passed
+    assert {(a["runtime"], a["arm_cpu"]) for a in arm} == {("onnx", "max"), ("executorch", "max"), ("onnx", "cortex-a53")}
+    assert all(a["passed"] for a in arm) and {a["dtype"] for a in arm} == {"float32", "int4"}
+    # a .pte on the ARMv8.0 profile is listed as not checked, never as passed
     unchecked = [a for a in rows if a["isa"] == "aarch64" and not a["checked"]]
     assert {a["runtime"] for a in unchecked} == {"executorch"} and not any(a["passed"] for a in unchecked)
     report = (out / "report.md").read_text()
-    assert "onnx [aarch64 max, KleidiAI on]" in report and "not checked:" in report
+    assert "onnx [aarch64 max, KleidiAI on]" in report and "executorch [aarch64 max]" in report
+    assert "not checked:" in report
 
 
 def test_verify_on_aarch64_without_its_setup_is_refused_before_any_stage(assets, tmp_path, monkeypatch, capsys):

@@ -51,8 +51,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # the run ships the factorized artifacts (the command exports both modes); `recipe` starts
     # from an export recipe, whose own values then stand unless this table sets them
     "export": {"recipe": None, "modes": ["factorized"]},
-    # isa: whose runtime kernels verify (`pit-deploy verify --isa`): "aarch64" runs the ONNX artifacts
-    # emulated on each arm_cpu profile and kleidiai setting (needs `bash scripts/setup_aarch64.sh`)
+    # isa: whose runtime kernels verify (`pit-deploy verify --isa`): "aarch64" runs the ONNX and .pte
+    # artifacts emulated on each arm_cpu profile and kleidiai setting (needs `bash scripts/setup_aarch64.sh`)
     "verify": {"enabled": True, "isa": ["x86_64"], "arm_cpu": ["cortex-a53", "cortex-a76", "max"],
                "kleidiai": ["on"]},
     # and threads, prompt_len, gen_len, reps with `pit-deploy bench`'s defaults (_bench_defaults)

@@ -116,7 +116,7 @@ def check_verify_isa(recipe: RunRecipe) -> None:
     runtimes = recipe.export_recipe().runtimes
     if not any(get_target(r).aarch64_layout is not None for r in runtimes):
         raise PitError(f"verify.isa includes aarch64, but none of the export's runtimes ({', '.join(runtimes)}) "
-                       "runs emulated here; add onnx or onnx-genai to export.runtimes")
+                       "runs emulated here; add onnx, onnx-genai or executorch to export.runtimes")
     try:
         find_setup()
     except PitError as exc:
