@@ -454,7 +454,7 @@ def test_recipe_refuses_a_bad_pte_head_bits():
     for bad in (2, 16, True, "8"):
         with pytest.raises(PitError, match="pte_head_bits must be 0"):
             Recipe(pte_head_bits=bad)
-    assert Recipe(dtype=("int4",), pte_head_bits=4).to_dict()["pte_head_bits"] == 4
+    assert Recipe(dtype=("int4",), pte_head_bits=4, pte_shared_table=False).to_dict()["pte_head_bits"] == 4
 
 
 def test_pack_nibbles_is_what_embedding_4bit_reads():
