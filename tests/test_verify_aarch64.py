@@ -27,27 +27,26 @@ from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("arm")
+def _export_tiny(tmp_path_factory, runtime: str) -> Path:
+    """A tiny Llama's factorized fp32 and int4 artifacts of ``runtime`` (plain rounding: quick)."""
+    root = tmp_path_factory.mktemp(f"arm-{runtime}")
     src = root / "src"
     save_model(tiny_pit_model("llama"), src, tiny_tokenizer())
     out = root / "exp"
-    assert main(["export", str(src), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+    assert main(["export", str(src), "--out", str(out), "--runtime", runtime, "--mode", "factorized",
                  "--dtype", "float32,int4", "--rounding", "rtn", "--max-seq-len", "64"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    return _export_tiny(tmp_path_factory, "onnx")
 
 
 @pytest.fixture(scope="module")
 def pte_export(tmp_path_factory) -> Path:
     """The same tiny model's fp32 and int4 ``.pte`` programs."""
-    root = tmp_path_factory.mktemp("arm-pte")
-    src = root / "src"
-    save_model(tiny_pit_model("llama"), src, tiny_tokenizer())
-    out = root / "exp"
-    assert main(["export", str(src), "--out", str(out), "--runtime", "executorch", "--mode", "factorized",
-                 "--dtype", "float32,int4", "--rounding", "rtn", "--max-seq-len", "64"]) == 0
-    return out
+    return _export_tiny(tmp_path_factory, "executorch")
 
 
 def _copy(export: Path, tmp_path: Path) -> Path:
