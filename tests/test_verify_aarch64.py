@@ -239,3 +239,10 @@ def test_bench_cannot_time_the_emulated_runtime():
         assert not any("emulated" in name or "verify_aarch64" in name for name in names), path
     assert_self_contained(Path(emulated_runner.__file__), ("transformers", "optimum", "torch"))
     assert_self_contained(Path(emulated_pte_runner.__file__), ("transformers", "optimum"))  # torch: the runtime's
+
+
+def test_an_export_named_by_a_relative_path_runs_emulated(arm_setup, export, monkeypatch, capsys):
+    """The emulated runtime runs in a folder of its own: the artifacts' paths it gets are absolute."""
+    monkeypatch.chdir(export.parent)
+    assert main(["verify", export.name, "--dtype", "float32", "--isa", "aarch64", "--arm-cpu", "max",
+                 "--no-record"]) == 0, capsys.readouterr().err

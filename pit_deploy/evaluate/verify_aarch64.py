@@ -137,7 +137,7 @@ class EmulatedVerify:
                  kleidiai: Sequence[str] | str | None, row: Callable[..., Any]) -> None:
         """``row(**fields)`` makes one result row (verify's ``ArtifactResult``, passed in so that
         this module does not import :mod:`.verify`, which imports it)."""
-        self.directory = Path(directory)
+        self.directory = Path(directory).resolve()  # the emulated process runs in a folder of its own
         self.row = row
         self.cpus = parse_list(arm_cpu, PROFILES + OTHER_CPUS, "aarch64 CPU profile") if arm_cpu else list(PROFILES)
         self.kleidiai = parse_list(kleidiai, KLEIDIAI_SETTINGS, "KleidiAI setting") if kleidiai else ["on"]
