@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import PitError, WriteError, as_write_error
-from ..io.fs import LOCK_NAME, check_apart, lock_directory, remove_stale_partials, write_json_atomic, write_text_atomic
+from ..io.fs import (LOCK_NAME, check_apart, json_text, lock_directory, remove_stale_partials, write_json_atomic,
+                     write_text_atomic)
 from .recipe import STAGES, RunRecipe
 from .report import REPORT_NAME, isa_tag
 from .stages import StageRecord, digest_path, fingerprint, jsonable, relative_outputs, resolved_outputs, stage_dir
@@ -258,7 +259,9 @@ def _outputs_digest(outputs: dict[str, Any]) -> Any:
     recorded = outputs.get("digest") or outputs.get("digests")
     if recorded:
         return recorded
-    return hashlib.sha256(json.dumps(outputs, sort_keys=True, default=str).encode()).hexdigest()
+    # as the record stores them (strict JSON: a NaN figure is null there), so that outputs read back
+    # from the record digest like the ones the stage just returned
+    return hashlib.sha256(json_text(outputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def source_fingerprint(spec: str) -> str:
