@@ -171,11 +171,6 @@ def declare_settings(namespace: dict[str, Any], field_of: Callable[[SchemeSettin
         namespace[setting.name] = field_of(setting)
 
 
-def setting(name: str) -> SchemeSetting:
-    """The :data:`SETTINGS` entry called ``name``."""
-    return next(s for s in SETTINGS if s.name == name)
-
-
 @dataclass(frozen=True)
 class Scheme:
     """One way of storing an artifact's weights (see the module docstring).
@@ -246,6 +241,12 @@ class Scheme:
     @property
     def quantized(self) -> bool:
         return self.dtype != "float32"
+
+    def reads(self, name: str) -> bool:
+        """Whether this scheme reads the :data:`SETTINGS` entry ``name``: a quantized scheme reads
+        them all, but only one that stores int8/int4 codes reads a ``coded`` one (the rounding)."""
+        coded = next(s.coded for s in SETTINGS if s.name == name)
+        return self.quantized and (not coded or self.dtype in ("int8", "int4"))
 
     @property
     def pte_quantized_head_bits(self) -> int:

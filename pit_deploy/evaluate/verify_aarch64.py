@@ -116,7 +116,7 @@ def _runtime(art: Any) -> str:
 
 def _runs_on(art: Any, cpu: str) -> bool:
     """Whether ``art``'s emulated runtime runs on CPU profile ``cpu`` at all (ARMv8.0 cores)."""
-    return cpu not in ARMV8_0_CPUS or getattr(get_target(art.runtime), "aarch64_armv8_0", True)
+    return cpu not in ARMV8_0_CPUS or get_target(art.runtime).aarch64_armv8_0
 
 
 def _illegal_instruction(proc: Any) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import PitError
-from ..options import opt
+from ..options import flag_name, opt
 from ..schemes import GROUP_SIZES, SETTINGS, Scheme, declare_settings, get_scheme, scheme_names
 from ..targets import default_target_names, get_target, target_names
 
@@ -53,9 +53,6 @@ MAX_SEQ_LEN_CEILING = 1 << 20
 TOKENIZER_UNKNOWN: Any = object()
 #: scheme settings a recipe may override (``None``: each scheme's own; :data:`~pit_deploy.schemes.SETTINGS`)
 SCHEME_SETTINGS = tuple(s.name for s in SETTINGS)
-#: scheme settings that only the schemes storing int8/int4 codes read (refused without one; the
-#: others are refused without a quantized scheme)
-CODE_SETTINGS = tuple(s.name for s in SETTINGS if s.coded)
 
 
 @dataclass(frozen=True)
@@ -101,12 +98,11 @@ class Recipe:
             raise PitError(f"bounds must be a table per exported scheme ({', '.join(self.dtype)}), got {self.bounds!r}")
         # the overrides' values, whatever the schemes (on a scheme whose settings cannot conflict with them)
         get_scheme("int4").with_settings(pte_shared_table=False).with_settings(**self.overrides())
-        quantized = [name for name in self.dtype if get_scheme(name).quantized]
-        coded = [name for name in self.dtype if get_scheme(name).dtype in ("int8", "int4")]
-        moot = [k for k in self.overrides() if not quantized or (k in CODE_SETTINGS and not coded)]
+        moot = [k for k in self.overrides() if not any(get_scheme(name).reads(k) for name in self.dtype)]
         if moot:
             what = ("the schemes that store int8/int4 codes (it changes how their body is rounded)"
-                    if quantized else "quantized schemes only (float32 has no grid, blocks or tables)")
+                    if any(get_scheme(name).quantized for name in self.dtype)
+                    else "quantized schemes only (float32 has no grid, blocks or tables)")
             raise PitError(f"{moot[0]} ({_flag(moot[0])}) applies to {what}, and this export's dtype is "
                            f"{', '.join(self.dtype)} only; drop {moot[0]} or add a quantized dtype (e.g. --dtype "
                            f"{','.join(self.dtype)},int4)")
@@ -230,8 +226,7 @@ class Recipe:
         scheme): the settings that scheme reads (none for float32, no rounding for f16) and its
         own bounds only, so that the one-scheme recipe is as valid as the whole one."""
         one = get_scheme(scheme)
-        coded = one.dtype in ("int8", "int4")
-        cleared = {k: None for k in SCHEME_SETTINGS if not one.quantized or (k in CODE_SETTINGS and not coded)}
+        cleared = {k: None for k in SCHEME_SETTINGS if not one.reads(k)}
         return replace(self, dtype=(scheme,), bounds={k: v for k, v in self.bounds.items() if k == scheme}, **cleared)
 
     def override(self, **kwargs: Any) -> "Recipe":
@@ -285,7 +280,7 @@ MODEL_RECIPES: dict[str, dict[str, Any]] = {
 def _flag(name: str) -> str:
     """The command-line flag of the recipe field ``name`` (``--no-rotate-residual``, ``--group-size``)."""
     meta = next(f.metadata for f in fields(Recipe) if f.name == name)
-    return meta.get("flag") or "--" + name.replace("_", "-")
+    return meta.get("flag") or flag_name(name)
 
 
 def model_recipe(source: str | None, config: Any = None) -> str | None:

@@ -145,6 +145,9 @@ class Target:
     weight_check: str | None = None
     weight_check_blocker: str = "no reader of this runtime's stored weights"
     aarch64_blocker: str = "no aarch64 build of its runtime is set up for emulation"
+    #: whether its emulated runtime runs on the ARMv8.0 CPU profiles
+    #: (:data:`pit_deploy.runtime.emulated.ARMV8_0_CPUS`)
+    aarch64_armv8_0: bool = True
     #: which artifact a user ships first when an export holds several (lower first)
     ship_priority: int = 50
     #: the quantization-scheme settings this target's exporter reads (an override of another
