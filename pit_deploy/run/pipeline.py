@@ -102,7 +102,7 @@ def _run_stages(recipe: RunRecipe, out: Path, from_stage: str | None, say: Say) 
     redo_from = STAGES.index(from_stage) if from_stage else len(STAGES)
     for i, stage in enumerate(STAGES):
         folder = stage_dir(out, stage)
-        settings, inputs = plan(stage, recipe, ctx)
+        settings, inputs = plan(stage, recipe, ctx, out)
         previous = records[stage]
         why = None if previous is None or i >= redo_from else previous.redo_reason(settings, inputs, out)
         if i < redo_from and previous is not None and why is None:
@@ -232,8 +232,10 @@ def _directories(root: Path) -> list[Path]:
                            and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
-def plan(stage: str, recipe: RunRecipe, ctx: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The settings and input digests a stage would get now (what makes it up to date)."""
+def plan(stage: str, recipe: RunRecipe, ctx: dict[str, dict[str, Any]],
+         run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings and input digests a stage would get now (what makes it up to date). Paths
+    are digested relative to ``run_dir``, so a copied or moved run is still up to date."""
     run = recipe["run"]
     if stage == "convert":
         return {**recipe["convert"], "model": run["model"], "data": run["data"]}, {"model": source_fingerprint(run["model"])}
@@ -247,7 +249,7 @@ def plan(stage: str, recipe: RunRecipe, ctx: dict[str, dict[str, Any]]) -> tuple
     if stage == "bench":
         return recipe["bench"], {"exports": ctx.get("export", {}).get("digests"),
                                  "verified": ctx.get("verify", {}).get("passed")}
-    return recipe["report"], {s: _outputs_digest(ctx.get(s, {})) for s in STAGES[:-1]}
+    return recipe["report"], {s: _outputs_digest(relative_outputs(ctx.get(s, {}), run_dir)) for s in STAGES[:-1]}
 
 
 def _outputs_digest(outputs: dict[str, Any]) -> Any:
