@@ -12,4 +12,5 @@ bash scripts/setup_aarch64.sh
 export HF_HUB_OFFLINE=1
 # Two workers (pytest-xdist), one per core of the CI machine; a test file, and the runtime suite as
 # a whole, stays on one worker (tests/conftest.py). PIT_TEST_WORKERS=0 runs in this process.
-exec .venv/bin/python -m pytest -n "${PIT_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# The 25 slowest tests are listed at the end, to show where the suite's time goes.
+exec .venv/bin/python -m pytest -n "${PIT_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
