@@ -61,11 +61,14 @@ def test_light_modules_import_without_torch(light):
 
 #: what ``evaluate`` may take from the export side: the recipe (a manifest's settings), and for
 #: the weight-level check the exporter's own preparation of the reference (the weights it wrote
-#: are compared with what these functions make of the reference, so they cannot be rewritten apart)
+#: are compared with what these functions make of the reference, so they cannot be rewritten apart;
+#: a ``.pte``'s quantized head and shared gather read the rotated table and the nibble order that
+#: ``pte_head`` and ``pte_token_table`` make)
 EVALUATE_MAY_IMPORT = {
     "pit_deploy/evaluate/*": {"pit_deploy.export.recipes"},
     "pit_deploy/evaluate/weight_check.py": {"pit_deploy.export.passes", "pit_deploy.export.residual_rotation",
-                                            "pit_deploy.export.to_gguf"},
+                                            "pit_deploy.export.to_gguf", "pit_deploy.export.pte_head",
+                                            "pit_deploy.export.pte_token_table"},
 }
 
 

@@ -11,8 +11,10 @@ int8 on Qwen3, Granite and GPT-2; ``gguf`` q8_0 on Qwen3; ``onnx-genai`` int8 on
 Granite). The Qwen3 model's attention and MLP outputs are scaled down 200-fold, so that its logits
 depend little on its body: random bytes in its int8 body then stay within 10× the expected error
 (the KL check alone passed it; the weight-level check does not). GPTQ calibration reads 256 tokens instead of 8192 here (the rounding and the codes'
-digests are the same code). A ``.pte`` keeps its weights in XNNPACK's packed data, which is
-reported as not checked at the weight level (tests/test_quantized_scaling.py covers its KL check).
+digests are the same code). The ``executorch`` target on Llama, factorized, int8 (torchao's
+rounding) and int4 (GPTQ codes, the rotated residual stream, the head's shared 8-bit table): random
+bytes go into one body weight's named-data entry of the ``.pte`` (or of its ``model.ptd``), found
+through ExecuTorch's own reading of the program.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ EXPORTS = [
     ("qwen3", "gguf", "materialized", "q8_0"),
     ("qwen3", "onnx-genai", "factorized", "int8"),
     ("granite", "onnx-genai", "materialized", "int8"),
+    ("llama", "executorch", "factorized", "int8,int4"),
 ]
 
 
@@ -186,8 +189,48 @@ def scramble_gguf(path: Path, seed: int = 0) -> str:
     return tensors[0].name
 
 
+def _pte_entries(path: Path) -> dict[str, tuple[int, int]]:
+    """``key → (offset, size)`` in the file of every named-data entry of a ``.pte`` or ``.ptd``, as
+    ExecuTorch's own readers locate them (the extended header's segment base, then each segment)."""
+    raw = path.read_bytes()
+    if path.suffix == ".ptd":
+        from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
+
+        header = FlatTensorHeader.from_bytes(raw[8:])
+        flat = _deserialize_to_flat_tensor(raw[:header.flatbuffer_offset + header.flatbuffer_size])
+        base, segments, named = header.segment_base_offset, flat.segments, flat.named_data
+    else:
+        from executorch.exir._serialize._program import _flatbuffer_to_program, _get_extended_header
+
+        header = _get_extended_header(raw)
+        program = _flatbuffer_to_program(raw[:header.program_size])
+        base, segments, named = header.segment_base_offset, program.segments, program.named_data
+    return {e.key: (base + segments[e.segment_index].offset, segments[e.segment_index].size) for e in named}
+
+
+def scramble_pte(folder: Path, vocab: int, seed: int = 0) -> str:
+    """Random bytes in the codes of the first body weight (a delegate's quantized linear that is
+    not the ``vocab``-row head) of the ``.pte`` in ``folder``, in place, in whichever file holds its
+    named-data entry; returns the tensor's name."""
+    from pit_deploy.evaluate.weight_check import pte_stored
+
+    stored = next(s for s in pte_stored(folder / "model.pte") if "/xnnpack" in s.name and s.values.shape[0] != vocab)
+    prefix = stored.name.rsplit("/", 1)[1]
+    for path in sorted(folder.glob("model.pt[ed]")):
+        hits = [entry for key, entry in _pte_entries(path).items() if key.startswith(prefix)]
+        if hits:
+            (offset, size), = hits
+            raw = bytearray(path.read_bytes())
+            _random(raw, offset, size, np.random.default_rng(seed))
+            path.write_bytes(bytes(raw))
+            return stored.name
+    raise AssertionError(f"no named-data entry {prefix} in {folder}")
+
+
 def scramble_artifact(directory: Path, art: dict) -> str:
     folder = directory / art["path"]
+    if art["runtime"] == "executorch":
+        return scramble_pte(folder, art["shapes"]["vocab_size"])
     if art["runtime"] == "gguf":
         return scramble_gguf(folder / art["details"]["file"])
     if art["runtime"] == "onnx-genai":
@@ -235,7 +278,7 @@ def test_random_body_bytes_fail_the_weight_level_check_naming_the_first_tensor(e
 
 
 #: the scrambled cases run through ``pit-deploy verify`` itself (the others through its weight check)
-VERIFIED = ("qwen3-onnx-int8", "llama-onnx-genai-int8", "llama-gguf-f16")
+VERIFIED = ("qwen3-onnx-int8", "llama-onnx-genai-int8", "llama-gguf-f16", "llama-executorch-int8")
 
 
 def test_random_body_bytes_fail_verify(export, tmp_path, capsys, request):
@@ -307,13 +350,31 @@ def test_the_interface_is_bounded_where_the_export_corrects_it():
     assert get_target("gguf").interface_exact(True, "materialized")
 
 
-def test_a_pte_is_reported_not_checked_at_the_weight_level():
-    """ExecuTorch keeps a ``.pte``'s linears in XNNPACK's packed data: the check says so in the
-    result and in verify's table, and never counts it as a pass of its own."""
+def test_a_pte_reads_every_body_linear_and_says_what_it_leaves_out(export, request):
+    """The ``.pte``'s check reads all of its body linears (7 a layer) and its gather table; the int4
+    program's body matches the GPTQ digests recorded at export (so the nibble order, the zero
+    point 8 and the bfloat16 scales are read as XNNPACK stores them), and its GPTQ-rounded head and
+    the gather sharing its codes, whose digests are not recorded, are named as not covered."""
+    if "executorch" not in request.node.callspec.id:
+        pytest.skip("the .pte export only")
+    checks = _weight_checks(export)
+    config = json.loads((export / "reference" / "config.json").read_text())
+    layers, head = config["num_hidden_layers"], f"({config['vocab_size']}, {config['hidden_size']})"
+    int8, int4 = checks["executorch-factorized-int8"], checks["executorch-factorized-int4"]
+    assert int8["tensors"] == 7 * layers + 1 and int8["note"] == "", int8
+    assert int4["calibrated"] == 7 * layers == int4["tensors"], int4
+    assert int4["note"].startswith("not covered: ") and "GPTQ" in int4["note"] and head in int4["note"], int4
+
+
+def test_a_target_without_a_reader_is_reported_not_checked(monkeypatch):
+    """A target that names no weight check: the check says so in the result and in verify's table,
+    and never counts it as a pass of its own."""
     from types import SimpleNamespace
 
     from pit_deploy.evaluate.verify import ArtifactResult, VerifyReport, weight_level_check
+    from pit_deploy.targets import get_target
 
+    monkeypatch.setattr(get_target("executorch"), "weight_check", None)
     art = SimpleNamespace(runtime="executorch", mode="factorized", path="executorch-factorized-int8", details={},
                           files={}, shapes={"vocab_size": 8})
     check = weight_level_check(Path("."), art, None)

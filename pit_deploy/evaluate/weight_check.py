@@ -9,14 +9,23 @@ error). This check does not depend on the model's sensitivity:
   head, an 8-bit table's two nibble planes summed back), every ``GatherBlockQuantized`` (the
   token table the embedding reads) and every folded weight of the web schemes (codes, block
   scales and zero points that the graph dequantizes at load). GGUF: every tensor that is not
-  float32, dequantized by gguf-py (``gguf.quants.dequantize``). A ``.pte`` keeps its linears
-  inside XNNPACK's packed delegate data, which no public reader of ExecuTorch opens: its
-  artifacts are reported "not checked at the weight level", never as passed by this check.
+  float32, dequantized by gguf-py (``gguf.quants.dequantize``). A ``.pte``
+  (:func:`pte_stored`, through ExecuTorch's own program reader): every quantized constant
+  weight of every XNNPACK delegate (4-bit group-wise and 8-bit per-channel linears), located by
+  the delegate graph (``backends/xnnpack/serialization/schema.fbs``, decompiled by ExecuTorch's
+  bundled ``flatc``) and read unpacked from the program's named data or from ``model.ptd``
+  (XNNPACK serializes weights unpacked, each under the sha256 of its bytes: 4-bit codes as
+  nibbles ``q + 8`` with the even column low, grouped scales as bfloat16); and every quantized
+  gather table (``embedding_byte``/``embedding_4bit``) from the program's constants. A
+  GPTQ-rounded quantized head, and a gather sharing its codes, have no recorded digest: they are
+  listed in the check's ``note`` as not covered, never counted as checked.
 * **What it is compared with.** The export directory's ``reference/`` checkpoint, prepared as
   the exporter prepared it (:func:`pit_deploy.export.passes.prepare`): every 2-D weight, its
   transpose, the builder's fused projections (``qkv_proj``, ``gate_up_proj``), and a
   factorized token table turned by the exporter's rotation (``Z R``); the gguf target's
-  tensors under llama.cpp's names with its row order (:func:`pit_deploy.export.to_gguf.gguf_tensors`).
+  tensors under llama.cpp's names with its row order (:func:`pit_deploy.export.to_gguf.gguf_tensors`);
+  a ``.pte``'s also after ``rotate_residual`` and, for a quantized head, its table
+  ``Y = Z T S⁻ᵀ`` (:func:`pte_candidates`).
   The PIT-corrected GGUF table is float32 and is not a quantized tensor.
 * **The grid.** Plain rounding (``rtn``): every dequantized element within one grid step of the
   reference weight, the step of a ``b``-bit block being ``2·max|w| / (2^b − 1)`` over the block
@@ -32,14 +41,16 @@ with its reference weight (a few rows pick the candidate, then every element is 
 
 from __future__ import annotations
 
+import hashlib
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..io.weight_codes import CODES_FIELD, code_digest, table_codes
+from ..io.weight_codes import CODES_FIELD, code_digest, table_codes, unpack_codes
 
 #: what a dequantized element may exceed one grid step by (float32 rounding of scale × code)
 STEP_SLACK = 1e-3
@@ -184,6 +195,210 @@ def gguf_stored(path: Path) -> list[Stored]:
         block = 256 if kind.endswith("_K") else 32
         out.append(Stored(t.name, values, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
                           if kind not in GGUF_BITS else None, f16_scales=kind in GGUF_BITS))
+    return out
+
+
+#: XNNPACK's datatypes of a quantized constant weight: ``(bits, zero point)``. ExecuTorch's XNNPACK
+#: serializer stores 4-bit codes ``q ∈ [−8, 7]`` as unsigned nibbles ``q + 8``, two a byte, the even
+#: column in the low nibble (``convert_to_qc4w``), and its runtime defines them with zero point 8
+#: (``XNNCompiler.cpp``); 8-bit codes are signed bytes without a zero point
+XNN_WEIGHTS = {"xnn_datatype_qcint8": (8, 0), "xnn_datatype_qcint4": (4, 8), "xnn_datatype_qbint4": (4, 8)}
+#: the quantized gathers of a ``.pte`` (outside the delegate): bits of the codes of each op
+PTE_TABLE_OPS = {"quantized_decomposed::embedding_byte": 8, "quantized_decomposed::embedding_4bit": 4}
+#: ExecuTorch's scalar types of the tables' tensors: numpy dtype by ``ScalarType`` value
+_ET_DTYPES = {0: np.uint8, 1: np.int8, 5: np.float16, 6: np.float32, 15: "bfloat16"}
+
+
+def _bf16(raw: bytes) -> np.ndarray:
+    """bfloat16 bytes as float32 values (exact: a bfloat16 is the upper half of a float32)."""
+    return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+def _scales(raw: bytes, count: int) -> np.ndarray:
+    """``count`` scales stored as bfloat16 (grouped weights) or float32 (per-channel ones)."""
+    if len(raw) == 2 * count:
+        return _bf16(raw)
+    if len(raw) == 4 * count:
+        return np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    raise ValueError(f"{len(raw)} bytes for {count} scales")
+
+
+def _xnn_graph(blob: bytes) -> dict[str, Any]:
+    """An XNNPACK delegate blob's graph as JSON (``XNNHeader``, then a flatbuffer of
+    ``schema.fbs``), decompiled by ExecuTorch's bundled ``flatc``."""
+    import importlib.resources
+    import json
+    import tempfile
+
+    from executorch.backends.xnnpack.serialization.xnnpack_graph_serialize import XNNHeader
+    from executorch.exir._serialize._flatbuffer import _flatc_decompile
+
+    header = XNNHeader.from_bytes(blob[:XNNHeader.EXPECTED_LENGTH])
+    schema = importlib.resources.files("executorch.backends.xnnpack.serialization") / "schema.fbs"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "schema.fbs").write_bytes(schema.read_bytes())
+        (Path(tmp) / "graph.bin").write_bytes(blob[header.flatbuffer_offset:header.flatbuffer_offset
+                                                  + header.flatbuffer_size])
+        try:
+            _flatc_decompile(tmp, str(Path(tmp) / "schema.fbs"), str(Path(tmp) / "graph.bin"), ["--raw-binary"])
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise ValueError(f"flatc could not read an XNNPACK delegate's graph: {exc}") from exc
+        graph = json.loads((Path(tmp) / "graph.json").read_text())
+    graph["_constants"] = blob[header.constant_data_offset:header.constant_data_offset + header.constant_data_size]
+    return graph
+
+
+class _PteData:
+    """The stored bytes of a ``.pte`` and of its named data file (``model.ptd``) if it has one."""
+
+    def __init__(self, path: Path):
+        from executorch.exir._serialize._program import deserialize_pte_binary
+
+        pte = deserialize_pte_binary(Path(path).read_bytes())
+        self.program = pte.program
+        self.named: dict[str, bytes] = {}
+        if pte.named_data is not None:
+            self.named.update({key: bytes(pte.named_data.buffers[entry.buffer_index])
+                               for key, entry in pte.named_data.pte_data.items()})
+        self.external: dict[str, bytes] = {}
+        for ptd in sorted(Path(path).parent.glob("*.ptd")):
+            from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+            payload = FlatTensorSerializer().deserialize(ptd.read_bytes())  # it reads bytes(blob)
+            self.external.update({key: bytes(payload.buffers[entry.buffer_index])
+                                  for key, entry in payload.named_data.items()})
+
+    def key(self, key: str) -> bytes | None:
+        return self.named.get(key, self.external.get(key))
+
+    def constant(self, tensor: Any) -> bytes | None:
+        """A program constant's bytes: its constant buffer, or its named entry in the data file."""
+        info = getattr(tensor, "extra_tensor_info", None)
+        if info is not None and int(info.location) == 1:  # TensorDataLocation.EXTERNAL
+            return self.external.get(info.fully_qualified_name or "")
+        index = int(tensor.data_buffer_idx)
+        if index <= 0 or index >= len(self.program.constant_buffer):
+            return None
+        return bytes(self.program.constant_buffer[index].storage)
+
+
+def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
+                      seen: set[str], skipped: list[str]) -> list[Stored]:
+    constants = graph.get("constant_data") or []
+
+    def raw(index: int) -> tuple[str, bytes | None]:
+        entry = constants[index]
+        key = entry.get("named_key") or ""
+        if key:
+            return key, data.key(key)
+        offset, size = int(entry["offset"]), int(entry["size"])
+        return f"{where}@{offset}", graph["_constants"][offset:offset + size]
+
+    out = []
+    for value in graph.get("xvalues") or []:
+        if value.get("xvalue_union_type") != "XNNQuantizedTensorValue":
+            continue
+        quantized = value["xvalue_union"]
+        tensor, params = quantized["tensor_value"], quantized.get("quant_params") or {}
+        index = int(tensor.get("constant_buffer_idx") or 0)
+        if not index or tensor.get("datatype") not in XNN_WEIGHTS:
+            continue
+        key, codes = raw(index)
+        if key in seen:
+            continue
+        seen.add(key)
+        name = f"{where}/{key[:16]}"
+        dims = [int(x) for x in tensor.get("dims") or []]
+        if len(dims) != 2 or int(params.get("channel_dim", 0)) != 0 or codes is None:
+            skipped.append(f"{name} {tuple(dims)}")
+            continue
+        rows, cols = dims
+        bits, zero = XNN_WEIGHTS[tensor["datatype"]]
+        count = int(params.get("num_scales") or 0)
+        _, scale_raw = raw(int(params.get("scale_buffer_idx") or 0))
+        if scale_raw is None or not count:
+            skipped.append(f"{name} {tuple(dims)}")
+            continue
+        scales = _scales(scale_raw, count).reshape(rows, -1)
+        block = cols // scales.shape[1]
+        if bits == 4:
+            q = unpack_codes(np.frombuffer(codes, np.uint8), 4, rows, scales.shape[1], block).reshape(rows, cols)
+        else:
+            q = np.frombuffer(codes, np.int8).astype(np.int32).reshape(rows, cols)
+        out.append(_from_codes(name, q - zero, scales, bits, block, cols))
+    return out
+
+
+def _array(raw: bytes, tensor: Any) -> np.ndarray:
+    kind = _ET_DTYPES.get(int(tensor.scalar_type))
+    sizes = [int(s) for s in tensor.sizes]
+    count = int(np.prod(sizes)) if sizes else 1
+    if kind == "bfloat16":
+        return _bf16(raw[:2 * count]).reshape(sizes)
+    if kind is None:
+        raise ValueError(f"scalar type {tensor.scalar_type}")
+    dtype = np.dtype(kind)
+    return np.frombuffer(raw[:dtype.itemsize * count], dtype=dtype).reshape(sizes)
+
+
+def _table_weights(plan: Any, data: _PteData, seen: set[str], skipped: list[str]) -> list[Stored]:
+    """The quantized gathers (``embedding_byte``/``embedding_4bit``) of one method of the program."""
+    out = []
+    for chain in plan.chains:
+        for instruction in chain.instructions:
+            call = instruction.instr_args
+            if not hasattr(call, "op_index") or not hasattr(call, "args"):
+                continue
+            op = plan.operators[call.op_index]
+            bits = PTE_TABLE_OPS.get(f"{op.name}")
+            if bits is None:
+                continue
+            weight, scales, zero = (plan.values[i].val for i in call.args[:3])
+            name = f"{plan.name}/{op.name.split('::')[-1]}"
+            raw_w, raw_s = data.constant(weight), data.constant(scales)
+            raw_z = data.constant(zero) if hasattr(zero, "sizes") else b""
+            if raw_w is None or raw_s is None or raw_z is None:
+                skipped.append(f"{name} (its constants are not in the program or its data file)")
+                continue
+            ident = hashlib.sha256(raw_w + b"|" + raw_s + b"|" + raw_z).hexdigest()
+            if ident in seen:  # one table read by two methods (embed and forward)
+                continue
+            seen.add(ident)
+            codes = _array(raw_w, weight)
+            s = _array(raw_s, scales).astype(np.float32)
+            rows = codes.shape[0]
+            s = s.reshape(rows, -1)
+            if bits == 4:  # the even column in the high nibble, codes q + 8 (the op's reference kernel)
+                packed = codes.astype(np.uint8)
+                q = np.empty((rows, packed.shape[1] * 2), np.int32)
+                q[:, 0::2], q[:, 1::2] = (packed >> 4).astype(np.int32) - 8, (packed & 0x0F).astype(np.int32) - 8
+            else:
+                q = codes.astype(np.int32)
+            block = q.shape[1] // s.shape[1]
+            if raw_z:
+                q = q - np.repeat(_array(raw_z, zero).astype(np.int32).reshape(rows, -1), block, axis=1)
+            out.append(_from_codes(name, q, s, bits, block, q.shape[1]))
+    return out
+
+
+def pte_stored(path: Path, skipped: list[str] | None = None) -> list[Stored]:
+    """Every quantized constant weight of every XNNPACK delegate of the ``.pte`` at ``path``
+    (4-bit group-wise and 8-bit per-channel linears, read from the program's named data or from
+    ``model.ptd`` beside it) and every quantized gather table of the program, dequantized to
+    ``(rows, K)`` with their codes and scales; a tensor stored twice (one named-data entry read by
+    two methods) is one. What cannot be read is appended to ``skipped``."""
+    data = _PteData(Path(path))
+    program = data.program
+    skipped = [] if skipped is None else skipped
+    seen: set[str] = set()
+    out: list[Stored] = []
+    for plan in program.execution_plan:
+        for j, delegate in enumerate(plan.delegates):
+            if "xnnpack" not in delegate.id.lower():
+                continue
+            blob = bytes(program.backend_delegate_data[delegate.processed.index].data)
+            out += _delegate_weights(_xnn_graph(blob), data, f"{plan.name}/xnnpack{j}", seen, skipped)
+        out += _table_weights(plan, data, seen, skipped)
     return out
 
 
@@ -395,3 +610,88 @@ def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck
     if rel is None:
         return WeightCheck(checked=False, note="the artifact lists no .gguf file")
     return compare(gguf_stored(directory / rel), gguf_tensors(prepare(reference, _mode(art))), None, art.details)
+
+
+def _merge(found: dict[tuple[int, int], list[tuple[str, np.ndarray]]],
+           more: dict[tuple[int, int], list[tuple[str, np.ndarray]]], prefix: str) -> None:
+    for shape, items in more.items():
+        found.setdefault(shape, []).extend((prefix + name, array) for name, array in items)
+
+
+def pte_candidates(prepared: Any, details: dict[str, Any],
+                   vocab: int) -> dict[tuple[int, int], list[tuple[str, np.ndarray]]]:
+    """The reference weights a ``.pte``'s quantized tensors may hold, by shape: every 2-D weight of
+    the prepared reference and its transpose (``Zᵀ`` gives the gather's table ``Z``); with
+    ``rotate_residual`` the same of the rotated model the body was rounded from
+    (:func:`pit_deploy.export.residual_rotation.rotate_residual`); with a quantized head the
+    rotated table ``Y = Z T S⁻ᵀ`` it and its gather read (:class:`pit_deploy.export.pte_head.
+    RotatedQuantizedHead`), with each nibble pair swapped where a 4-bit gather shares its codes
+    (:func:`pit_deploy.export.pte_token_table.nibble_pair_swap`)."""
+    import torch
+
+    from ..export.passes import FACTORS_ATTR
+    from ..export.pte_head import ROTATION_SEED, int8_grid_rows, random_rotation
+    from ..export.pte_token_table import nibble_pair_swap
+    from ..export.residual_rotation import rotate_residual, rotation_blocker
+
+    scheme = details.get("scheme") if isinstance(details.get("scheme"), dict) else {}
+    quant = details.get("quantization") if isinstance(details.get("quantization"), dict) else {}
+    found = onnx_candidates(prepared, vocab, False)
+    if scheme.get("rotate_residual") and rotation_blocker(prepared) is None:
+        _merge(found, onnx_candidates(rotate_residual(prepared), vocab, False), "rotated ")
+    factors = getattr(prepared, FACTORS_ATTR, None)
+    head_bits = int(quant.get("head_bits") or 0)
+    if head_bits and factors is not None:
+        t = factors.T.detach().to(torch.float64)
+        s = int8_grid_rows(t @ random_rotation(t.shape[0], ROTATION_SEED))
+        y = (factors.Zt.detach().to(torch.float64).T @ torch.linalg.solve(s, t).T).numpy()
+        found.setdefault(y.shape, []).append(("Y = Z T S⁻ᵀ", y.astype(np.float32)))
+        if quant.get("shared_table") and int(scheme.get("table_bits") or 8) == 4:
+            swap = nibble_pair_swap(y.shape[1]).numpy()
+            found[y.shape].append(("Y = Z T S⁻ᵀ, nibble pairs swapped",
+                                   np.ascontiguousarray(y[:, swap], np.float32)))
+    return found
+
+
+def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
+    """An ExecuTorch ``.pte`` artifact: its delegates' quantized linears and its quantized gather
+    tables (:func:`pte_stored`) against every weight of the reference as the exporter prepared it
+    (:func:`pte_candidates`)."""
+    from ..export.passes import prepare
+    from ..targets import get_target
+
+    folder = directory / art.path
+    skipped: list[str] = []
+    stored = pte_stored(folder / get_target(art.runtime).primary_path(folder), skipped)
+    details = art.details if isinstance(art.details, dict) else {}
+    vocab = int(art.shapes["vocab_size"])
+    left = _uncovered_head(stored, details, vocab)
+    candidates = pte_candidates(prepare(reference, _mode(art)), details, vocab)
+    result = compare([s for s in stored if all(s is not x for x in left)], None, candidates, details)
+    notes = []
+    if left:
+        notes.append("not covered: " + ", ".join(f"{s.name} {tuple(s.values.shape)}" for s in left)
+                     + " (the quantized head, and a gather that reads its codes: rounded by GPTQ at export, "
+                     "whose manifest records no digest of their codes; KL and interface bounds only)")
+    if skipped:
+        notes.append("not read: " + "; ".join(skipped))
+    result.note = "; ".join(notes)
+    return result
+
+
+def _uncovered_head(stored: list[Stored], details: dict[str, Any], vocab: int) -> list[Stored]:
+    """The tensors of a GPTQ-rounded quantized head (its ``V×d`` linear, and a gather sharing its
+    codes) when the export recorded no digest of their codes: GPTQ moves codes past one grid step
+    on purpose, so neither comparison applies (:meth:`pit_deploy.export.pte_head.
+    RotatedQuantizedHead.round_calibrated`)."""
+    scheme = details.get("scheme") if isinstance(details.get("scheme"), dict) else {}
+    quant = details.get("quantization") if isinstance(details.get("quantization"), dict) else {}
+    if scheme.get("rounding") != "gptq" or not int(quant.get("head_bits") or 0):
+        return []
+    recorded = _recorded(details)
+    rows = [s for s in stored if s.values.shape[0] == vocab and "/xnnpack" in s.name]
+    tables = [s for s in stored if s.values.shape[0] == vocab and "/xnnpack" not in s.name]
+    left = [s for s in rows if not _calibrated(s, recorded)]
+    if left and quant.get("shared_table"):
+        left += [s for s in tables if not _calibrated(s, recorded)]
+    return left

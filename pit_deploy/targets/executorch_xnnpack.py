@@ -52,8 +52,7 @@ class ExecuTorchXnnpackTarget(Target):
     primary_file = PTE_NAME
     phone = True
     ship_priority = 10
-    weight_check_blocker = ("the .pte keeps its linears inside XNNPACK's packed delegate data, which no "
-                            "public reader of ExecuTorch opens")
+    weight_check = "pit_deploy.evaluate.weight_check:check_pte_weights"
     #: ``verify --isa aarch64`` runs the program on ExecuTorch's aarch64 wheel
     #: (:mod:`pit_deploy.runtime.emulated_pte_runner`) through the same methods as the driver:
     #: ``forward``, and ``embed``/``head`` in chunks of these sizes
