@@ -383,3 +383,32 @@ def test_a_target_without_a_reader_is_reported_not_checked(monkeypatch):
     result = ArtifactResult(runtime="executorch", mode="factorized", dtype="int8", scheme="int8", kl_mean=0.0,
                             kl_p99=0.0, same_top1=1.0, ppl_ratio=1.0, delta_ti=0.0, weight_check=check).judge()
     assert "not checked at the weight level" in str(VerifyReport("exp", [result]))
+
+
+def test_torchao_hqq_rounding_passes_the_exporters_own_codes_and_no_others():
+    """A ``.pte``'s 4-bit linears rounded to nearest hold torchao's HQQ scale-only codes, whose
+    least-squares scale clips a group's outlier past one step of the widest grid: those pass as the
+    exporter's own rounding; random codes, or a scale off by more than bfloat16 rounding, do not."""
+    import torch
+    from torch import nn
+    from torchao.quantization import quantize_
+
+    from pit_deploy.evaluate.weight_check import _from_codes, off_grid, torchao_hqq_rounding
+    from pit_deploy.export.pte_head import xnnpack_linear_config
+
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    weight[:, ::32] *= 4  # one outlier a group
+    holder = nn.Sequential(nn.Linear(128, 64, bias=False))
+    with torch.no_grad():
+        holder[0].weight.copy_(weight)
+    quantize_(holder, xnnpack_linear_config(4, 32))
+    codes = holder[0].weight.qdata.numpy().astype(np.int32)
+    scales = holder[0].weight.scale.to(torch.bfloat16).to(torch.float32).numpy()  # as XNNPACK stores them
+    reference = weight.numpy()
+
+    stored = _from_codes("w", codes, scales, 4, 32, 128)
+    assert off_grid(stored.values, reference, stored)[0] > 0  # clipped past one step of the widest grid
+    assert torchao_hqq_rounding(stored, reference)
+    rng = np.random.default_rng(0)
+    assert not torchao_hqq_rounding(_from_codes("w", rng.integers(-8, 8, codes.shape), scales, 4, 32, 128), reference)
+    assert not torchao_hqq_rounding(_from_codes("w", codes, scales * 1.02, 4, 32, 128), reference)

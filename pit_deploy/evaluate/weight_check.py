@@ -23,17 +23,21 @@ error). This check does not depend on the model's sensitivity:
   the exporter prepared it (:func:`pit_deploy.export.passes.prepare`): every 2-D weight, its
   transpose, the builder's fused projections (``qkv_proj``, ``gate_up_proj``), and a
   factorized token table turned by the exporter's rotation (``Z R``); the gguf target's
-  tensors under llama.cpp's names with its row order (:func:`pit_deploy.export.to_gguf.gguf_tensors`);
-  a ``.pte``'s also after ``rotate_residual`` and, for a quantized head, its table
-  ``Y = Z T S⁻ᵀ`` (:func:`pte_candidates`).
-  The PIT-corrected GGUF table is float32 and is not a quantized tensor.
+  tensors under llama.cpp's names with its row order (:func:`pit_deploy.export.to_gguf.gguf_tensors`)
+  (the PIT-corrected GGUF table is float32 and is not a quantized tensor); a ``.pte``'s weights
+  also after ``rotate_residual`` and, for a quantized head, its table ``Y = Z T S⁻ᵀ``
+  (:func:`pte_candidates`).
 * **The grid.** Plain rounding (``rtn``): every dequantized element within one grid step of the
   reference weight, the step of a ``b``-bit block being ``2·max|w| / (2^b − 1)`` over the block
   of the reference (the widest step any of the runtimes' quantizers uses for that block; llama.cpp's
   k-quants: over the 256-value super-block, against which their sub-block scales are rounded; a
-  float16/bfloat16 tensor: one unit in the last place). Calibrated rounding (``gptq``) moves
-  codes further on purpose: the export records a digest of each calibrated tensor's codes and
-  scales (``details.weight_codes``), and the artifact's tensor must hold exactly those.
+  float16/bfloat16 tensor: one unit in the last place). A ``.pte``'s 4-bit grouped tensor off
+  that grid passes when it is torchao's HQQ scale-only rounding of the reference (the exporter's
+  own; its least-squares scale may clip a group's largest weight): each code within one of
+  torchao's, each scale torchao's to bfloat16 rounding (:func:`torchao_hqq_rounding`).
+  Calibrated rounding (``gptq``) moves codes further on purpose: the export records a digest of
+  each calibrated tensor's codes and scales (``details.weight_codes``), and the artifact's tensor
+  must hold exactly those.
 
 The first tensor that fails is named; nothing is sampled but the pairing of an artifact tensor
 with its reference weight (a few rows pick the candidate, then every element is compared).
@@ -46,7 +50,7 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -535,9 +539,11 @@ def _calibrated(stored: Stored, recorded: dict[tuple[int, int], dict[str, int]])
 
 def compare(stored_tensors: list[Stored], reference: dict[str, np.ndarray] | None,
             candidates: dict[tuple[int, int], list[tuple[str, np.ndarray]]] | None,
-            details: Any) -> WeightCheck:
+            details: Any, own_rounding: Callable[[Stored, np.ndarray], bool] | None = None) -> WeightCheck:
     """Check every stored tensor: by name against ``reference`` (GGUF) or against the best of
-    ``candidates`` of its shape (ONNX); calibrated codes against the recorded digests."""
+    ``candidates`` of its shape (ONNX); calibrated codes against the recorded digests.
+    ``own_rounding(stored, reference)``: whether a tensor off the grid is what the exporter's own
+    quantizer makes of the reference weight (:func:`torchao_hqq_rounding`)."""
     recorded = _recorded(details)
     result = WeightCheck(checked=True)
     for stored in stored_tensors:
@@ -557,6 +563,8 @@ def compare(stored_tensors: list[Stored], reference: dict[str, np.ndarray] | Non
                               "reference model")
             return result
         bad, worst = off_grid(stored.values, ref, stored)
+        if bad and own_rounding is not None and own_rounding(stored, ref):
+            continue
         if bad:
             grid = f"{stored.bits}-bit blocks of {stored.block}" if stored.bits else "float16/bfloat16"
             how = ("neither within one grid step of the reference weight nor the calibrated codes recorded at export"
@@ -667,7 +675,8 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     vocab = int(art.shapes["vocab_size"])
     left = _uncovered_head(stored, details, vocab)
     candidates = pte_candidates(prepare(reference, _mode(art)), details, vocab)
-    result = compare([s for s in stored if all(s is not x for x in left)], None, candidates, details)
+    result = compare([s for s in stored if all(s is not x for x in left)], None, candidates, details,
+                     torchao_hqq_rounding)
     notes = []
     if left:
         notes.append("not covered: " + ", ".join(f"{s.name} {tuple(s.values.shape)}" for s in left)
@@ -677,6 +686,25 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
         notes.append("not read: " + "; ".join(skipped))
     result.note = "; ".join(notes)
     return result
+
+
+def torchao_hqq_rounding(stored: Stored, reference: np.ndarray) -> bool:
+    """Whether a ``.pte``'s 4-bit grouped tensor holds torchao's HQQ scale-only rounding of
+    ``reference`` (how the exporter rounds its 4-bit linears to nearest,
+    :func:`pit_deploy.export.pte_head.xnnpack_linear_config`): each scale torchao's to bfloat16
+    rounding (XNNPACK stores them so) and each code within one of torchao's. HQQ picks the scale
+    that minimizes the group's squared error, which may clip a group's largest weight past one
+    step of the widest grid; random codes or scales are neither."""
+    if stored.bits != 4 or stored.qz is None or stored.scales is None or stored.block >= stored.qz.shape[1]:
+        return False
+    import torch
+    from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_scale_only_hqq
+
+    codes, scales = _choose_qparams_and_quantize_scale_only_hqq(
+        torch.from_numpy(np.ascontiguousarray(reference, dtype=np.float32)), [1, stored.block], -8, 7)
+    scales = scales.to(torch.bfloat16).to(torch.float32).numpy()
+    return bool(np.all(np.abs(stored.scales - scales) <= 2.0 ** -7 * np.abs(scales))
+                and np.all(np.abs(stored.qz - codes.numpy()) <= 1))
 
 
 def _uncovered_head(stored: list[Stored], details: dict[str, Any], vocab: int) -> list[Stored]:
