@@ -685,6 +685,10 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     if skipped:
         notes.append("not read: " + "; ".join(skipped))
     result.note = "; ".join(notes)
+    if left and not result.tensors:
+        # every quantized tensor is one of those not covered (GPT-2: torchao leaves its Conv1D body
+        # float32, so the head and its gather are all there is): not checked, never passed or failed
+        return WeightCheck(checked=False, note="not checked at the weight level: " + result.note)
     return result
 
 
