@@ -265,9 +265,10 @@ class _PteData:
             self.named.update({key: bytes(pte.named_data.buffers[entry.buffer_index])
                                for key, entry in pte.named_data.pte_data.items()})
         self.external: dict[str, bytes] = {}
-        for ptd in sorted(Path(path).parent.glob("*.ptd")):
+        ptds = sorted(Path(path).parent.glob("*.ptd"))
+        if ptds:
             from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
-
+        for ptd in ptds:
             payload = FlatTensorSerializer().deserialize(ptd.read_bytes())  # it reads bytes(blob)
             self.external.update({key: bytes(payload.buffers[entry.buffer_index])
                                   for key, entry in payload.named_data.items()})
@@ -501,11 +502,17 @@ def best_candidate(stored: Stored, candidates: list[tuple[str, np.ndarray]]) -> 
 # --------------------------------------------------------------------------------------
 
 
+def _section(details: Any, key: str) -> dict[str, Any]:
+    """``details[key]`` when it is a mapping, else empty (a manifest field a user may have edited)."""
+    value = details.get(key) if isinstance(details, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 def _recorded(details: Any) -> dict[tuple[int, int], dict[str, int]]:
     """The calibrated codes' digests the export recorded, by ``(rows, cols)``: digest → count."""
     if not isinstance(details, dict):
         return {}
-    quant = details.get("quantization") if isinstance(details.get("quantization"), dict) else {}
+    quant = _section(details, "quantization")
     items = []
     for entry in (details.get(CODES_FIELD), quant.get(CODES_FIELD)):
         tensors = entry.get("tensors") if isinstance(entry, dict) else None
@@ -642,8 +649,7 @@ def pte_candidates(prepared: Any, details: dict[str, Any],
     from ..export.pte_token_table import nibble_pair_swap
     from ..export.residual_rotation import rotate_residual, rotation_blocker
 
-    scheme = details.get("scheme") if isinstance(details.get("scheme"), dict) else {}
-    quant = details.get("quantization") if isinstance(details.get("quantization"), dict) else {}
+    scheme, quant = _section(details, "scheme"), _section(details, "quantization")
     found = onnx_candidates(prepared, vocab, False)
     if scheme.get("rotate_residual") and rotation_blocker(prepared) is None:
         _merge(found, onnx_candidates(rotate_residual(prepared), vocab, False), "rotated ")
@@ -674,9 +680,7 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     details = art.details if isinstance(art.details, dict) else {}
     vocab = int(art.shapes["vocab_size"])
     left = _uncovered_head(stored, details, vocab)
-    candidates = pte_candidates(prepare(reference, _mode(art)), details, vocab)
-    result = compare([s for s in stored if all(s is not x for x in left)], None, candidates, details,
-                     torchao_hqq_rounding)
+    covered = [s for s in stored if all(s is not x for x in left)]
     notes = []
     if left:
         notes.append("not covered: " + ", ".join(f"{s.name} {tuple(s.values.shape)}" for s in left)
@@ -684,11 +688,13 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
                      "whose manifest records no digest of their codes; KL and interface bounds only)")
     if skipped:
         notes.append("not read: " + "; ".join(skipped))
-    result.note = "; ".join(notes)
-    if left and not result.tensors:
+    if left and not covered:
         # every quantized tensor is one of those not covered (GPT-2: torchao leaves its Conv1D body
         # float32, so the head and its gather are all there is): not checked, never passed or failed
-        return WeightCheck(checked=False, note="not checked at the weight level: " + result.note)
+        return WeightCheck(checked=False, note="not checked at the weight level: " + "; ".join(notes))
+    candidates = pte_candidates(prepare(reference, _mode(art)), details, vocab)
+    result = compare(covered, None, candidates, details, torchao_hqq_rounding)
+    result.note = "; ".join(notes)
     return result
 
 
@@ -716,8 +722,7 @@ def _uncovered_head(stored: list[Stored], details: dict[str, Any], vocab: int) -
     codes) when the export recorded no digest of their codes: GPTQ moves codes past one grid step
     on purpose, so neither comparison applies (:meth:`pit_deploy.export.pte_head.
     RotatedQuantizedHead.round_calibrated`)."""
-    scheme = details.get("scheme") if isinstance(details.get("scheme"), dict) else {}
-    quant = details.get("quantization") if isinstance(details.get("quantization"), dict) else {}
+    scheme, quant = _section(details, "scheme"), _section(details, "quantization")
     if scheme.get("rounding") != "gptq" or not int(quant.get("head_bits") or 0):
         return []
     recorded = _recorded(details)
