@@ -119,7 +119,7 @@ def tt_baseline(model: str, max_seq_len: int, runtimes: tuple[str, ...], work: P
     import torch
     from optimum.exporters.onnx import onnx_export_from_model
 
-    from pit_deploy.export.to_executorch import export_pte
+    from pit_deploy.targets.executorch.export import export_pte
     from pit_deploy.io.sources import load_source
 
     plain = load_source(model).model.eval()

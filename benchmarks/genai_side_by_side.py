@@ -9,7 +9,7 @@ peak memory and folder size, fp32 and int4.
 Artifacts (each timed in its own child process, so load and peak RSS are its own):
 
 * ``builder-int4`` / ``builder-fp32`` — the builder on the source model's plain Hugging Face
-  checkpoint (``to_genai.builder_checkpoint``: the checkpoint our exporter gives the builder),
+  checkpoint (``pit_deploy.targets.onnx_genai.export.builder_checkpoint``: the checkpoint our exporter gives the builder),
   with the block size, symmetry and accuracy level our int4 export passed (read from its
   manifest) and otherwise the builder's defaults (fused q/k/v, every body MatMul at 4 bits);
   cached in ``--work``;
@@ -148,7 +148,7 @@ def pit_deploy(*args: str) -> float:
 def builder_folders(model: str, work: Path, extra: dict[str, str]) -> tuple[dict[str, Path], dict, object, int]:
     """The builder's int4 and fp32 folders of the source ``model`` (cached in ``work``), the
     seconds each build took (``None`` when cached), the source's tokenizer and vocabulary size."""
-    from pit_deploy.export.to_genai import builder_checkpoint, run_builder
+    from pit_deploy.targets.onnx_genai.export import builder_checkpoint, run_builder
     from pit_deploy.io.sources import load_source
 
     loaded = load_source(model)

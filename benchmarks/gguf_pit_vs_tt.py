@@ -5,7 +5,7 @@ both sides alike.
 Why not ``pit-deploy bench`` alone: it runs one cell after another, each in its own process, so a
 foreign job that starts between the PIT cell and the TT cell moves the ratio by more than the 1 %
 this comparison is about. Here both files of a scheme are loaded in one process
-(:class:`~pit_deploy.runtime.llama_cpp_decoder.LlamaCppDecoder`, the code ``bench`` and bundles
+(:class:`~pit_deploy.targets.gguf.decoder.LlamaCppDecoder`, the code ``bench`` and bundles
 time), and each round times PIT then TT, or TT then PIT (alternating), one greedy generation each
 (:func:`~pit_deploy.runtime.standalone.time_generation`: a warm-up, then ``--gen-len`` tokens after
 the same ``--prompt-len`` prompt ids as ``pit-deploy bench``). The ratio is the median over rounds of the per-round
@@ -33,7 +33,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from pit_deploy.evaluate.bench import prompt_ids  # noqa: E402
 from pit_deploy.io.manifest import Manifest  # noqa: E402
-from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder  # noqa: E402
+from pit_deploy.targets.gguf.decoder import LlamaCppDecoder  # noqa: E402
 from pit_deploy.runtime.standalone import time_generation  # noqa: E402
 
 

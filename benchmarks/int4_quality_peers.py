@@ -125,7 +125,7 @@ def peers(model: str, work: Path, sets: dict, block: int) -> tuple[list[dict], l
     if why:
         missing.append(why)
     for name, path in files.items():
-        from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder  # only once llama_cpp imported
+        from pit_deploy.targets.gguf.decoder import LlamaCppDecoder  # only once llama_cpp imported
 
         decoder = LlamaCppDecoder(path, context=block + 1, kv_cache_type="f32")
         rows.append({"artifact": f"llama.cpp-{name}", "size_mb": path.stat().st_size / 1e6,

@@ -43,7 +43,7 @@ TOP_NODES = 8
 def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict:
     """Per-op-type kernel time of ``steps`` decode steps of the artifact in ``folder``."""
     from pit_deploy.runtime import standalone
-    from pit_deploy.targets.onnx_optimum import decoder_file
+    from pit_deploy.targets.onnx import decoder_file
 
     workdir = tempfile.mkdtemp(prefix="ort-profile-")
     plain = standalone.ort_session_options

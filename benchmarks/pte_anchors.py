@@ -84,7 +84,7 @@ def _runner_child(folder: str, threads: int, prompt_text: str, gen_len: int) -> 
 
     from executorch.extension.llm.runner import TextLLMRunner  # noqa: F401  (the runtime, for the baseline)
 
-    from pit_deploy.runtime.llm_runner import generate_in_process, pass_figures
+    from pit_deploy.targets.executorch.llm_runner import generate_in_process, pass_figures
     from pit_deploy.runtime.standalone import load_llm_custom_ops, pte_data_file
 
     load_llm_custom_ops()

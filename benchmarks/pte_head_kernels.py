@@ -19,7 +19,7 @@ embedding rows of 3 ids and the logits of one hidden row (a decode step's head).
   delegate at run time, stored once, and XNNPACK packs it on every call;
 * ``int8-head`` / ``int4-head``: the head over ``Z R`` (a seeded random rotation) through
   torchao's ``8da8w`` / ``8da4w`` (group 32) linear, the gather over an 8-bit table
-  (``pit_deploy.export.pte_head``, ``pit_deploy.export.pte_token_table``);
+  (``pit_deploy.targets.executorch.head``, ``pit_deploy.targets.executorch.token_table``);
 * ``int8-weight-only-head``: the fp32 program's head as an ``nn.Linear`` quantized by torchao's
   ``IntxWeightOnlyConfig`` (int8 per channel, fp32 activations), which is what a weight-only
   quantized head would need from XNNPACK.
@@ -65,8 +65,8 @@ class QuantizedInterface(nn.Module):
 
     def __init__(self, zt: torch.Tensor, t: torch.Tensor, bits: int):
         super().__init__()
-        from pit_deploy.export.pte_head import RotatedQuantizedHead
-        from pit_deploy.export.pte_token_table import QuantizedRows, quantize_rows
+        from pit_deploy.targets.executorch.head import RotatedQuantizedHead
+        from pit_deploy.targets.executorch.token_table import QuantizedRows, quantize_rows
 
         self.head = RotatedQuantizedHead(zt, t, bits, GROUP)
         q, scales = quantize_rows(self.head.rotated_rows(zt), GROUP)

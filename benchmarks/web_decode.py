@@ -52,7 +52,7 @@ def native(folder: Path, ids: list[int], gen_len: int, threads: int) -> dict:
     import numpy as np
 
     from pit_deploy.runtime.standalone import OrtDecoder
-    from pit_deploy.targets.onnx_optimum import decoder_file
+    from pit_deploy.targets.onnx import decoder_file
 
     start = time.perf_counter()
     dec = OrtDecoder(decoder_file(folder), threads)

@@ -12,7 +12,7 @@ from pit_deploy.io.manifest import MANIFEST_NAME, Manifest
 
 
 def _count_vd(path, v, d):
-    from pit_deploy.runtime.onnx_weights import large_initializers
+    from pit_deploy.targets.onnx.interface_weights import large_initializers
 
     return [s for _, s in large_initializers(path, v * d) if sorted(s) == sorted((v, d))]
 

@@ -175,7 +175,7 @@ probe=$(QEMU_LD_PREFIX=$new/sysroot PYTHONHOME=$new/sysroot/usr PYTHONPATH=$new/
 # minute of emulation)
 probe=$(QEMU_LD_PREFIX=$new/sysroot PYTHONHOME=$new/sysroot/usr PYTHONPATH=$new/site-executorch:$new/site PYTHONNOUSERSITE=1 \
   PYTHONDONTWRITEBYTECODE=1 LD_LIBRARY_PATH=$new/stubs QEMU_CPU=max "$qemu" "$new/sysroot/usr/bin/python3.11" \
-  pit_deploy/runtime/emulated_pte_runner.py --probe 2>>"$log") ||
+  pit_deploy/targets/executorch/emulated_pte_runner.py --probe 2>>"$log") ||
   fail "the emulated arm64 Python cannot import torch and the ExecuTorch runtime: $(tail -n1 "$log")"
 [ "$probe" = "aarch64 $torch_version $executorch_version False" ] ||
   fail "the emulated arm64 Python reports '$probe', not 'aarch64 $torch_version $executorch_version False' (machine, torch, executorch, GPU)"

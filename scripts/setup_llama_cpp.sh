@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install llama-cpp-python (the gguf target's runtime: pit_deploy/targets/llama_cpp.py) into .venv,
+# Install llama-cpp-python (the gguf target's runtime: pit_deploy/targets/gguf/__init__.py) into .venv,
 # built from its PyPI sdist. PyPI has no CPU wheel of it, and a wheel built elsewhere may not use this
 # CPU's instruction set; llama.cpp's default build targets the machine it is built on. The build takes
 # several minutes on two cores, so the wheel is built once into a cache and installed from there:

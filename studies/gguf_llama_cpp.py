@@ -33,11 +33,11 @@ import torch
 from pit_deploy.io.result_file import write_result  # noqa: E402
 
 from pit_deploy.evaluate.verify import GREEDY_TOKENS, load_reference, make_prompts, reference_run
-from pit_deploy.export.to_gguf import EMBED, HEAD
+from pit_deploy.targets.gguf.export import EMBED, HEAD
 from pit_deploy.model.quantized_interface import corrected_table, identity_defect
 from pit_deploy.io.gguf_files import read_gguf_tensors
 from pit_deploy.io.manifest import Manifest
-from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder
+from pit_deploy.targets.gguf.decoder import LlamaCppDecoder
 
 QUESTION = "What is the capital of France?"
 ANSWER_TOKENS = 24

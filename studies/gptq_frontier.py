@@ -5,7 +5,7 @@ Each configuration is the ExecuTorch program's own numerics run in PyTorch eager
 linears through torchao's ``8da4w``/``8da8w`` tensors (int8 dynamic activations, as XNNPACK
 computes them) holding either torchao's own HQQ rounding (``rtn``, what ``--rounding rtn``
 exports) or the GPTQ codes (``gptq``, :mod:`pit_deploy.export.calibrated_rounding`), and the
-token table the exporter builds (:func:`pit_deploy.export.pte_token_table.quantize_token_table`:
+token table the exporter builds (:func:`pit_deploy.targets.executorch.token_table.quantize_token_table`:
 one shared 8- or 4-bit table for the gather and the head). Figures against the fp32 PIT model,
 per held-out kind (:func:`pit_deploy.data.calibration.heldout_sets`: code from the corpus's
 validation split, prose and chat shipped with the package; the calibration reads the training
@@ -32,8 +32,8 @@ from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa
 from pit_deploy.data.heldout import kl_parity  # noqa: E402
 from pit_deploy.export.calibrated_rounding import calibrated_model, head_moments  # noqa: E402
 from pit_deploy.export.passes import prepare  # noqa: E402
-from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
-from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
+from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
+from pit_deploy.targets.executorch.export import quantize_linears  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.runtime.torch_driver import TorchDriver  # noqa: E402
 from pit_deploy.schemes import get_scheme  # noqa: E402

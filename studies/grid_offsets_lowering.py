@@ -79,7 +79,7 @@ def lower(form: str, layers: int, path: Path) -> dict:
     from executorch.exir import to_edge_transform_and_lower
     from torchao.quantization import quantize_
 
-    from pit_deploy.export.pte_head import xnnpack_linear_config
+    from pit_deploy.targets.executorch.head import xnnpack_linear_config
 
     torch.manual_seed(0)
     model = Stack(layers, form).eval()

@@ -41,8 +41,8 @@ from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa
 from pit_deploy.export.calibrated_rounding import calibrated_model  # noqa: E402
 from pit_deploy.export.expected_error import fake_quantize  # noqa: E402
 from pit_deploy.export.passes import prepare  # noqa: E402
-from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
-from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
+from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
+from pit_deploy.targets.executorch.export import quantize_linears  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.schemes import get_scheme  # noqa: E402
 from pit_deploy.targets import get_target  # noqa: E402

@@ -25,10 +25,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pit_deploy.export.passes import factorize  # noqa: E402
-from pit_deploy.export.pte_head import RotatedQuantizedHead  # noqa: E402
-from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
+from pit_deploy.targets.executorch.head import RotatedQuantizedHead  # noqa: E402
+from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
 from pit_deploy.export.recipes import Recipe  # noqa: E402
-from pit_deploy.export.to_executorch import quantize_linears  # noqa: E402
+from pit_deploy.targets.executorch.export import quantize_linears  # noqa: E402
 
 from executorch_int4_schemes import export_run, kl_figures  # noqa: E402
 from pit_deploy.io.result_file import write_result  # noqa: E402

@@ -2,7 +2,7 @@
 
 Exports the default model as the transpose-tied baseline (``pit-deploy export --keep-tying``
 builds the same program; PIT adds only the small ``T`` matmuls) through
-:func:`pit_deploy.export.to_executorch.lower_to_edge`, timing each phase by wrapping the
+:func:`pit_deploy.targets.executorch.export.lower_to_edge`, timing each phase by wrapping the
 ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of ``forward``.
 
 * ``--layers N`` keeps the first N decoder layers (both variants, side by side, in one process);
@@ -72,8 +72,8 @@ def _timers() -> collections.defaultdict:
 
 def quantize_int4(model, seconds: collections.defaultdict):
     """The ``executorch`` target's ``int4`` scheme on ``model`` (its exporter's own calls), timed."""
-    from pit_deploy.export.pte_token_table import quantize_token_table
-    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.targets.executorch.token_table import quantize_token_table
+    from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.schemes import get_scheme
 
     scheme = get_scheme("int4")
@@ -86,7 +86,7 @@ def quantize_int4(model, seconds: collections.defaultdict):
 
 
 def lower(model, rewrites: bool, seconds: collections.defaultdict, dtype: str = "float32") -> dict:
-    from pit_deploy.export.to_executorch import lower_to_edge
+    from pit_deploy.targets.executorch.export import lower_to_edge
 
     seconds.clear()
     start = time.perf_counter()

@@ -112,7 +112,7 @@ mark("decode", tokens=gen_len)
 
 
 def measure(folder: Path, prompt_len: int, gen_len: int, threads: int, weight_cache: bool = False) -> dict:
-    from pit_deploy.targets.executorch_xnnpack import PTE_NAME
+    from pit_deploy.targets.executorch import PTE_NAME
 
     pte = folder / PTE_NAME
     proc = subprocess.run([sys.executable, "-c", CHILD, str(pte), str(prompt_len), str(gen_len), str(threads),

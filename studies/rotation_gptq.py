@@ -16,7 +16,7 @@ that it pays off together with GPTQ.
 
 ``Q`` is the exporter's randomized Hadamard matrix (``H₁₂ ⊗ H₁₂ ⊗ H₄`` for d = 576, fixed random
 signs; :func:`pit_deploy.export.residual_rotation.rotate_residual` makes the rotated model and
-:func:`~pit_deploy.export.pte_token_table.quantize_token_table` folds ``Q`` into the gather's
+:func:`~pit_deploy.targets.executorch.token_table.quantize_token_table` folds ``Q`` into the gather's
 correction). Each configuration runs torchao's ``8da4w``/``8da8w`` emulation in eager as
 :mod:`studies.gptq_frontier` does (same calibration, held-out sets, byte counts; the ``d×d``
 float32 matrix before the final norm, 1.3 MB, is not in the byte counts).

@@ -23,7 +23,7 @@ on the held-out kinds of :func:`pit_deploy.data.calibration.heldout_sets`:
 - ``+ int8 activations``: each linear's input (in the source's basis, where the stream's outlier
   channels are not spread by any rotation) through XNNPACK's per-token asymmetric int8;
 - ``+ int8 offsets``: the block-sum linear at 8 bits (per-row int8 weights, its int8 input);
-- ``+ 4-bit table by GPTQ``: the shipped token table (:func:`.pte_token_table.quantize_token_table`,
+- ``+ 4-bit table by GPTQ``: the shipped token table (:func:`pit_deploy.targets.executorch.token_table.quantize_token_table`,
   one 4-bit table for the gather and the head, rounded against the head input's moments).
 
 Two checkpoints: the main job's (20 steps of continued pretraining that train every weight) and one
@@ -57,7 +57,7 @@ import pit_deploy.convert.preserve as preserve  # noqa: E402
 from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
 from pit_deploy.export.calibrated_rounding import BLOCKS_ATTR, head_moments  # noqa: E402
 from pit_deploy.export.passes import prepare  # noqa: E402
-from pit_deploy.export.pte_token_table import quantize_token_table  # noqa: E402
+from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 

@@ -3,7 +3,7 @@ head and the gather share close the gap a 4-bit table leaves, and where does the
 frontier of the default model's int4 program sit once it does?
 
 The shared table is the head's weight ``Y ≈ Z R`` (``V×d``), which the head multiplies by
-``u = h S`` (:mod:`pit_deploy.export.pte_head`). Rounding it to nearest treats every direction of
+``u = h S`` (:mod:`pit_deploy.targets.executorch.head`). Rounding it to nearest treats every direction of
 ``d`` alike; GPTQ (:mod:`pit_deploy.export.calibrated_rounding`) moves each row's rounding error
 along the directions ``u`` rarely takes on real text, from ``Σ uᵀu = Sᵀ (Σ hᵀh) S`` with ``h`` the
 hidden states the head reads on the calibration blocks, the body already rounded

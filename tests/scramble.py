@@ -24,7 +24,7 @@ import torch
 
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME
-from pit_deploy.targets.onnx_optimum import data_name, decoder_file
+from pit_deploy.targets.onnx import data_name, decoder_file
 
 
 def rehash(directory: Path) -> None:
@@ -77,7 +77,7 @@ def scramble_quantized_linears(model: torch.nn.Module, seed: int = 0) -> int:
 def scrambled_pte_linears(seed: int = 0) -> Iterator[list[int]]:
     """While active, the ``.pte`` exporter's quantized body linears get random codes; yields the
     list of how many were scrambled in each quantized export."""
-    from pit_deploy.export import to_executorch
+    from pit_deploy.targets.executorch import export as to_executorch
 
     original = to_executorch.quantize_linears
     counts: list[int] = []

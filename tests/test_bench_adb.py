@@ -20,7 +20,7 @@ from pit_deploy.cli import main
 from pit_deploy.evaluate.bench import ROW_FIELDS
 from pit_deploy.evaluate.bench_adb import (DEFAULT_DEVICE_DIR, Adb, parse_peak_rss_kib, parse_stats,
                                            pass_figures, runner_command)
-from pit_deploy.runtime.llm_runner import stats_problem
+from pit_deploy.targets.executorch.llm_runner import stats_problem
 from pit_deploy.io.fs import write_json_atomic
 from pit_deploy.io.manifest import MANIFEST_NAME, Artifact, Manifest, file_table, library_versions
 

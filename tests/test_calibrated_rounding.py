@@ -92,7 +92,7 @@ def test_8bit_layers_name_every_layer_or_one():
 
     from pit_deploy.export.calibrated_rounding import scheme_grids
     from pit_deploy.export.quantize_onnx import layer_matmuls
-    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.targets import get_target
     from pit_deploy.tiny import tiny_model
 
@@ -180,7 +180,7 @@ def test_gptq_head_table_beats_round_to_nearest(bits):
     states it reads (:meth:`RotatedQuantizedHead.round_calibrated`): on held-out hidden states of
     the same kind (outlier channels) its logits are closer to the float head's than with torchao's
     rounding, the codes stay on the head's grid, and the table read back is what the head holds."""
-    from pit_deploy.export.pte_head import RotatedQuantizedHead
+    from pit_deploy.targets.executorch.head import RotatedQuantizedHead
 
     d, v = 64, 512
     gen = torch.Generator().manual_seed(5)

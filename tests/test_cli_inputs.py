@@ -209,7 +209,7 @@ def test_a_truncated_onnx_with_matching_digests_is_exit_2(export, tmp_path, caps
 
 def test_a_corrupted_pte_is_exit_2(tmp_path):
     pytest.importorskip("executorch")
-    from pit_deploy.runtime.executorch_driver import ExecuTorchDriver
+    from pit_deploy.targets.executorch.driver import ExecuTorchDriver
 
     (tmp_path / "model.pte").write_bytes(b"ET12" + bytes(range(256)) * 16)
     with pytest.raises(PitError, match="cannot be loaded by the ExecuTorch runtime"):

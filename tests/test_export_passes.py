@@ -76,7 +76,7 @@ def test_passes_refuse_plain_models_and_unknown_modes():
 def test_onnx_export_leaves_no_forward_on_the_model(tmp_path):
     """optimum's patcher assigns the restored `forward` on the instance; the exporter removes it
     so a later `.pte` export of the same model traces the class's forward (Gemma failed)."""
-    from pit_deploy.export.to_onnx import export_onnx
+    from pit_deploy.targets.onnx.export import export_onnx
 
     model = prepare(tiny_pit_model("llama"), "factorized")
     assert "forward" not in vars(model)
@@ -88,8 +88,8 @@ def test_llm_ops_decoder_matches_the_model_in_eager():
     """The custom-op cache update and attention (ExecuTorch's llama::update_cache and
     llama::custom_sdpa, run eagerly through their CPU kernels) give the model's own logits,
     one-call prefill then single-token decode, for every family that uses them."""
-    from pit_deploy.export import llm_ops
-    from pit_deploy.export.to_executorch import StaticKVDecoder
+    from pit_deploy.targets.executorch import llm_ops
+    from pit_deploy.targets.executorch.export import StaticKVDecoder
 
     assert llm_ops.available(), "the pinned executorch ships its LLM custom ops"
     for family in ("llama", "qwen3", "granite"):

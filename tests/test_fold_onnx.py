@@ -13,7 +13,7 @@ import pytest
 
 from pit_deploy.cli import main
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.targets.onnx_optimum import data_name, decoder_file
+from pit_deploy.targets.onnx import data_name, decoder_file
 from pit_deploy.tiny import FAMILIES
 from pit_models import dense_t_pit_dir
 from scramble import rehash

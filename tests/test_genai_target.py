@@ -159,7 +159,7 @@ def test_a_corrupted_decoder_weight_fails_verify(tmp_path, capsys):
 
 def test_int8_layers_become_exact_builder_overrides():
     from pit_deploy.errors import PitError
-    from pit_deploy.export.to_genai import int8_overrides
+    from pit_deploy.targets.onnx_genai.export import int8_overrides
 
     extra, target = int8_overrides(("v_proj", "down_proj"), 2)
     assert extra == {"fuse_qkv": "false"}  # fused, v_proj has no node of its own
@@ -233,7 +233,7 @@ def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
     import torch
 
     from pit_deploy.export.calibrated_rounding import RoundingGrid, round_to_nearest
-    from pit_deploy.export.to_genai import write_calibrated_body
+    from pit_deploy.targets.onnx_genai.export import write_calibrated_body
     from pit_deploy.targets.onnx_genai import DECODER_NAME
 
     out = tmp_path / "exp"

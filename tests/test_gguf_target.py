@@ -70,7 +70,7 @@ def test_fp32_gguf_loads_in_llama_cpp_and_matches_pytorch(family, tmp_path, caps
 
 def test_llama_rotary_rows_are_reordered_per_head():
     """HF's half-split rotary pairs (i, i + D/2) become llama.cpp's adjacent pairs (2i, 2i + 1)."""
-    from pit_deploy.export.to_gguf import rotary_pairs
+    from pit_deploy.targets.gguf.export import rotary_pairs
 
     heads, dim = 2, 4
     w = np.arange(heads * dim, dtype=np.float32)[:, None].repeat(3, 1)
@@ -149,7 +149,7 @@ def test_the_interface_is_what_llama_cpp_gathers_and_its_head_computes(tmp_path,
     from scramble import rehash
 
     from pit_deploy.io.gguf_files import read_gguf_tensors
-    from pit_deploy.runtime.llama_cpp_interface import runtime_interface
+    from pit_deploy.targets.gguf.interface import runtime_interface
 
     out = _export(tmp_path, "llama", "float32,q4_0")
     for art in Manifest.read(out).artifacts:
@@ -211,8 +211,8 @@ def test_bench_bundle_runs_the_gguf_with_llama_cpp_only(tmp_path, capsys):
 
 
 def test_standalone_decoder_imports_nothing_of_the_package():
-    from pit_deploy.runtime import llama_cpp_decoder
-    from pit_deploy.targets.llama_cpp import SPEC_NAME
+    from pit_deploy.targets.gguf import decoder as llama_cpp_decoder
+    from pit_deploy.targets.gguf import SPEC_NAME
 
     assert llama_cpp_decoder.SPEC_NAME == SPEC_NAME  # the decoder cannot import the target's constant
     assert_self_contained(Path(llama_cpp_decoder.__file__), ("transformers", "torch"))

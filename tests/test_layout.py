@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pit_deploy.targets import BUILTIN
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pit_deploy"
 
@@ -42,9 +44,14 @@ def _package_files(sub: str) -> list[Path]:
     return sorted((PACKAGE / sub).rglob("*.py"))
 
 
+#: the built-in targets' declarations (``targets/<name>/__init__.py``: onnx, executorch, onnx_genai,
+#: gguf): standard library only
+TARGET_DECLARATIONS = tuple(BUILTIN.values())
+
+
 @pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.export.recipes",
-                                   "pit_deploy.targets", "pit_deploy.targets.onnx_optimum",
-                                   "pit_deploy.targets.executorch_xnnpack", "pit_deploy.targets.onnx_genai", "pit_deploy.runtime.base", "pit_deploy.runtime.drivers",
+                                   "pit_deploy.targets", "pit_deploy.targets.base", *TARGET_DECLARATIONS,
+                                   "pit_deploy.runtime.base", "pit_deploy.runtime.drivers",
                                    "pit_deploy.schemes", "pit_deploy.options", "pit_deploy.io.hub",
                                    "pit_deploy.train.config", "pit_deploy.io.metrics", "pit_deploy.run.recipe"])
 def test_light_modules_import_without_torch(light):
@@ -59,38 +66,108 @@ def test_light_modules_import_without_torch(light):
     assert proc.returncode == 0, f"{light} pulled in: {proc.stdout.strip()} {proc.stderr[-500:]}"
 
 
+def test_target_declarations_are_light():
+    """A target's declaration imports nothing of the package but the registry, its base and
+    ``errors`` (what it runs is named as "module:attribute" and imported on first use)."""
+    assert len(TARGET_DECLARATIONS) >= 4
+    allowed = {"pit_deploy.errors", "pit_deploy.targets", "pit_deploy.targets.base"}
+    heavy = {name: _imports(PACKAGE / "targets" / name.rpartition(".")[2] / "__init__.py") - allowed
+             for name in TARGET_DECLARATIONS}
+    heavy.update({f"pit_deploy.targets.{stem}": _imports(PACKAGE / "targets" / f"{stem}.py") - allowed
+                  for stem in ("__init__", "base")})
+    assert not any(heavy.values()), heavy
+
+
+#: A target's folder (``targets/<name>/``): its declaration (``__init__.py``) and the modules only
+#: that target uses, each on one side, by file name: the export side (what writes the artifact:
+#: it may import ``export``, ``model``, ``io``… as the exporters always did), the runtime side
+#: (what runs an artifact: a driver, a standalone decoder, the interface reader, a runner; it
+#: never imports the export side, its own target's export modules included) and the check side
+#: (what ``verify`` and ``bench`` add for the target: it may import ``evaluate``). Each side ranks
+#: just above the shared unit of its kind (:data:`LAYERS`). A module of a new name joins a side here.
+TARGET_SIDES: dict[str, frozenset[str]] = {
+    "export": frozenset({"export", "head", "token_table", "xnnpack_rewrites", "llm_ops", "runner_tokenizer",
+                         "web_fold"}),
+    "runtime": frozenset({"driver", "decoder", "interface", "interface_weights", "llm_runner",
+                          "emulated_pte_runner"}),
+    "evaluate": frozenset({"stock_runner", "web_check"}),
+}
+
+
+def _target_side(module: str) -> tuple[str, str] | None:
+    """``(target folder, side)`` of a module of a target's folder other than its declaration."""
+    parts = module.split(".")
+    if len(parts) != 4 or parts[1] != "targets":
+        return None
+    side = next((s for s, stems in TARGET_SIDES.items() if parts[3] in stems), "unknown")
+    return parts[2], side
+
+
+def _export_side(module: str) -> bool:
+    side = _target_side(module)
+    return module.startswith("pit_deploy.export") or (side is not None and side[1] == "export")
+
+
+def test_every_target_module_has_a_side():
+    unknown = [m for m in _graph() if (_target_side(m) or ("", ""))[1] == "unknown"]
+    assert not unknown, f"add {unknown} to TARGET_SIDES"
+
+
 #: what ``evaluate`` may take from the export side: the recipe (a manifest's settings), and for
 #: the weight-level check the exporter's own preparation of the reference (the weights it wrote
 #: are compared with what these functions make of the reference, so they cannot be rewritten apart;
 #: a ``.pte``'s quantized head and shared gather read the rotated table and the nibble order that
-#: ``pte_head`` and ``pte_token_table`` make)
+#: the ``.pte``'s ``head`` and ``token_table`` make)
 EVALUATE_MAY_IMPORT = {
     "pit_deploy/evaluate/*": {"pit_deploy.export.recipes"},
     "pit_deploy/evaluate/weight_check.py": {"pit_deploy.export.passes", "pit_deploy.export.residual_rotation",
-                                            "pit_deploy.export.to_gguf", "pit_deploy.export.pte_head",
-                                            "pit_deploy.export.pte_token_table"},
+                                            "pit_deploy.targets.gguf.export", "pit_deploy.targets.executorch.head",
+                                            "pit_deploy.targets.executorch.token_table"},
 }
 
 
 def test_runtime_side_never_imports_export_side():
+    """``runtime``, ``evaluate`` and the runtime and check sides of every target folder."""
     def allowed(path: Path, mod: str) -> bool:
         rel = path.relative_to(ROOT).as_posix()
-        return (rel.startswith("pit_deploy/evaluate/") and mod in EVALUATE_MAY_IMPORT["pit_deploy/evaluate/*"]
+        checks = rel.startswith("pit_deploy/evaluate/") or (_target_side(_module_name(path)) or ("", ""))[1] == "evaluate"
+        return (checks and mod in EVALUATE_MAY_IMPORT["pit_deploy/evaluate/*"]
                 or mod in EVALUATE_MAY_IMPORT.get(rel, set()))
 
+    runtime_side = [path for sub in ("runtime", "evaluate") for path in _package_files(sub)]
+    runtime_side += [path for path in _package_files("targets")
+                     if (_target_side(_module_name(path)) or ("", ""))[1] in ("runtime", "evaluate")]
+    graph = _graph()
     offenders = [
         (str(path.relative_to(ROOT)), mod)
-        for sub in ("runtime", "evaluate")
-        for path in _package_files(sub)
-        for mod in _imports(path)
-        if mod.startswith("pit_deploy.export") and not allowed(path, mod)
+        for path in runtime_side
+        for mod in _imports(path) | graph[_module_name(path)]
+        if _export_side(mod) and not allowed(path, mod)
     ]
+    assert not offenders, offenders
+
+
+def test_no_target_imports_another_targets_folder():
+    """A target's folder is its own: none of its modules imports a module of another target's
+    folder (declaration included); what two targets share lives in a shared unit."""
+    offenders = []
+    for module, deps in _graph().items():
+        parts = module.split(".")
+        if len(parts) < 3 or parts[1] != "targets" or parts[2] in ("base",):
+            continue
+        for dep in deps:
+            other = dep.split(".")
+            if len(other) >= 3 and other[1] == "targets" and other[2] != "base" and other[2] != parts[2]:
+                offenders.append(f"{module} -> {dep}")
     assert not offenders, offenders
 
 
 #: The package's layers, lowest first: a unit (a top-level module or sub-package) may import only
 #: units of lower layers (docs/design.md). Targets are declarations at the bottom: what they run
 #: is named as "module:attribute" and imported on first use, so every layer can ask a target.
+#: The other modules of a target's folder are units of their own, one per target and side
+#: (:data:`TARGET_SIDES`), each just above the shared unit of its kind: ``targets/*/runtime``
+#: stands for every target's runtime side.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("options", "schemes", "targets"),
@@ -100,8 +177,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("convert", "analysis"),
     ("train",),
     ("runtime",),
+    ("targets/*/runtime",),
     ("export",),
+    ("targets/*/export",),
     ("evaluate",),
+    ("targets/*/evaluate",),
     ("run",),
     ("api",),
     ("cli", "tiny"),
@@ -110,12 +190,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
+def _rank(unit: str) -> int:
+    parts = unit.split("/")
+    return RANK[f"targets/*/{parts[2]}"] if len(parts) == 3 else RANK[unit]
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _unit(module: str) -> str | None:
+    side = _target_side(module)
+    if side is not None:
+        return f"targets/{side[0]}/{side[1]}"
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
 
@@ -138,7 +226,8 @@ def _graph() -> dict[str, set[str]]:
 
 def test_every_unit_has_a_layer():
     units = {_unit(m) for m in _graph()} - {None}
-    assert units <= set(RANK), f"add {sorted(units - set(RANK))} to LAYERS"
+    missing = sorted(u for u in units if (f"targets/*/{u.split('/')[2]}" if u.count("/") == 2 else u) not in RANK)
+    assert not missing, f"add {missing} to LAYERS (or TARGET_SIDES)"
 
 
 def test_dependencies_point_down():
@@ -148,7 +237,7 @@ def test_dependencies_point_down():
         src = _unit(module)
         for dep in deps:
             dst = _unit(dep)
-            if src and dst and src != dst and RANK[dst] >= RANK[src]:
+            if src and dst and src != dst and _rank(dst) >= _rank(src):
                 upward.append(f"{module} -> {dep}")
     assert not upward, upward
 

@@ -17,8 +17,8 @@ IDS, ROWS = 96, 16  # tiny llama: V = 512, d = 64 -> 6 and 4 chunks
 
 @pytest.fixture(scope="module")
 def chunked_export(tmp_path_factory) -> Path:
-    import pit_deploy.export.to_executorch as exporter
-    import pit_deploy.runtime.executorch_driver as driver
+    import pit_deploy.targets.executorch.export as exporter
+    import pit_deploy.targets.executorch.driver as driver
 
     root = tmp_path_factory.mktemp("pte-chunks")
     save_model(tiny_pit_model("llama"), root / "pit", tiny_tokenizer())
@@ -45,11 +45,11 @@ def test_interface_methods_plan_only_one_chunk(chunked_export):
 
 
 def test_the_interface_is_measured_whole_through_the_chunks(chunked_export, capsys, monkeypatch):
-    import pit_deploy.runtime.executorch_driver as driver
+    import pit_deploy.targets.executorch.driver as driver
 
     monkeypatch.setattr(driver, "INTERFACE_IDS", IDS)
     monkeypatch.setattr(driver, "INTERFACE_HIDDEN_ROWS", ROWS)
-    from pit_deploy.runtime.executorch_driver import ExecuTorchDriver
+    from pit_deploy.targets.executorch.driver import ExecuTorchDriver
 
     emb, head = ExecuTorchDriver(chunked_export / "executorch-factorized").interface(512, 64)
     assert tuple(emb.shape) == (512, 64) and tuple(head.shape) == (64, 512)

@@ -14,9 +14,9 @@ from torch import nn
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.pte_head import _quantized, int8_grid_rows
+from pit_deploy.targets.executorch.head import _quantized, int8_grid_rows
 from pit_deploy.io.manifest import MANIFEST_NAME
-from pit_deploy.targets.executorch_xnnpack import PTD_NAME, PTE_NAME
+from pit_deploy.targets.executorch import PTD_NAME, PTE_NAME
 from pit_models import dense_t_pit_dir
 from scramble import rehash
 
@@ -90,8 +90,8 @@ def _table_bytes(directory: Path, bits: int = 4) -> bytes:
     """The shared table's packed codes, rebuilt from the reference checkpoint as the exporter builds
     them (the same deterministic quantization)."""
     from pit_deploy.export.passes import prepare
-    from pit_deploy.export.pte_token_table import quantize_token_table
-    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.targets.executorch.token_table import quantize_token_table
+    from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.io.checkpoint import load_pit_model
 
     model, _ = quantize_linears(prepare(load_pit_model(directory / "reference"), "factorized"), "int4", 32,

@@ -22,7 +22,7 @@ from pit_deploy.model.quantized_interface import correction_matrix
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.io.manifest import MANIFEST_NAME
-from pit_deploy.targets.onnx_optimum import decoder_file
+from pit_deploy.targets.onnx import decoder_file
 from pit_deploy.tiny import FAMILIES, tiny_model
 from pit_models import dense_t_pit_dir
 
@@ -322,7 +322,7 @@ def test_pte_token_table_correction_keeps_the_interface_exact(tmp_path, correct)
     ``M = (ZᵀẐ)⁻¹T⁻¹`` the head (fp32 ``Zᵀ``) undoes the embedding to fp32 rounding; with
     ``T⁻¹`` it drifts by the table's quantization error."""
     from pit_deploy.export.passes import InterfaceProbe, prepare
-    from pit_deploy.export.pte_token_table import quantize_token_table
+    from pit_deploy.targets.executorch.token_table import quantize_token_table
     from pit_deploy.io.checkpoint import load_pit_model
 
     model = prepare(load_pit_model(_pit_dir("llama", tmp_path)), "factorized")
@@ -341,7 +341,7 @@ def test_executorch_int4_scheme_keeps_named_layers_at_8_bits():
     """``int4_8bit_layers`` (default ``v_proj``, ``down_proj``) get per-channel int8 weights, every
     other linear symmetric int4 in groups; the twin stays close to the fp32 model, the source is
     untouched."""
-    from pit_deploy.export.to_executorch import quantize_linears
+    from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.tiny import tiny_model
 
     model = tiny_model("llama").eval()
@@ -395,8 +395,8 @@ def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
     ``W_out E = I`` exactly, and so does the head on basis vectors: its per-token rounding leaves
     the grid rows of ``S`` unchanged."""
     from pit_deploy.export.passes import FACTORS_ATTR, InterfaceProbe, prepare
-    from pit_deploy.export.pte_head import random_rotation
-    from pit_deploy.export.pte_token_table import dequantize_rows, quantize_token_table
+    from pit_deploy.targets.executorch.head import random_rotation
+    from pit_deploy.targets.executorch.token_table import dequantize_rows, quantize_token_table
     from pit_deploy.io.checkpoint import load_pit_model
 
     fp32 = prepare(load_pit_model(_pit_dir("llama", tmp_path)), "factorized")
@@ -430,7 +430,7 @@ def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
 def test_executorch_rotated_quantized_head_exports_and_verifies(tmp_path):
     """``--pte-head-bits 8`` on a factorized int8 ``.pte``: it verifies within the int8 bounds,
     is smaller than the program with the fp32 head, and keeps ``delta_ti ≤ 1e-4`` on the runtime
-    like the fp32 head (the grid-exact ``S``, :mod:`pit_deploy.export.pte_head`)."""
+    like the fp32 head (the grid-exact ``S``, :mod:`pit_deploy.targets.executorch.head`)."""
     src = _pit_dir("qwen3", tmp_path)
     sizes = {}
     for bits in (0, 8):
@@ -460,7 +460,7 @@ def test_recipe_refuses_a_bad_pte_head_bits():
 def test_pack_nibbles_is_what_embedding_4bit_reads():
     """``embedding_4bit`` over :func:`pack_nibbles` returns the rows ``q · s`` (PyTorch's reference
     implementation of the op; the runtime's kernel is checked by the export test below)."""
-    from pit_deploy.export.pte_token_table import QuantizedRows, dequantize_rows, quantize_rows
+    from pit_deploy.targets.executorch.token_table import QuantizedRows, dequantize_rows, quantize_rows
 
     rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     q, scales = quantize_rows(rows, 32, bits=4)

@@ -157,7 +157,7 @@ def test_the_rounding_reproduces_both_runtimes_grids():
     """The expected error's own rounding (written without the exporters' quantizers) lands on
     onnxruntime's asymmetric blocks and on the symmetric grid of the ``.pte`` token table, up to
     float32 rounding of the scales (a rare tie may round one code the other way)."""
-    from pit_deploy.export.pte_token_table import dequantize_rows, quantize_rows
+    from pit_deploy.targets.executorch.token_table import dequantize_rows, quantize_rows
     from pit_deploy.export.quantize_onnx import block_quantize
 
     rng = np.random.default_rng(0)

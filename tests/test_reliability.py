@@ -339,7 +339,7 @@ def test_genai_generator_that_differs_from_the_measured_session_fails(genai_expo
     import onnxruntime_genai as og
 
     from pit_deploy.evaluate.verify import ArtifactResult
-    from pit_deploy.runtime.genai_driver import check_generator
+    from pit_deploy.targets.onnx_genai.driver import check_generator
 
     real = og.Generator
 
@@ -555,7 +555,7 @@ def test_a_linear_the_genai_builder_has_no_node_for_is_refused_before_gptq(sourc
 def test_a_pre_tokenizer_llama_cpp_lacks_is_refused_before_any_conversion(tmp_path, capsys, monkeypatch):
     from tokenizers import pre_tokenizers
 
-    from pit_deploy.export import to_gguf
+    from pit_deploy.targets.gguf import export as to_gguf
 
     tokenizer = tiny_tokenizer()
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -656,8 +656,8 @@ def test_llama_cpp_context_warning_is_printed_at_most_once(gguf_export):
     pytest.importorskip("llama_cpp")
     gguf = gguf_export / "gguf-materialized" / "model-f32.gguf"
     code = textwrap.dedent(f"""
-        from pit_deploy.runtime.llama_cpp_decoder import LlamaCppDecoder
-        from pit_deploy.runtime.llama_cpp_interface import runtime_interface
+        from pit_deploy.targets.gguf.decoder import LlamaCppDecoder
+        from pit_deploy.targets.gguf.interface import runtime_interface
         for _ in range(3):
             LlamaCppDecoder({str(gguf)!r}, 1).close()
         runtime_interface({str(gguf)!r}, 1)

@@ -5,7 +5,7 @@ tokens). The end-to-end run of the check is in the README test of ``tests/test_o
 
 from __future__ import annotations
 
-from pit_deploy.evaluate.stock_runner import whole_utf8_prefix
+from pit_deploy.targets.executorch.stock_runner import whole_utf8_prefix
 from pit_deploy.tiny import tiny_tokenizer
 
 

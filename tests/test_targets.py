@@ -33,8 +33,8 @@ class CopyTarget(Target):
     module = "onnxruntime"
     package = "onnxruntime"
     dtypes = ("float32", "int4")
-    exporter = "pit_deploy.export.to_onnx:export_artifact"
-    driver = "pit_deploy.runtime.ort_driver:OnnxDriver"
+    exporter = "pit_deploy.targets.onnx.export:export_artifact"
+    driver = "pit_deploy.targets.onnx.driver:OnnxDriver"
     primary_file = "onnx/model.onnx"
     standalone = ("pit_deploy.runtime.standalone", "OrtDecoder")
     bundle_install = "onnxruntime numpy"

@@ -83,7 +83,7 @@ def test_fp32_and_int4_pass_on_two_cpu_profiles(arm_setup, export, capsys):
 def test_a_corrupted_weight_fails_on_aarch64_as_on_x86(arm_setup, export, tmp_path, capsys):
     import onnx
 
-    from pit_deploy.targets.onnx_optimum import data_name, decoder_file
+    from pit_deploy.targets.onnx import data_name, decoder_file
     from scramble import rehash
 
     out = _copy(export, tmp_path)
@@ -228,7 +228,8 @@ def test_bench_cannot_time_the_emulated_runtime():
 
     from bundle_device import assert_self_contained
 
-    from pit_deploy.runtime import emulated_pte_runner, emulated_runner
+    from pit_deploy.runtime import emulated_runner
+    from pit_deploy.targets.executorch import emulated_pte_runner
 
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--isa", "aarch64", "x"])

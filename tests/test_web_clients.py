@@ -17,7 +17,7 @@ import pytest
 from pit_deploy.cli import main
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.runtime.web_clients import WEB_DIR_ENV
-from pit_deploy.targets.onnx_optimum import data_name, decoder_file
+from pit_deploy.targets.onnx import data_name, decoder_file
 from pit_deploy.tiny import FAMILIES, tiny_pit_model, tiny_tokenizer
 from scramble import rehash
 

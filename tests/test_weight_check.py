@@ -235,7 +235,7 @@ def scramble_artifact(directory: Path, art: dict) -> str:
         return scramble_gguf(folder / art["details"]["file"])
     if art["runtime"] == "onnx-genai":
         return scramble_onnx_graph(folder / "model.onnx", art["shapes"]["vocab_size"])
-    from pit_deploy.targets.onnx_optimum import decoder_file
+    from pit_deploy.targets.onnx import decoder_file
 
     return scramble_onnx_graph(decoder_file(folder), art["shapes"]["vocab_size"])
 
@@ -394,7 +394,7 @@ def test_torchao_hqq_rounding_passes_the_exporters_own_codes_and_no_others():
     from torchao.quantization import quantize_
 
     from pit_deploy.evaluate.weight_check import _from_codes, off_grid, torchao_hqq_rounding
-    from pit_deploy.export.pte_head import xnnpack_linear_config
+    from pit_deploy.targets.executorch.head import xnnpack_linear_config
 
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     weight[:, ::32] *= 4  # one outlier a group

@@ -452,10 +452,13 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
             raise PitError(f"{cell['label']}: the {target.name} runtime has no standalone decoder, so it cannot "
                            "run in a bundle")
         module, cls = target.standalone
+        stem = BUNDLE_MODULE[:-3]
         if module != standalone.__name__:  # a decoder file of its own, packed beside this one
-            decoder_files[module.rsplit(".", 1)[-1]] = resolve_module_file(module)
-        decoder = {"module": BUNDLE_MODULE[:-3] if module == standalone.__name__ else module.rsplit(".", 1)[-1],
-                   "class": cls}
+            stem = decoder_stem(target.module, module)
+            path = resolve_module_file(module)
+            if decoder_files.setdefault(stem, path) != path:
+                raise RuntimeError(f"two standalone decoders would be packed as {stem}.py")
+        decoder = {"module": stem, "class": cls}
         prompt = cell["prompt_key"]
         if (cell["label"], prompt) in seen:
             continue
@@ -497,6 +500,13 @@ def write_bundle(out: str | Path, directories: Sequence[str | Path], opts: Bench
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def decoder_stem(runtime_module: str, module: str) -> str:
+    """The name a target's own standalone decoder file has in a bundle: the runtime's module
+    before the file's own name (``llama_cpp_decoder`` for ``pit_deploy.targets.gguf.decoder``),
+    so that the decoders of several targets, each ``decoder.py`` in its folder, lie side by side."""
+    return f"{runtime_module}_{module.rsplit('.', 1)[-1]}"
 
 
 def resolve_module_file(module: str) -> Path:

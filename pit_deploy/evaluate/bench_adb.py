@@ -3,7 +3,7 @@ phone by ExecuTorch's stock LLM runner (``llama_main``), driven over ``adb``.
 
 Why the stock runner rather than the bundle's Python cells (``bench --bundle``): a phone has
 no Python, and what an app ships is the C++ runner; its figures are the ones a deployment
-sees. The ``.pte`` files follow that runner's conventions (``export/to_executorch.py``), so
+sees. The ``.pte`` files follow that runner's conventions (``targets/executorch/export.py``), so
 they run unchanged.
 
 What happens (``docs/bench.md``, "Phones over adb"): every check that needs no device runs
@@ -37,10 +37,10 @@ from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 from ..io.manifest import REFERENCE_DIR, Manifest
-from ..runtime.llm_runner import pass_figures, stats_problem
 from ..runtime.standalone import _mean_std, _percentile, pte_data_file
 from ..targets import get_target
-from ..targets.executorch_xnnpack import PTE_NAME
+from ..targets.executorch import PTE_NAME
+from ..targets.executorch.llm_runner import pass_figures, stats_problem
 from .bench import BenchOptions, BenchResult, prompt_text
 from .bench_rows import check_context, export_names, reference_positions, runner_row, verification_state
 

@@ -109,9 +109,9 @@ class ArtifactResult:
     weights_shared: bool | None = None
     tying: str = "pit"
     nonfinite_outputs: int = 0
-    #: ExecuTorch artifacts: the stock LLM runner's greedy texts vs the reference's (:mod:`.stock_runner`)
+    #: ExecuTorch artifacts: the stock LLM runner's greedy texts vs the reference's (:mod:`pit_deploy.targets.executorch.stock_runner`)
     stock_runner: dict[str, Any] | None = None
-    #: ``verify --web``: per transformers.js client, its figures and failures (:mod:`.web_check`)
+    #: ``verify --web``: per transformers.js client, its figures and failures (:mod:`pit_deploy.targets.onnx.web_check`)
     web: dict[str, Any] | None = None
     #: quantized artifacts: each weight read back from the artifact against the reference on the
     #: target's grid (:mod:`.weight_check`): ``checked``, ``tensors``, ``calibrated``, ``failure``, ``note``

@@ -13,7 +13,7 @@ setting), and is judged by the very code and bounds of :mod:`.verify`:
    are computed here, on x86, as always;
 2. **run** — the emulated Python makes the same calls on the artifact
    (:mod:`pit_deploy.runtime.emulated_runner` for the ONNX graphs,
-   :mod:`pit_deploy.runtime.emulated_pte_runner` for the ``.pte`` programs: one process per CPU
+   :mod:`pit_deploy.targets.executorch.emulated_pte_runner` for the ``.pte`` programs: one process per CPU
    profile and runtime, for all its artifacts) and writes the outputs as ``.npz`` files into a
    temporary folder;
 3. **judge** — the same functions run again against a :class:`ReplayDriver` serving those outputs,

@@ -23,7 +23,7 @@ error). This check does not depend on the model's sensitivity:
   the exporter prepared it (:func:`pit_deploy.export.passes.prepare`): every 2-D weight, its
   transpose, the builder's fused projections (``qkv_proj``, ``gate_up_proj``), and a
   factorized token table turned by the exporter's rotation (``Z R``); the gguf target's
-  tensors under llama.cpp's names with its row order (:func:`pit_deploy.export.to_gguf.gguf_tensors`)
+  tensors under llama.cpp's names with its row order (:func:`pit_deploy.targets.gguf.export.gguf_tensors`)
   (the PIT-corrected GGUF table is float32 and is not a quantized tensor); a ``.pte``'s weights
   also after ``rotate_residual`` and, for a quantized head, its table ``Y = Z T S⁻ᵀ``
   (:func:`pte_candidates`).
@@ -617,7 +617,7 @@ def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck
     """A GGUF artifact: every quantized tensor against the tensor the exporter wrote from the
     prepared reference under the same name."""
     from ..export.passes import prepare
-    from ..export.to_gguf import gguf_tensors
+    from ..targets.gguf.export import gguf_tensors
 
     name = (art.details or {}).get("file") if isinstance(art.details, dict) else None
     files = [rel for rel in art.files if rel.endswith(".gguf")]
@@ -639,14 +639,14 @@ def pte_candidates(prepared: Any, details: dict[str, Any],
     the prepared reference and its transpose (``Zᵀ`` gives the gather's table ``Z``); with
     ``rotate_residual`` the same of the rotated model the body was rounded from
     (:func:`pit_deploy.export.residual_rotation.rotate_residual`); with a quantized head the
-    rotated table ``Y = Z T S⁻ᵀ`` it and its gather read (:class:`pit_deploy.export.pte_head.
+    rotated table ``Y = Z T S⁻ᵀ`` it and its gather read (:class:`pit_deploy.targets.executorch.head.
     RotatedQuantizedHead`), with each nibble pair swapped where a 4-bit gather shares its codes
-    (:func:`pit_deploy.export.pte_token_table.nibble_pair_swap`)."""
+    (:func:`pit_deploy.targets.executorch.token_table.nibble_pair_swap`)."""
     import torch
 
     from ..export.passes import FACTORS_ATTR
-    from ..export.pte_head import ROTATION_SEED, int8_grid_rows, random_rotation
-    from ..export.pte_token_table import nibble_pair_swap
+    from ..targets.executorch.head import ROTATION_SEED, int8_grid_rows, random_rotation
+    from ..targets.executorch.token_table import nibble_pair_swap
     from ..export.residual_rotation import rotate_residual, rotation_blocker
 
     scheme, quant = _section(details, "scheme"), _section(details, "quantization")
@@ -701,7 +701,7 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
 def torchao_hqq_rounding(stored: Stored, reference: np.ndarray) -> bool:
     """Whether a ``.pte``'s 4-bit grouped tensor holds torchao's HQQ scale-only rounding of
     ``reference`` (how the exporter rounds its 4-bit linears to nearest,
-    :func:`pit_deploy.export.pte_head.xnnpack_linear_config`): each scale torchao's to bfloat16
+    :func:`pit_deploy.targets.executorch.head.xnnpack_linear_config`): each scale torchao's to bfloat16
     rounding (XNNPACK stores them so) and each code within one of torchao's. HQQ picks the scale
     that minimizes the group's squared error, which may clip a group's largest weight past one
     step of the widest grid; random codes or scales are neither."""
@@ -720,7 +720,7 @@ def torchao_hqq_rounding(stored: Stored, reference: np.ndarray) -> bool:
 def _uncovered_head(stored: list[Stored], details: dict[str, Any], vocab: int) -> list[Stored]:
     """The tensors of a GPTQ-rounded quantized head (its ``V×d`` linear, and a gather sharing its
     codes) when the export recorded no digest of their codes: GPTQ moves codes past one grid step
-    on purpose, so neither comparison applies (:meth:`pit_deploy.export.pte_head.
+    on purpose, so neither comparison applies (:meth:`pit_deploy.targets.executorch.head.
     RotatedQuantizedHead.round_calibrated`)."""
     scheme, quant = _section(details, "scheme"), _section(details, "quantization")
     if scheme.get("rounding") != "gptq" or not int(quant.get("head_bits") or 0):

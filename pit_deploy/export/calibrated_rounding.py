@@ -358,7 +358,7 @@ def head_moments(model: nn.Module) -> torch.Tensor | None:
     """``Σ hᵀh`` (float64, ``d×d``) of the hidden states a calibrated model's output head reads on
     its calibration blocks, the body as rounded; ``None`` for a model without calibration blocks.
 
-    This is what GPTQ weighs a quantized head's table by (:meth:`pit_deploy.export.pte_head.
+    This is what GPTQ weighs a quantized head's table by (:meth:`pit_deploy.targets.executorch.head.
     RotatedQuantizedHead.round_calibrated`): the head's logits are a linear in ``h``, so the
     error the table's rounding leaves in them is smallest along the directions ``h`` takes on
     real text. The forward stops at the head, whose ``V``-wide product is not needed."""

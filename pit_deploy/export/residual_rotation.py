@@ -13,7 +13,7 @@ the model computes:
   orthogonal ``Q`` (readers ``W → W Q``, writers ``W → Qᵀ W``): the conversion's own step
   (:func:`pit_deploy.convert.preserve.fold_and_rotate`), exact for pre-norm RMSNorm blocks;
 * the embedding's output enters rotated: its ``d×d`` matrix takes ``Q`` (``T⁻¹ → T⁻¹ Q``; a
-  quantized gather's correction ``M → M Q``, :func:`.pte_token_table.quantize_token_table`), a
+  quantized gather's correction ``M → M Q``, :func:`pit_deploy.targets.executorch.token_table.quantize_token_table`), a
   plain table its rows (``E → E Q``): no extra work at run time;
 * one ``d×d`` matmul ``Qᵀ`` before the final norm (:class:`Unrotate`) returns to the interface's
   basis, because the final norm's diagonal gain is not a symmetry of ``Q``.

@@ -29,7 +29,7 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
     """``{artifact, prompts: [{prompt, source, artifact, identical}]}`` for the report."""
     from transformers import AutoTokenizer
 
-    from ..evaluate.stock_runner import eos_ids
+    from ..targets.executorch.stock_runner import eos_ids
     from ..io.sources import load_source
     from ..runtime.base import greedy
     from ..runtime.drivers import driver_class

@@ -1,9 +1,10 @@
-"""Runtimes that run exported artifacts: one :class:`~pit_deploy.runtime.base.Driver` per
-runtime (onnxruntime, onnxruntime-genai, the ExecuTorch runtime, llama.cpp, PyTorch eager:
-:mod:`.drivers`); a target names its driver (:mod:`pit_deploy.targets`). Beside them: the
-standalone decoders an edge bundle carries (:mod:`.standalone`, importing nothing of the
-package), ExecuTorch's stock LLM runner (:mod:`.llm_runner`) and the transformers.js clients
-(:mod:`.web_clients`).
+"""What runs exported artifacts, shared by the targets: the :class:`~pit_deploy.runtime.base.Driver`
+interface, finding a runtime's driver by name (:mod:`.drivers`; PyTorch eager: :mod:`.torch_driver`),
+the onnxruntime driver both ONNX targets build on (:mod:`.ort_driver`), the standalone decoders an edge bundle carries
+(:mod:`.standalone`, importing nothing of the package), the emulated aarch64 runs
+(:mod:`.emulated`) and the transformers.js clients (:mod:`.web_clients`). Each target's own
+driver lives in its folder, ``pit_deploy/targets/<name>/driver.py``, and the target names it
+(:mod:`pit_deploy.targets`).
 
 The runtime side never imports the export side: evaluation (verify, bench) and a device
 harness need only this package and the runtime's own library.

@@ -12,7 +12,7 @@ one x86 machine can run the kernels of several phone CPUs (:data:`PROFILES`). Em
 set-up is the user's to install: exit 2 naming the script). :func:`run_job` copies a runner and
 :mod:`.standalone` into a job folder and runs the runner there in the emulated Python:
 :mod:`.emulated_runner` (the ONNX graphs; the standard library, numpy and onnxruntime) or
-:mod:`.emulated_pte_runner` (the ``.pte`` programs; PyTorch's aarch64 wheel, a CUDA build, on the
+:mod:`pit_deploy.targets.executorch.emulated_pte_runner` (the ``.pte`` programs; PyTorch's aarch64 wheel, a CUDA build, on the
 set-up's stand-ins for the CUDA libraries, and the ExecuTorch runtime). The ExecuTorch wheel
 needs ARMv8.1+ cores (LSE atomics, dot products): on the ARMv8.0 profiles (:data:`ARMV8_0_CPUS`)
 qemu stops it with an illegal instruction, so its programs are not checked there.
@@ -44,7 +44,8 @@ _HERE = Path(__file__).resolve().parent
 RUNNER_FILES = (_HERE / "emulated_runner.py", _HERE / "standalone.py")
 #: the runtimes a job runs on, and the runner of each (``RUNNER_FILES`` are copied beside it)
 ONNXRUNTIME, EXECUTORCH = "onnxruntime", "executorch"
-RUNNERS = {ONNXRUNTIME: _HERE / "emulated_runner.py", EXECUTORCH: _HERE / "emulated_pte_runner.py"}
+RUNNERS = {ONNXRUNTIME: _HERE / "emulated_runner.py",
+           EXECUTORCH: _HERE.parent / "targets" / "executorch" / "emulated_pte_runner.py"}
 
 
 def aarch64_root() -> Path:

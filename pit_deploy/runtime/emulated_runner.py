@@ -6,7 +6,7 @@ nothing but the standard library, ``numpy`` and ``onnxruntime``: it runs under u
 in an arm64 Python that has no PyTorch, transformers or ``pit_deploy`` (``scripts/setup_aarch64.sh``
 installs just those wheels). :mod:`pit_deploy.runtime.emulated` copies this file and
 ``standalone.py`` into a job folder and runs it there as a script. ``.pte`` programs have their
-own runner, :mod:`.emulated_pte_runner`, which shares this file's job format and helpers.
+own runner, :mod:`pit_deploy.targets.executorch.emulated_pte_runner`, which shares this file's job format and helpers.
 
 The x86 side does everything else. It records the calls its own verification makes on a driver —
 ``prefill`` of ids, ``step`` of a token at a position, ``interface`` of ``(vocab, dim)`` — into

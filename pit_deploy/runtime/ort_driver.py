@@ -1,8 +1,7 @@
-"""onnxruntime driver: :class:`~pit_deploy.runtime.standalone.OrtDecoder` (a plain
-``InferenceSession`` over optimum's decoder with its KV cache) and a session for
-``interface.onnx``.
-
-The artifact's layout is the ``onnx`` target's (:mod:`pit_deploy.targets.onnx_optimum`).
+"""onnxruntime driver shared by the ONNX targets: :class:`~pit_deploy.runtime.standalone.OrtDecoder`
+(a plain ``InferenceSession`` over a decoder with its KV cache) and a session for the interface
+graph. Each target names its own files (``onnx``: :mod:`pit_deploy.targets.onnx.driver`;
+``onnx-genai``: :mod:`pit_deploy.targets.onnx_genai.driver`).
 """
 
 from __future__ import annotations
@@ -12,17 +11,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..targets.onnx_optimum import decoder_file, interface_file
 from .base import Driver, loading, numpy_step
 from .standalone import OrtDecoder, ort_session_options
 
-__all__ = ["OnnxDriver"]
+__all__ = ["OrtDriver"]
 
 
-class OnnxDriver(Driver):
-    """The decoder through :class:`OrtDecoder`; the interface graph through its own session."""
-
-    runtime = "onnx"
+class OrtDriver(Driver):
+    """The decoder through :class:`OrtDecoder`; the interface graph through its own session. A
+    subclass names the folder's graphs (:meth:`decoder_path`, :meth:`interface_path`)."""
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
@@ -31,12 +28,12 @@ class OnnxDriver(Driver):
             self.decoder = OrtDecoder(path, threads)
 
     def decoder_path(self) -> Path:
-        """The folder's decoder graph (a subclass for another ONNX target names its own)."""
-        return decoder_file(self.folder)
+        """The folder's decoder graph."""
+        raise NotImplementedError
 
     def interface_path(self) -> Path:
         """The folder's interface graph."""
-        return interface_file(self.folder)
+        raise NotImplementedError
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.numpy()))

@@ -3,7 +3,7 @@
 
 This module imports nothing of ``pit_deploy`` (a test checks it), for two reasons:
 
-* the package's own drivers (``ort_driver``, ``executorch_driver``) decode through
+* the package's own drivers (the ONNX targets' and the ``executorch`` target's) decode through
   :class:`OrtDecoder` and :class:`PteDecoder`, and ``bench`` times them with
   :func:`time_generation` — one implementation for verification, benchmarks and devices;
 * ``pit-deploy bench --bundle`` copies this file, unchanged, into a tarball as

@@ -1,10 +1,12 @@
 """The target registry: runtime name → :class:`~pit_deploy.targets.base.Target`.
 
-Each built-in target lives in one module of this package (``onnx_optimum``,
-``executorch_xnnpack``, ``onnx_genai``, ``llama_cpp``) that registers itself when imported; the registry imports them on first
-use, by name, so nothing here imports a runtime. A new target is one module that defines a
-``Target`` subclass and calls :func:`register_target` (``docs/design.md``, "Adding a target");
-code outside the package can register one the same way (a test does, for the proof).
+Each built-in target lives in one folder of this package (``onnx``, ``executorch``,
+``onnx_genai``, ``gguf``), named after the target: its ``__init__.py`` declares the target and
+registers it when imported, and beside it lie the modules only that target uses (``export.py``,
+``driver.py``, …). The registry imports the declarations on first use, by name, so nothing here
+imports a runtime. A new target is one folder whose ``__init__.py`` defines a ``Target`` subclass
+and calls :func:`register_target`, plus its line in :data:`BUILTIN` (``docs/design.md``, "Adding
+a target"); code outside the package can register one the same way (a test does, for the proof).
 
 Standard library only (``io.manifest`` validates runtime names on devices).
 """
@@ -18,10 +20,10 @@ from .base import Target, VerifyContext, resolve
 
 #: built-in targets: runtime name → the module that registers it
 BUILTIN: dict[str, str] = {
-    "onnx": "pit_deploy.targets.onnx_optimum",
-    "executorch": "pit_deploy.targets.executorch_xnnpack",
+    "onnx": "pit_deploy.targets.onnx",
+    "executorch": "pit_deploy.targets.executorch",
     "onnx-genai": "pit_deploy.targets.onnx_genai",
-    "gguf": "pit_deploy.targets.llama_cpp",
+    "gguf": "pit_deploy.targets.gguf",
 }
 
 _TARGETS: dict[str, Target] = {}

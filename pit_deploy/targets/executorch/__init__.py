@@ -3,13 +3,13 @@
 Artifact layout (``docs/export.md``): :data:`PTE_NAME` (``forward(tokens, input_pos)``, the
 ``embed``/``head`` methods verification reads the interface through, and the metadata methods
 of ExecuTorch's LLM runner) and the stock runner's ``tokenizer.json``
-(:mod:`pit_deploy.export.runner_tokenizer`). Exporter:
-:mod:`pit_deploy.export.to_executorch`; driver: :mod:`pit_deploy.runtime.executorch_driver`;
+(:mod:`pit_deploy.targets.executorch.runner_tokenizer`). Exporter:
+:mod:`pit_deploy.targets.executorch.export`; driver: :mod:`pit_deploy.targets.executorch.driver`;
 on a device: ``PteDecoder`` of :mod:`pit_deploy.runtime.standalone`, or ExecuTorch's own
 ``llama_main`` over adb (:mod:`pit_deploy.evaluate.bench_adb`).
 
 What only this target has: ``verify`` also runs every program through ExecuTorch's stock LLM
-runner (:mod:`pit_deploy.evaluate.stock_runner`), and ``bench`` times it there too.
+runner (:mod:`pit_deploy.targets.executorch.stock_runner`), and ``bench`` times it there too.
 
 Standard library only at import; the hooks import what they call.
 """
@@ -19,12 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import register_target
-from .base import Target, VerifyContext, WeightGrid, resolve
+from .. import register_target
+from ..base import Target, VerifyContext, WeightGrid, resolve
 
 PTE_NAME = "model.pte"
 #: the tag of a program's external constants: they go to ``DATA_TAG + ".ptd"`` beside the ``.pte``
-#: (a shared token table: :func:`pit_deploy.export.to_executorch.export_pte`)
+#: (a shared token table: :func:`pit_deploy.targets.executorch.export.export_pte`)
 DATA_TAG = "model"
 PTD_NAME = DATA_TAG + ".ptd"
 #: the most token ids one call of the program's ``embed`` interface method takes, and the most
@@ -45,8 +45,8 @@ class ExecuTorchXnnpackTarget(Target):
     package = "executorch"
     dtypes = ("float32", "int8", "int4")
     static_cache = True
-    exporter = "pit_deploy.export.to_executorch:export_artifact"
-    driver = "pit_deploy.runtime.executorch_driver:ExecuTorchDriver"
+    exporter = "pit_deploy.targets.executorch.export:export_artifact"
+    driver = "pit_deploy.targets.executorch.driver:ExecuTorchDriver"
     standalone = ("pit_deploy.runtime.standalone", "PteDecoder")
     bundle_install = "executorch"
     primary_file = PTE_NAME
@@ -54,7 +54,7 @@ class ExecuTorchXnnpackTarget(Target):
     ship_priority = 10
     weight_check = "pit_deploy.evaluate.weight_check:check_pte_weights"
     #: ``verify --isa aarch64`` runs the program on ExecuTorch's aarch64 wheel
-    #: (:mod:`pit_deploy.runtime.emulated_pte_runner`) through the same methods as the driver:
+    #: (:mod:`pit_deploy.targets.executorch.emulated_pte_runner`) through the same methods as the driver:
     #: ``forward``, and ``embed``/``head`` in chunks of these sizes
     aarch64_layout = "pte"
     aarch64_interface_chunks = (INTERFACE_IDS, INTERFACE_HIDDEN_ROWS)
@@ -70,13 +70,13 @@ class ExecuTorchXnnpackTarget(Target):
         return folder / PTE_NAME, folder / PTE_NAME
 
     def precheck(self, config: Any, recipe: Any) -> None:
-        resolve("pit_deploy.export.to_executorch:precheck")(config, recipe)
+        resolve("pit_deploy.targets.executorch.export:precheck")(config, recipe)
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """torchao ``8da4w``/``8da8w`` linears (symmetric; 8-bit ones per output channel), the
         gather's symmetric ``table_bits`` table, and a float32 head unless a factorized program
         asks for ``pte_head_bits``; torchao quantizes ``nn.Linear`` only, so GPT-2's ``Conv1D``
-        body stays float32 (:mod:`pit_deploy.export.to_executorch`)."""
+        body stays float32 (:mod:`pit_deploy.targets.executorch.export`)."""
         return WeightGrid(symmetric=True, per_channel_8bit=True,
                           head_bits=scheme.pte_quantized_head_bits if mode == "factorized" else 0,
                           embed_bits=scheme.table_bits, conv1d=False)
@@ -88,7 +88,7 @@ class ExecuTorchXnnpackTarget(Target):
 
     def verify_extras(self, ctx: VerifyContext, art: Any, result: Any, quantized: bool) -> None:
         """The stock LLM runner's greedy texts must equal PyTorch's (fp32; recorded for quantized)."""
-        check = resolve("pit_deploy.evaluate.stock_runner:check_stock_runner")(
+        check = resolve("pit_deploy.targets.executorch.stock_runner:check_stock_runner")(
             ctx.directory / art.path, ctx.reference, ctx.tokenizer, ctx.text_prompts, ctx.greedy_tokens,
             art.shapes.get("max_seq_len"), ctx.cache.setdefault("stock_runner", {}))
         result.stock_runner = check.to_dict()
@@ -102,16 +102,16 @@ class ExecuTorchXnnpackTarget(Target):
                     threads: tuple[int, ...], folder: Path) -> list[dict[str, Any]]:
         """The same ``.pte`` timed through ExecuTorch's stock LLM runner: its own tokenizer,
         prefill and decode loop, and its ``Stats`` — the figures ``llama_main`` prints on a phone."""
-        if tokenizer is None or not (folder / resolve("pit_deploy.runtime.llm_runner:RUNNER_TOKENIZER")).is_file():
+        if tokenizer is None or not (folder / resolve("pit_deploy.targets.executorch.llm_runner:RUNNER_TOKENIZER")).is_file():
             return []
         text, _ = resolve("pit_deploy.evaluate.bench:prompt_text")(tokenizer, vocab, prompt_len)
-        runner = resolve("pit_deploy.runtime.llm_runner:RUNNER_NAME")
+        runner = resolve("pit_deploy.targets.executorch.llm_runner:RUNNER_NAME")
         return [{**cell, "target": self.name, "variant": RUNNER_VARIANT, "threads": t, "prompt_text": text,
                  "meta": {**cell["meta"], "runtime": runner, "variant": RUNNER_VARIANT, "threads": t}}
                 for t in threads]
 
     def measure_variant(self, cell: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, list[str]]:
-        row = resolve("pit_deploy.evaluate.stock_runner:measure_runner_cell")(cell, timeout)
+        row = resolve("pit_deploy.targets.executorch.stock_runner:measure_runner_cell")(cell, timeout)
         meta, warnings = cell["meta"], []
         if row is None:
             return None, [f"{meta['artifact']} (stock runner, {meta['threads']} threads): not timed — it generated a "

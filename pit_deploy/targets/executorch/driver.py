@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..targets.executorch_xnnpack import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
-from .base import Driver, loading
-from .standalone import PteDecoder
+from ...runtime.base import Driver, loading
+from ...runtime.standalone import PteDecoder
+from . import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 
 __all__ = ["ExecuTorchDriver"]
 

@@ -2,11 +2,11 @@
 recorded runtime calls on ``.pte`` programs in an aarch64 Python and writes what the ExecuTorch
 runtime's aarch64 kernels (XNNPACK, the portable and LLM custom ops) returned.
 
-The ``.pte`` counterpart of :mod:`.emulated_runner`, whose job and result files it shares: it
-imports the standard library, numpy, and what :class:`~.standalone.PteDecoder` imports (the
+The ``.pte`` counterpart of :mod:`pit_deploy.runtime.emulated_runner`, whose job and result files it shares: it
+imports the standard library, numpy, and what :class:`~pit_deploy.runtime.standalone.PteDecoder` imports (the
 ``executorch`` runtime and PyTorch's tensors), and runs as a script in a job folder beside copies
 of ``emulated_runner.py`` and ``standalone.py``. It makes the calls the x86 side recorded on the
-package's ExecuTorch driver (:mod:`pit_deploy.runtime.executorch_driver`), in their order:
+package's ExecuTorch driver (:mod:`pit_deploy.targets.executorch.driver`), in their order:
 ``prefill`` and ``step`` through ``PteDecoder`` (the program's ``forward``), ``interface``
 through the program's ``embed`` and ``head`` methods in the chunks the job names. Each program
 is run once (KleidiAI is an onnxruntime setting) and its outputs saved to ``<artifact>.npz``.
@@ -44,7 +44,7 @@ def _sibling(name: str, module: str) -> Any:
 
 
 def onnx_runner() -> Any:
-    """:mod:`.emulated_runner` (its job format and helpers)."""
+    """:mod:`pit_deploy.runtime.emulated_runner` (its job format and helpers)."""
     return _sibling("emulated_runner.py", "pit_emulated_runner")
 
 
@@ -100,7 +100,7 @@ def interface_outputs(decoder: Any, vocab: int, dim: int, ids_chunk: int,
 
 
 def replay(artifact: dict[str, Any], threads: int) -> dict[str, np.ndarray]:
-    """Make one program's recorded calls; ``{key: output}`` as :mod:`.emulated_runner` names them."""
+    """Make one program's recorded calls; ``{key: output}`` as :mod:`pit_deploy.runtime.emulated_runner` names them."""
     decoder = onnx_runner().standalone().PteDecoder(artifact["decoder"], threads)
     ids_chunk, rows_chunk = (int(n) for n in artifact["interface_chunks"])
     out: dict[str, np.ndarray] = {}

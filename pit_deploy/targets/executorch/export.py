@@ -40,14 +40,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, StaticCache
 
-from ..errors import PitError
-from ..model.families import max_positions
-from ..schemes import Scheme, names_linear
-from ..targets.executorch_xnnpack import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
-from .passes import InterfaceProbe
-from .pte_head import xnnpack_linear_config
-from .pte_token_table import quantize_token_table
+from ...errors import PitError
+from ...export.passes import InterfaceProbe
+from ...model.families import max_positions
+from ...schemes import Scheme, names_linear
+from . import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
+from .head import xnnpack_linear_config
 from .runner_tokenizer import write_runner_tokenizer
+from .token_table import quantize_token_table
 from .xnnpack_rewrites import inferred_view_sizes, xnnpack_friendly
 
 
@@ -181,7 +181,7 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
     the runtime and the stock runner take it as their data path). One named data file is what
     lets a gather and a linear share a table: ExecuTorch's named data store keeps byte-identical
     blobs once, but only within one file, and a program's own constants reach that store only
-    as external data (:func:`pit_deploy.export.pte_token_table.shared_rows`).
+    as external data (:func:`pit_deploy.targets.executorch.token_table.shared_rows`).
 
     Returns:
         a dict with the method names, the metadata values, ``max_seq_len``, the attention used
@@ -313,7 +313,7 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     linears quantize their input to int8 per token, and on the default model's materialized
     head that measured a mean KL far over the bounds at 8 and 4 bits, failing verification
     (``studies/pte-head-and-table.md``). The input embedding is quantized separately
-    (:func:`.pte_token_table.quantize_token_table`).
+    (:func:`.token_table.quantize_token_table`).
     """
     import copy
 
@@ -346,14 +346,14 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
 
 
 def write_rounded_codes(model: nn.Module) -> int:
-    """Put a calibrated model's GPTQ codes and scales (:mod:`.calibrated_rounding`) into its
+    """Put a calibrated model's GPTQ codes and scales (:mod:`pit_deploy.export.calibrated_rounding`) into its
     torchao-quantized linears in place of torchao's own rounding; returns how many.
 
     Raises:
         RuntimeError: a code's grid does not match the linear's torchao layout (an internal
             error: the calibration and the quantization disagree on a layer's bits or group).
     """
-    from .calibrated_rounding import rounded_weights
+    from ...export.calibrated_rounding import rounded_weights
 
     codes = rounded_weights(model)
     for name, rounded in codes.items():
@@ -372,19 +372,19 @@ def write_rounded_codes(model: nn.Module) -> int:
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
                     scheme: Scheme, opset: int | None = None) -> dict:
-    """The ``executorch`` target's exporter (:mod:`pit_deploy.targets.executorch_xnnpack`). The
+    """The ``executorch`` target's exporter (:mod:`pit_deploy.targets.executorch`). The
     folder also gets the tokenizer file ExecuTorch's stock LLM runner loads (:mod:`.runner_tokenizer`)."""
     if not scheme.quantized:
         written = export_pte(model, out_dir, recipe.max_seq_len)
     else:
-        from .calibrated_rounding import head_moments
+        from ...export.calibrated_rounding import head_moments
 
         # a GPTQ-calibrated body: a quantized head's table is calibrated on the same text
         moments = head_moments(model) if scheme.pte_quantized_head_bits else None
         quantized, details = quantize_linears(model, scheme.dtype, scheme.group_size, scheme.int4_8bit_layers)
         # the embedding reads an 8-bit table; a factorized head stays a matmul with the fp32 Zᵀ
         # (not an nn.Linear) and the correction keeps W_out E = I exact, unless pte_head_bits
-        # asks for a rotated quantized head (:mod:`.pte_token_table`, :mod:`.pte_head`)
+        # asks for a rotated quantized head (:mod:`.token_table`, :mod:`.head`)
         details.update(quantize_token_table(quantized, scheme.group_size, scheme.pit_correction,
                                             table_bits=scheme.table_bits, head_bits=scheme.pte_quantized_head_bits,
                                             shared=scheme.pte_shared_table, head_moments=moments))

@@ -82,7 +82,7 @@ class RotatedQuantizedHead(nn.Module):
     ``Y = Z T S⁻ᵀ ≈ Z R`` (``V×d``), which XNNPACK runs with int8 dynamic activations.
 
     Implements the token-interface protocol's ``logits`` (the head side only: the embedding of a
-    quantized program is :class:`pit_deploy.export.pte_token_table.QuantizedRows`).
+    quantized program is :class:`pit_deploy.targets.executorch.token_table.QuantizedRows`).
     """
 
     def __init__(self, zt: torch.Tensor, t: torch.Tensor, bits: int, group_size: int,
@@ -130,9 +130,9 @@ class RotatedQuantizedHead(nn.Module):
         so its inputs' second moments are ``Sᵀ (Σ hᵀh) S``. Each row's rounding error is moved
         along the directions ``u`` rarely takes, which leaves the logits on real text closer to
         the fp32 head's. The interface is unaffected: the embedding's correction is computed from
-        whatever codes the head holds (:func:`pit_deploy.export.pte_token_table.quantize_token_table`).
+        whatever codes the head holds (:func:`pit_deploy.targets.executorch.token_table.quantize_token_table`).
         """
-        from .calibrated_rounding import RoundingGrid, gptq
+        from ...export.calibrated_rounding import RoundingGrid, gptq
 
         s = self.TR.to(torch.float64)
         grid = RoundingGrid(self.bits, self.group_size if self.bits == 4 else None, symmetric=True)
@@ -193,7 +193,7 @@ def xnnpack_linear_config(bits: int, group_size: int):
 
 def _quantized(linear: nn.Linear, bits: int, group_size: int) -> nn.Module:
     """``linear`` with the scheme of the program's other linears
-    (:func:`pit_deploy.export.to_executorch.quantize_linears`)."""
+    (:func:`pit_deploy.targets.executorch.export.quantize_linears`)."""
     from torchao.quantization import quantize_
 
     holder = nn.Sequential(linear)

@@ -7,7 +7,7 @@ reports ``Stats`` — the numbers a phone's ``llama_main`` prints. ``verify`` us
 that a stock consumer of the artifact generates what PyTorch generates (the tokenizer file
 included) and ``bench`` uses its ``Stats`` as a row.
 
-The runner always runs in a child process (``python -m pit_deploy.runtime.llm_runner SPEC
+The runner always runs in a child process (``python -m pit_deploy.targets.executorch.llm_runner SPEC
 RESULT``): the C++ code prints to the process's own stdout, and a crash (a tokenizer it cannot
 parse, a program it cannot load) must not take the caller down. This module imports nothing of
 this package at module level, so the child starts fast.
@@ -197,7 +197,7 @@ def generate(folder: str | Path, prompts: Sequence[str], max_new_tokens: int, th
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # the child imports this module by name: make the package importable from where it lives
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..io.fs import json_text
-from ..runtime.llm_runner import RUNNER_TOKENIZER
+from ...io.fs import json_text
+from .llm_runner import RUNNER_TOKENIZER
 
 # component key in tokenizer.json -> the list key of its ``Sequence`` form
 _SEQUENCE_KEYS = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers",

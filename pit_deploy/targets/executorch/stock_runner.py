@@ -1,7 +1,7 @@
 """Does ExecuTorch's stock LLM runner generate what PyTorch generates from an artifact?
 
 ``verify`` runs every ``.pte`` artifact through ``TextLLMRunner`` (the C++ runner behind
-``llama_main``, :mod:`pit_deploy.runtime.llm_runner`) on fixed text prompts — the
+``llama_main``, :mod:`pit_deploy.targets.executorch.llm_runner`) on fixed text prompts — the
 verification prompts plus, when the tokenizer has a chat template, a chat-formatted question —
 greedy, with the folder's own ``tokenizer.json``. The reference encodes the same text with the
 export's Hugging Face tokenizer (no special tokens added: the runner adds no BOS), decodes
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..runtime.llm_runner import RUNNER_TOKENIZER, LLMRunnerError, generate
+from .llm_runner import RUNNER_TOKENIZER, LLMRunnerError, generate
 
 CHAT_QUESTION = "What is the capital of France?"
 
@@ -162,9 +162,9 @@ def measure_runner_cell(cell: dict[str, Any], timeout: float) -> dict[str, Any] 
     """One stock-runner cell: a warm-up then ``reps`` generations in one child process; ``None``
     when the runner generated a piece that is not whole UTF-8, which ends its run before it
     reports its figures."""
-    from ..errors import PitError
-    from ..runtime.llm_runner import pass_figures
-    from .bench_rows import runner_row
+    from ...errors import PitError
+    from .llm_runner import pass_figures
+    from ...evaluate.bench_rows import runner_row
 
     try:
         out = generate(cell["folder"], [cell["prompt_text"]], cell["gen_len"], threads=cell["threads"],

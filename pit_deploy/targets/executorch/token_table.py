@@ -16,7 +16,7 @@ therefore keeps reading the fp32 ``Zᵀ``, and the embedding reads the 8-bit ``�
 produces) ``W_out E = T Zᵀ Ẑ M = I`` still holds on the runtime — the same correction as the ONNX
 exports' (:func:`pit_deploy.model.quantized_interface.correction_matrix`), with different tables on
 the two sides. ``head_bits`` 4 or 8 trades that exactness for size and speed: the head becomes
-a quantized linear over a rotated table (:mod:`.pte_head`), the correction is computed against
+a quantized linear over a rotated table (:mod:`.head`), the correction is computed against
 its dequantized weights, and only the head's rounding of its input is left in ``W_out E − I``.
 """
 
@@ -29,12 +29,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..errors import PitError
-from ..model.modules import PITEmbedding, PITHead
-from ..model.quantized_interface import correction_matrix
-from .passes import FACTORS_ATTR, PITFactors
-from .pte_head import ROTATION_SEED, RotatedQuantizedHead
-from .residual_rotation import rotation_of
+from ...errors import PitError
+from ...export.passes import FACTORS_ATTR, PITFactors
+from ...export.residual_rotation import rotation_of
+from ...model.modules import PITEmbedding, PITHead
+from ...model.quantized_interface import correction_matrix
+from .head import ROTATION_SEED, RotatedQuantizedHead
 
 QMAX = 127
 #: the quantized embedding op of each table width (its kernel ships in ``kernels/quantized``)
@@ -142,7 +142,7 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     Factorized (``PITEmbedding`` over :class:`PITFactors`): the embedding reads ``Ẑ`` and
     multiplies by ``M = (Ẑ_hᵀ Ẑ)⁻¹ T⁻¹`` (``correct``) or by ``T⁻¹``. With ``head_bits`` 0 the
     head keeps the fp32 ``Zᵀ`` (``Ẑ_h = Z``, the interface stays exact on the runtime); with 4 or
-    8 it becomes a :class:`~.pte_head.RotatedQuantizedHead` over ``Z R``, the table holds ``Z R``
+    8 it becomes a :class:`~.head.RotatedQuantizedHead` over ``Z R``, the table holds ``Z R``
     too and ``T`` becomes ``T R`` in ``M``. Materialized or tied (a plain ``nn.Embedding``): the
     table itself, the ``lm_head`` stays fp32 (``head_bits`` applies to factorized programs). Any
     other embedding module (one that computes more than a lookup) stays float32. ``rotate=False``
@@ -151,11 +151,11 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     ``shared`` (factorized, ``head_bits == table_bits``): the gather reads the head's own codes and
     scales (:func:`shared_rows`) instead of a table rounded on its own, so the program holds one
     token table (stored once when its constants go to a named data file:
-    :func:`pit_deploy.export.to_executorch.export_pte`).
+    :func:`pit_deploy.targets.executorch.export.export_pte`).
 
     ``head_moments`` (``Σ hᵀh`` of the head's input on calibration text,
-    :func:`~.calibrated_rounding.head_moments`): a quantized head's table is rounded by GPTQ
-    against them (:meth:`~.pte_head.RotatedQuantizedHead.round_calibrated`) instead of to nearest;
+    :func:`~pit_deploy.export.calibrated_rounding.head_moments`): a quantized head's table is rounded by GPTQ
+    against them (:meth:`~.head.RotatedQuantizedHead.round_calibrated`) instead of to nearest;
     with ``shared`` the gather reads those codes too.
 
     Returns:
@@ -194,7 +194,7 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
         module = QuantizedRows(q, scales, torch.from_numpy(matrix).to(factors.T.dtype), embedding.multiplier,
                                table_bits)
         model.set_input_embeddings(module)
-        # a quantized head's matrix S makes its basis-vector outputs exact (:mod:`.pte_head`)
+        # a quantized head's matrix S makes its basis-vector outputs exact (:mod:`.head`)
         return {"token_table": f"embedding: {scheme}; {head_text}", "head_bits": int(head_bits),
                 "shared_table": bool(shared and head_bits), "pit_correction": bool(correct),
                 "interface_exact": bool(correct)}

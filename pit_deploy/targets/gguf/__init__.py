@@ -9,9 +9,9 @@ baseline (``--keep-tying``) is written without ``output.weight``, which is how l
 
 Artifact layout: one ``model-<type>.gguf`` (:data:`FILE_NAMES`) and :data:`SPEC_NAME`, a small
 JSON that says which file to open and with which KV-cache type (the type that made the fp32
-bounds hold: ``docs/llama_cpp.md``). Exporter: :mod:`pit_deploy.export.to_gguf`; driver:
-:mod:`pit_deploy.runtime.llama_cpp_driver`; on a device: ``LlamaCppDecoder`` of
-:mod:`pit_deploy.runtime.llama_cpp_decoder` (numpy + llama-cpp-python only).
+bounds hold: ``docs/llama_cpp.md``). Exporter: :mod:`pit_deploy.targets.gguf.export`; driver:
+:mod:`pit_deploy.targets.gguf.driver`; on a device: ``LlamaCppDecoder`` of
+:mod:`pit_deploy.targets.gguf.decoder` (numpy + llama-cpp-python only).
 
 Schemes: ``float32`` (F32), ``f16`` and ``q8_0`` (written here with gguf-py), ``q4_0`` and
 ``q4_k_m`` (llama.cpp's own quantizer, ``llama_model_quantize``). The generic ``int8``/``int4``
@@ -26,9 +26,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import PitError
-from . import register_target
-from .base import Target, plain_relative, resolve
+from ...errors import PitError
+from .. import register_target
+from ..base import Target, plain_relative, resolve
 
 #: the JSON beside the GGUF file: which file, which KV-cache type, which llama.cpp version
 SPEC_NAME = "llama_cpp.json"
@@ -42,7 +42,7 @@ FILE_TYPES: dict[str, str] = {"float32": "F32", "f16": "F16", "q8_0": "Q8_0", "q
 #: scheme name → the GGUF file of its artifact folder
 FILE_NAMES: dict[str, str] = {name: f"model-{kind.lower()}.gguf" for name, kind in FILE_TYPES.items()}
 
-#: the KV-cache types an export may record (``runtime/llama_cpp_decoder.py``'s ``KV_TYPES``)
+#: the KV-cache types an export may record (``targets/gguf/decoder.py``'s ``KV_TYPES``)
 KV_CACHE_TYPES = ("f32", "f16")
 #: positions a llama.cpp context holds unless ``llama_cpp.json`` says otherwise (the decoder's default)
 DEFAULT_CONTEXT = 2048
@@ -65,9 +65,9 @@ class LlamaCppTarget(Target):
     schemes = tuple(FILE_TYPES)
     #: the corrected token table is float32, the pseudo-inverse of the dequantized head
     exact_interface_modes = ("materialized",)
-    exporter = "pit_deploy.export.to_gguf:export_artifact"
-    driver = "pit_deploy.runtime.llama_cpp_driver:LlamaCppDriver"
-    standalone = ("pit_deploy.runtime.llama_cpp_decoder", "LlamaCppDecoder")
+    exporter = "pit_deploy.targets.gguf.export:export_artifact"
+    driver = "pit_deploy.targets.gguf.driver:LlamaCppDriver"
+    standalone = ("pit_deploy.targets.gguf.decoder", "LlamaCppDecoder")
     bundle_install = f"llama-cpp-python=={PACKAGE_VERSION} numpy"
     ship_priority = 20
     weight_check = "pit_deploy.evaluate.weight_check:check_gguf_weights"
@@ -108,7 +108,7 @@ class LlamaCppTarget(Target):
     def precheck_tokenizer(self, tokenizer: Any) -> None:
         """Refuse, before the GGUF conversion, a tokenizer the file cannot hold: none, not byte-level
         BPE, or a pre-tokenizer whose llama.cpp counterpart was not checked here."""
-        resolve("pit_deploy.export.to_gguf:check_tokenizer")(tokenizer)
+        resolve("pit_deploy.targets.gguf.export:check_tokenizer")(tokenizer)
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe), "architecture": ARCHITECTURES.get(config.model_type)}

@@ -3,7 +3,7 @@ full logits of every position, for verification, benchmarks and bench bundles.
 
 This module imports nothing of ``pit_deploy`` (numpy and ``llama_cpp`` only): ``pit-deploy bench
 --bundle`` packs it beside ``pit_bench_runtime.py`` for devices without this package, and the
-``gguf`` target's driver (:mod:`pit_deploy.runtime.llama_cpp_driver`) decodes through it, so
+``gguf`` target's driver (:mod:`pit_deploy.targets.gguf.driver`) decodes through it, so
 verification and devices run the same code.
 
 The KV-cache type comes from ``llama_cpp.json`` beside the file (written at export): ``f32`` for

@@ -1,12 +1,12 @@
-"""Driver of the ``gguf`` target (:mod:`pit_deploy.targets.llama_cpp`).
+"""Driver of the ``gguf`` target (:mod:`pit_deploy.targets.gguf`).
 
 Prefill and step run the folder's GGUF file in llama.cpp through
-:class:`~pit_deploy.runtime.llama_cpp_decoder.LlamaCppDecoder` (the code bench bundles carry), with
+:class:`~pit_deploy.targets.gguf.decoder.LlamaCppDecoder` (the code bench bundles carry), with
 the KV-cache type the export recorded.
 
 ``interface()`` returns the rows llama.cpp's embedding gathers and its head applied to the basis
 vectors, read and fed through its graph's evaluation callback
-(:mod:`pit_deploy.runtime.llama_cpp_interface`), so ``delta_ti`` is llama.cpp's own, as for the
+(:mod:`pit_deploy.targets.gguf.interface`), so ``delta_ti`` is llama.cpp's own, as for the
 other runtimes. A tied file has no ``output.weight``; llama.cpp's head is then its table.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PitError
-from ..targets.llama_cpp import SPEC_NAME
-from .base import Driver, loading, numpy_step
-from .llama_cpp_decoder import LlamaCppDecoder
-from .llama_cpp_interface import runtime_interface
+from ...errors import PitError
+from ...runtime.base import Driver, loading, numpy_step
+from . import SPEC_NAME
+from .decoder import LlamaCppDecoder
+from .interface import runtime_interface
 
 __all__ = ["LlamaCppDriver"]
 
@@ -32,7 +32,7 @@ class LlamaCppDriver(Driver):
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
         super().__init__(folder, threads)
-        from ..targets import get_target
+        from .. import get_target
 
         self.path = self.folder / get_target(self.runtime).primary_path(self.folder)
         if not self.path.is_file():

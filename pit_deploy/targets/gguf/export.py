@@ -50,12 +50,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import PitError
-from ..model.quantized_interface import corrected_table, identity_defect
-from ..io.gguf_files import gguf_raw_tensor, read_gguf_tensors
-from ..runtime.llama_cpp_decoder import DEFAULT_CONTEXT
-from ..schemes import Scheme
-from ..targets.llama_cpp import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
+from ...errors import PitError
+from ...io.gguf_files import gguf_raw_tensor, read_gguf_tensors
+from ...model.quantized_interface import corrected_table, identity_defect
+from ...schemes import Scheme
+from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
+from .decoder import DEFAULT_CONTEXT
 
 #: the KV-cache type recorded per file type: float32 files are verified against the fp32 bounds,
 #: which llama.cpp's default f16 cache misses on the default model (docs/llama_cpp.md);
@@ -109,7 +109,7 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
         PitError: a factorized model, a weight llama.cpp's architecture has no place for (a bias,
             a rotary-scaling table), or a family without an architecture here.
     """
-    from .passes import FACTORS_ATTR
+    from ...export.passes import FACTORS_ATTR
 
     config = model.config
     if getattr(model, FACTORS_ATTR, None) is not None:
@@ -429,5 +429,5 @@ def export_gguf(model: PreTrainedModel, out_dir: Path, tokenizer: Any, scheme: S
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
                     scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
-    """The ``gguf`` target's exporter (:mod:`pit_deploy.targets.llama_cpp`)."""
+    """The ``gguf`` target's exporter (:mod:`pit_deploy.targets.gguf`)."""
     return export_gguf(model, out_dir, tokenizer, scheme)

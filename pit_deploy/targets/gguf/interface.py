@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PitError
-from .llama_cpp_decoder import quiet_llama_log
+from ...errors import PitError
+from .decoder import quiet_llama_log
 
 #: names the embedding gather's output has had in llama.cpp's graph
 GATHER_NAMES = ("embd", "inp_embd")

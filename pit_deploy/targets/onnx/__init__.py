@@ -8,8 +8,8 @@ decoder ``model{suffix}.onnx`` + ``model{suffix}.onnx_data`` (its external weigh
 the suffix is transformers.js's for the dtype: :func:`decoder_name`) and :data:`INTERFACE_NAME`
 (``(input_ids, hidden) -> (embeddings, logits)``, reading the decoder's very weight bytes, so
 verification measures the runtime's own ``W_out E``). Folders exported before this layout (the
-decoder at the top) still load: :func:`decoder_file`. Exporter: :mod:`pit_deploy.export.to_onnx`; quantized graphs:
-:mod:`pit_deploy.export.quantize_onnx`; driver: :mod:`pit_deploy.runtime.ort_driver`; on a
+decoder at the top) still load: :func:`decoder_file`. Exporter: :mod:`pit_deploy.targets.onnx.export`; quantized graphs:
+:mod:`pit_deploy.export.quantize_onnx`; driver: :mod:`pit_deploy.targets.onnx.driver`; on a
 device: ``OrtDecoder`` of :mod:`pit_deploy.runtime.standalone` (numpy + onnxruntime only).
 
 Standard library only at import; the hooks import what they call.
@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import PitError
-from . import register_target
-from .base import Target, WeightGrid, resolve
+from ...errors import PitError
+from .. import register_target
+from ..base import Target, WeightGrid, resolve
 
 #: the subfolder transformers.js reads graphs from
 GRAPH_DIR = "onnx"
@@ -75,8 +75,8 @@ class OnnxOptimumTarget(Target):
     module = "onnxruntime"
     package = "onnxruntime"
     dtypes = ("float32", "int8", "int4")
-    exporter = "pit_deploy.export.to_onnx:export_artifact"
-    driver = "pit_deploy.runtime.ort_driver:OnnxDriver"
+    exporter = "pit_deploy.targets.onnx.export:export_artifact"
+    driver = "pit_deploy.targets.onnx.driver:OnnxDriver"
     standalone = ("pit_deploy.runtime.standalone", "OrtDecoder")
     bundle_install = "onnxruntime numpy"
     primary_file = DECODER_NAME
@@ -104,14 +104,14 @@ class OnnxOptimumTarget(Target):
                           embed_bits=scheme.table_bits)
 
     def verify_extras(self, ctx: Any, art: Any, result: Any, quantized: bool) -> None:
-        """``verify --web``: the folder as transformers.js runs it (:mod:`pit_deploy.evaluate.web_check`)."""
+        """``verify --web``: the folder as transformers.js runs it (:mod:`pit_deploy.targets.onnx.web_check`)."""
         if ctx.web_clients:
-            resolve("pit_deploy.evaluate.web_check:verify_web")(ctx, art, result)
+            resolve("pit_deploy.targets.onnx.web_check:verify_web")(ctx, art, result)
 
     def interface_checks(self, folder: Path, dim: int) -> tuple[bool | None, list[str]]:
         """The interface graph must read the decoder's weight bytes (else ``delta_ti`` would be
         measured on a copy that the decoder does not run)."""
-        shared, message = resolve("pit_deploy.runtime.onnx_weights:shared_weights")(folder, min_elements=dim * dim)
+        shared, message = resolve("pit_deploy.targets.onnx.interface_weights:shared_weights")(folder, min_elements=dim * dim)
         return shared, [message]
 
 

@@ -5,7 +5,7 @@ The decoder goes through ``optimum.exporters.onnx.onnx_export_from_model`` with 
 ``past_key_values.{i}.key/value``, outputs ``logits`` and ``present.{i}.key/value`` — the
 layout ``optimum.onnxruntime.ORTModelForCausalLM`` loads and generates with (optimum-onnx
 docs, "Export a model to ONNX with optimum.exporters.onnx") and transformers.js runs. The folder
-is laid out as transformers.js loads it with no edit (:mod:`pit_deploy.targets.onnx_optimum`):
+is laid out as transformers.js loads it with no edit (:mod:`pit_deploy.targets.onnx`):
 the graphs under ``onnx/``, every large weight in one external-data file named after the graph,
 ``config.json`` saying which graph and that it has external data, the chat template also in
 ``tokenizer_config.json``.
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..io.checkpoint import save_tokenizer
-from ..model.inspect import tying_of
-from ..schemes import Scheme
-from ..targets.onnx_optimum import INTERFACE_NAME, WEB_DTYPES, data_name, decoder_name
-from .passes import InterfaceProbe
+from ...export.passes import InterfaceProbe
+from ...io.checkpoint import save_tokenizer
+from ...model.inspect import tying_of
+from ...schemes import Scheme
+from . import INTERFACE_NAME, WEB_DTYPES, data_name, decoder_name
 
 ONNX_TASK = "text-generation-with-past"
 
@@ -43,8 +43,8 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
                 table_bits: int | None = None, keep_8bit: tuple[str, ...] = (),
                 fold_at_load: bool = False) -> dict:
     """Write the decoder (+ config, generation config, tokenizer) and the interface graph;
-    for ``int8``/``int4`` quantize both graphs (:mod:`.quantize_onnx`; with ``fold_at_load``,
-    codes that onnxruntime folds to float32 at load, :mod:`.fold_onnx`).
+    for ``int8``/``int4`` quantize both graphs (:mod:`pit_deploy.export.quantize_onnx`; with ``fold_at_load``,
+    codes that onnxruntime folds to float32 at load, :mod:`.web_fold`).
 
     Returns:
         a dict with the task, the opset, the ONNX file names (and the quantization details).
@@ -54,9 +54,9 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     import onnx
     from optimum.exporters.onnx import onnx_export_from_model
 
-    from .calibrated_rounding import head_moments_array
-    from .fold_onnx import fold_graph
-    from .quantize_onnx import quantize_graph, save_deduplicated
+    from ...export.calibrated_rounding import head_moments_array
+    from .web_fold import fold_graph
+    from ...export.quantize_onnx import quantize_graph, save_deduplicated
 
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -118,10 +118,10 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
 
 
 def calibrated_codes(model: PreTrainedModel) -> dict:
-    """A calibrated model's codes (:mod:`.calibrated_rounding`) by the digest of each linear's
-    weight as the graph stores it (transposed, :func:`.quantize_onnx.weight_digest`)."""
-    from .calibrated_rounding import rounded_weights
-    from .quantize_onnx import weight_digest
+    """A calibrated model's codes (:mod:`pit_deploy.export.calibrated_rounding`) by the digest of each linear's
+    weight as the graph stores it (transposed, :func:`pit_deploy.export.quantize_onnx.weight_digest`)."""
+    from ...export.calibrated_rounding import rounded_weights
+    from ...export.quantize_onnx import weight_digest
 
     return {weight_digest(model.get_submodule(name).weight.detach().T.numpy()): rounded
             for name, rounded in rounded_weights(model).items()}
@@ -200,7 +200,7 @@ def share_interface_weights(decoder_path: Path, interface, min_elements: int) ->
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, recipe=None,
                     scheme: Scheme, opset: int | None = None) -> dict:
-    """The ``onnx`` target's exporter (:mod:`pit_deploy.targets.onnx_optimum`)."""
+    """The ``onnx`` target's exporter (:mod:`pit_deploy.targets.onnx`)."""
     return export_onnx(model, out_dir, tokenizer, opset, dtype=scheme.dtype, group_size=scheme.group_size,
                        pit_correction=scheme.pit_correction, table_bits=scheme.table_bits,
                        keep_8bit=scheme.int4_8bit_layers, fold_at_load=scheme.fold_at_load)

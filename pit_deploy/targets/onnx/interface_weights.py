@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..targets.onnx_optimum import decoder_file, interface_file
+from . import decoder_file, interface_file
 
 
 def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, tuple[int, ...]]]:

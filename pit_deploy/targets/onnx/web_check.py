@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..schemes import ParityBounds, QuantizedBounds
+from ...schemes import ParityBounds, QuantizedBounds
 
 #: new tokens after each held-out block when a quantized artifact is run (a decode rate only)
 QUANTIZED_DECODE_TOKENS = 16
@@ -78,9 +78,9 @@ def check_web_client(client: str, folder: Path, reference: Any, prompts: list[to
         PitError: the client is not set up (a :class:`~pit_deploy.runtime.web_clients.WebClientFailed`
             — the folder failing there — is caught and recorded instead).
     """
-    from ..data.heldout import kl_parity
-    from ..runtime.web_clients import WebClientFailed, run_web_client
-    from .verify import _rel_l2, agreement_failures, kl_failures, logit_failures, reference_run
+    from ...data.heldout import kl_parity
+    from ...runtime.web_clients import WebClientFailed, run_web_client
+    from ...evaluate.verify import _rel_l2, agreement_failures, kl_failures, logit_failures, reference_run
 
     quantized = isinstance(bounds, QuantizedBounds)
     check = WebCheck(client=client)
@@ -136,8 +136,8 @@ def check_web_client(client: str, folder: Path, reference: Any, prompts: list[to
 def verify_web(ctx: Any, art: Any, result: Any) -> None:
     """Run the artifact in each of ``ctx.web_clients`` and record the checks on ``result`` (an
     ``ArtifactResult``, judged after this): the onnx target's ``verify --web`` extra."""
-    from ..schemes import bounds_for
-    from .verify import make_prompts
+    from ...schemes import bounds_for
+    from ...evaluate.verify import make_prompts
 
     bounds = bounds_for(art.scheme_name, ctx.bound_overrides.get(art.scheme_name), art.rounding)
     heldout = ctx.cache.get("heldout") or {}

@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model.quantized_interface import correction_matrix
-from .quantize_onnx import (
+from ...export.quantize_onnx import (
     BITS,
     BlockTable,
     _add,
@@ -41,6 +40,7 @@ from .quantize_onnx import (
     gemm_to_matmul,
     layer_matmuls,
 )
+from ...model.quantized_interface import correction_matrix
 
 STORAGE = ("codes and block scales in standard operators on initializers, folded to float32 by "
            "onnxruntime when the session is created (fp32 kernels at run time)")

@@ -5,7 +5,7 @@ Artifact layout: :data:`DECODER_NAME` + :data:`BUILDER_DATA` (the builder's fuse
 its external weights), :data:`CONFIG_NAME` (the genai runtime's config), the tokenizer files the
 builder copies, and :data:`INTERFACE_NAME` (the decoder's own embedding and head nodes, reading
 the decoder's weight bytes, so verification measures the runtime's own ``W_out E``).
-Exporter: :mod:`pit_deploy.export.to_genai`; driver: :mod:`pit_deploy.runtime.genai_driver`; on a
+Exporter: :mod:`pit_deploy.targets.onnx_genai.export`; driver: :mod:`pit_deploy.targets.onnx_genai.driver`; on a
 device: ``OrtDecoder`` of :mod:`pit_deploy.runtime.standalone` (numpy + onnxruntime only), which
 reads both ONNX layouts.
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import PitError
-from . import register_target
-from .base import Target, VerifyContext, WeightGrid, resolve
+from ...errors import PitError
+from .. import register_target
+from ..base import Target, VerifyContext, WeightGrid, resolve
 
 DECODER_NAME = "model.onnx"
 #: the builder's name for the decoder's external data (not optimum's ``model.onnx_data``)
@@ -94,8 +94,8 @@ class OnnxGenaiTarget(Target):
     package = "onnxruntime-genai"
     dtypes = ("float32", "int8", "int4")
     model_types = tuple(BUILDER_FAMILIES)
-    exporter = "pit_deploy.export.to_genai:export_artifact"
-    driver = "pit_deploy.runtime.genai_driver:GenaiDriver"
+    exporter = "pit_deploy.targets.onnx_genai.export:export_artifact"
+    driver = "pit_deploy.targets.onnx_genai.driver:GenaiDriver"
     primary_file = DECODER_NAME
     standalone = ("pit_deploy.runtime.standalone", "OrtDecoder")
     bundle_install = "onnxruntime numpy"
@@ -117,7 +117,7 @@ class OnnxGenaiTarget(Target):
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
         (8-bit overrides too; with ``rounding = "gptq"`` the codes are the calibrated model's,
-        :func:`pit_deploy.export.to_genai.write_calibrated_body`). Factorized: our token table,
+        :func:`pit_deploy.targets.onnx_genai.export.write_calibrated_body`). Factorized: our token table,
         asymmetric at ``table_bits`` as on the ``onnx`` target. Materialized: the builder rounds
         the head like the body and keeps the embedding float32."""
         if mode == "factorized":
@@ -215,13 +215,13 @@ class OnnxGenaiTarget(Target):
 
     def interface_checks(self, folder: Path, dim: int) -> tuple[bool | None, list[str]]:
         """The interface graph must read the decoder's weight bytes."""
-        shared, message = resolve("pit_deploy.runtime.genai_driver:shared_interface_weights")(folder, dim * dim)
+        shared, message = resolve("pit_deploy.targets.onnx_genai.driver:shared_interface_weights")(folder, dim * dim)
         return shared, [message]
 
     def verify_extras(self, ctx: VerifyContext, art: Any, result: Any, quantized: bool) -> None:
         """Load the folder with ``onnxruntime_genai.Model`` and compare its generator's logits
         with the decoder session's (the same graph through the genai runtime's own KV cache)."""
-        resolve("pit_deploy.runtime.genai_driver:check_generator")(ctx, art, result, quantized)
+        resolve("pit_deploy.targets.onnx_genai.driver:check_generator")(ctx, art, result, quantized)
 
 
 TARGET = register_target(OnnxGenaiTarget())

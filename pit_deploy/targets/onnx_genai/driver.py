@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PitError
-from ..targets.onnx_genai import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
-from .base import loading
-from .ort_driver import OnnxDriver
-from .standalone import ort_session_options
+from ...errors import PitError
+from ...runtime.base import loading
+from ...runtime.ort_driver import OrtDriver
+from ...runtime.standalone import ort_session_options
+from . import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
 
 __all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
 
@@ -37,7 +37,7 @@ _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 GENERATOR_REL_L2 = 1e-4
 
 
-class GenaiDriver(OnnxDriver):
+class GenaiDriver(OrtDriver):
     """The builder's decoder through :class:`~pit_deploy.runtime.standalone.OrtDecoder`, as the
     ``onnx`` target's driver runs optimum's; only the interface graph's batched inputs and output
     names differ."""

@@ -43,10 +43,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import PitError
-from ..io.checkpoint import save_model
-from ..schemes import Scheme, names_linear
-from ..targets.onnx_genai import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME,
+from ...errors import PitError
+from ...io.checkpoint import save_model
+from ...schemes import Scheme, names_linear
+from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME,
                                   DECODER_NAME, INTERFACE_NAME, unknown_projections)
 
 #: builder ``-p`` value of each dtype the target exports
@@ -163,8 +163,8 @@ def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
-    from ..model.families import adapter_for
-    from .passes import FACTORS_ATTR
+    from ...model.families import adapter_for
+    from ...export.passes import FACTORS_ATTR
 
     factors = getattr(model, FACTORS_ATTR, None)
     if factors is None:
@@ -395,8 +395,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     linears kept at 8 bits (:func:`int8_overrides`)."""
     import onnx
 
-    from .calibrated_rounding import rounded_weights
-    from .passes import FACTORS_ATTR
+    from ...export.calibrated_rounding import rounded_weights
+    from ...export.passes import FACTORS_ATTR
 
     if dtype not in PRECISIONS:
         raise PitError(f"the onnx-genai target exports {', '.join(PRECISIONS)}, not {dtype}")
@@ -466,15 +466,15 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     constants are computed in float64 from the factors and cast once.
 
     For ``int8``/``int4`` (the builder has quantized the body) the table is then quantized the
-    way the ``onnx`` target quantizes its factorized graphs (:func:`.quantize_onnx.quantize_graph`
+    way the ``onnx`` target quantizes its factorized graphs (:func:`pit_deploy.export.quantize_onnx.quantize_graph`
     with ``body=False``): one block-quantized ``Ẑ`` read by ``GatherBlockQuantized`` and by the
     head's ``MatMulNBits`` (fp32 activations), stored once, and with ``pit_correction``
     ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime. With ``head_moments``
     (``Σ hᵀh`` of the head's input on calibration text) ``Ẑ`` is rounded by GPTQ
-    (:func:`.quantize_onnx.calibrated_table`), not to nearest.
+    (:func:`pit_deploy.export.quantize_onnx.calibrated_table`), not to nearest.
 
     A quantized table holds the rows of ``Z R``, with ``T R`` and ``Rᵀ T⁻¹`` beside it: the
-    rotation both ONNX targets give their factorized tables (:func:`.quantize_onnx.rotate_table`).
+    rotation both ONNX targets give their factorized tables (:func:`pit_deploy.export.quantize_onnx.rotate_table`).
 
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
@@ -482,8 +482,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     import onnx
     from onnx import helper, numpy_helper
 
-    from ..model.families import adapter_for
-    from .quantize_onnx import quantize_graph, save_deduplicated
+    from ...model.families import adapter_for
+    from ...export.quantize_onnx import quantize_graph, save_deduplicated
 
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)
@@ -576,8 +576,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
                     scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
     """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
-    from .calibrated_rounding import head_moments_array
-    from .passes import FACTORS_ATTR
+    from ...export.calibrated_rounding import head_moments_array
+    from ...export.passes import FACTORS_ATTR
 
     factorized = getattr(model, FACTORS_ATTR, None) is not None
     # the builder writes the body's graph; a calibrated model's GPTQ codes replace its rounding,
