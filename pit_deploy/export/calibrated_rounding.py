@@ -381,10 +381,9 @@ def head_moments_array(model: nn.Module):
 def calibrated_codes_field(model: Any) -> dict[str, Any] | None:
     """``details.weight_codes`` of an artifact exported from the calibrated ``model``: one entry
     per calibrated linear, by module name (``None``: the model carries no calibrated codes)."""
-    from ..io.weight_codes import rounded_entry
+    from ..io.weight_codes import CODES_DIGEST, rounded_entry
 
     codes = rounded_weights(model)
     if not codes:
         return None
-    return {"digest": "sha256 of (codes − zero points) as int16 (rows × K) then the float32 block scales",
-            "tensors": {name: rounded_entry(r) for name, r in codes.items()}}
+    return {"digest": CODES_DIGEST, "tensors": {name: rounded_entry(r) for name, r in codes.items()}}

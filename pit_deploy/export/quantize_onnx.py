@@ -503,9 +503,9 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
                                "table_rounding": "to nearest" if head_moments is None else
                                "GPTQ against the head input's second moments on the calibration text"}
     if head_moments is not None:  # GPTQ codes: verify's weight-level check compares them with this digest
-        from ..io.weight_codes import CODES_FIELD, table_entry
+        from ..io.weight_codes import CODES_DIGEST, CODES_FIELD, table_entry
 
-        details[CODES_FIELD] = {"tensors": {"token_table": table_entry(head_q)}}
+        details[CODES_FIELD] = {"digest": CODES_DIGEST, "tensors": {"token_table": table_entry(head_q)}}
     if rotated:
         details["table_rotation"] = ("the table holds Z R (R a randomized Hadamard d x d); "
                                      "T R on the head's side, R^T T^-1 on the embedding's")

@@ -15,6 +15,8 @@ import numpy as np
 
 #: the manifest's ``details`` key of the calibrated codes' digests
 CODES_FIELD = "weight_codes"
+#: how each digest of that field is computed (written beside the digests, for a reader of the manifest)
+CODES_DIGEST = "sha256 of (codes − zero points) as int16 (rows × K) then the float32 block scales"
 
 
 def code_digest(qz: np.ndarray, scales: np.ndarray) -> str:
@@ -25,22 +27,26 @@ def code_digest(qz: np.ndarray, scales: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def codes_entry(qz: Any, scales: Any) -> dict[str, Any]:
+    """The manifest entry of one tensor's codes minus zero points ``(rows, K)`` and block scales:
+    its shape and :func:`code_digest`."""
+    qz = np.asarray(qz)
+    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]), "sha256": code_digest(qz, np.asarray(scales))}
+
+
 def rounded_entry(rounded: Any) -> dict[str, Any]:
     """The manifest entry of one calibrated linear (a
     :class:`~pit_deploy.export.calibrated_rounding.RoundedWeight`: ``codes``, ``zeros``, ``scales``)."""
     qz = rounded.codes.numpy().astype(np.int32)
     per = qz.shape[1] // rounded.scales.shape[1]
-    qz = qz - np.repeat(rounded.zeros.numpy().astype(np.int32), per, axis=1)
-    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]),
-            "sha256": code_digest(qz, rounded.scales.numpy())}
+    return codes_entry(qz - np.repeat(rounded.zeros.numpy().astype(np.int32), per, axis=1), rounded.scales.numpy())
 
 
 def table_entry(table: Any) -> dict[str, Any]:
     """The manifest entry of a calibrated token table (a
     :class:`~pit_deploy.export.quantize_onnx.BlockTable`: ``packed``, ``scales``, ``zero_points``,
     ``bits``, ``block``)."""
-    qz, scales = table_codes(table.packed, table.scales, table.zero_points, table.bits, table.block)
-    return {"rows": int(qz.shape[0]), "cols": int(qz.shape[1]), "sha256": code_digest(qz, scales)}
+    return codes_entry(*table_codes(table.packed, table.scales, table.zero_points, table.bits, table.block))
 
 
 def unpack_codes(packed: np.ndarray, bits: int, rows: int, blocks: int, block: int) -> np.ndarray:

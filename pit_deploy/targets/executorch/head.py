@@ -150,16 +150,23 @@ class RotatedQuantizedHead(nn.Module):
         return self.linear(hidden @ self.TR)
 
     def dequantized_rows(self) -> np.ndarray:
-        """``q · s`` of the quantized weight in float64 (``V×d``): what the kernel multiplies by.
-        XNNPACK stores the scales of grouped (4-bit) weights in bfloat16 (its serializer casts
-        them: ``backends/xnnpack/operators/node_visitor.py``), per-channel ones in float32."""
+        """``q · s`` of the quantized weight in float64 (``V×d``) from :meth:`stored_codes`: what
+        the kernel multiplies by."""
+        v, d = self.linear.weight.shape
+        q, scale = (torch.from_numpy(a).to(torch.float64) for a in self.stored_codes())
+        return (q.reshape(v, scale.shape[1], -1) * scale[..., None]).reshape(v, d).numpy()
+
+    def stored_codes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The quantized weight as XNNPACK stores it: signed codes ``(V, d)`` (int8) and scales
+        ``(V, groups)`` as float32 values, bfloat16-rounded for grouped (4-bit) weights (its
+        serializer casts them: ``backends/xnnpack/operators/node_visitor.py``), float32 for
+        per-channel ones (one a row)."""
         weight = self.linear.weight
-        v, d = weight.shape
-        scale = weight.scale.to(torch.bfloat16) if self.bits == 4 else weight.scale
-        q, scale = weight.qdata.to(torch.float64), scale.to(torch.float64)
         if bool((weight.zero_point != 0).any()):
             raise RuntimeError("the head's weights were quantized with a zero point; XNNPACK has none")
-        return (q.reshape(v, scale.shape[1], -1) * scale[..., None]).reshape(v, d).numpy()
+        scale = weight.scale.to(torch.bfloat16) if self.bits == 4 else weight.scale
+        rows = weight.qdata.shape[0]
+        return (weight.qdata.to(torch.int8).numpy(), scale.to(torch.float32).reshape(rows, -1).numpy())
 
     def transform(self) -> np.ndarray:
         """``S`` as the program stores it (float32 values, in float64)."""

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from ...errors import PitError
 from ...export.passes import FACTORS_ATTR, PITFactors
 from ...export.residual_rotation import rotation_of
+from ...io.weight_codes import CODES_DIGEST, CODES_FIELD, codes_entry
 from ...model.modules import PITEmbedding, PITHead
 from ...model.quantized_interface import correction_matrix
 from .head import ROTATION_SEED, RotatedQuantizedHead
@@ -195,9 +196,15 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
                                table_bits)
         model.set_input_embeddings(module)
         # a quantized head's matrix S makes its basis-vector outputs exact (:mod:`.head`)
-        return {"token_table": f"embedding: {scheme}; {head_text}", "head_bits": int(head_bits),
-                "shared_table": bool(shared and head_bits), "pit_correction": bool(correct),
-                "interface_exact": bool(correct)}
+        details = {"token_table": f"embedding: {scheme}; {head_text}", "head_bits": int(head_bits),
+                   "shared_table": bool(shared and head_bits), "pit_correction": bool(correct),
+                   "interface_exact": bool(correct)}
+        if head_bits and head.calibrated:  # GPTQ codes: what verify's weight-level check compares
+            codes = {"head": codes_entry(*head.stored_codes())}
+            if shared:
+                codes["token_table"] = codes_entry(q.numpy(), scales.numpy())
+            details[CODES_FIELD] = {"digest": CODES_DIGEST, "tensors": codes}
+        return details
     if type(embedding) is nn.Embedding:  # a subclass may scale its output (Gemma): left alone
         q, scales = quantize_rows(embedding.weight, group_size, table_bits)
         model.set_input_embeddings(QuantizedRows(q, scales, bits=table_bits))
