@@ -7,14 +7,16 @@ little the model's output depends on its body; honest exports pass.
 
 Cost: every quantized scheme of the ``onnx``, ``onnx-genai`` and ``gguf`` targets on Llama (one
 export per target, every scheme at once); every other family on one scheme per target (``onnx``
-int8 on Qwen3, Granite and GPT-2; ``gguf`` q8_0 on Qwen3; ``onnx-genai`` int8 on Qwen3 and
-Granite). The Qwen3 model's attention and MLP outputs are scaled down 200-fold, so that its logits
-depend little on its body: random bytes in its int8 body then stay within 10× the expected error
-(the KL check alone passed it; the weight-level check does not). GPTQ calibration reads 256 tokens instead of 8192 here (the rounding and the codes'
-digests are the same code). The ``executorch`` target on Llama, factorized, int8 (torchao's
-rounding) and int4 (GPTQ codes, the rotated residual stream, the head's shared 8-bit table): random
-bytes go into one body weight's named-data entry of the ``.pte`` (or of its ``model.ptd``), found
-through ExecuTorch's own reading of the program.
+int8 on Qwen3, Granite and GPT-2; ``gguf`` q8_0 on Qwen3; ``onnx-genai`` and ``executorch`` int8 on
+Qwen3 and Granite; GPT-2's ``.pte`` keeps its Conv1D body float32, so it has no quantized body).
+The Qwen3 model's attention and MLP outputs are scaled down 200-fold, so that its logits depend
+little on its body: random bytes in its int8 body then stay within 10× the expected error (the KL
+check alone passed it; the weight-level check does not). GPTQ calibration reads 256 tokens instead
+of 8192 here (the rounding and the codes' digests are the same code). The ``executorch`` target on
+Llama, factorized, int8 (torchao's rounding) and int4 (GPTQ codes, the rotated residual stream, the
+head's shared 8-bit table): random bytes go into one body weight's named-data entry of the ``.pte``
+(or of its ``model.ptd``), found through ExecuTorch's own reading of the program, and, in the int4
+program, into the GPTQ-rounded head's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ EXPORTS = [
     ("qwen3", "gguf", "materialized", "q8_0"),
     ("qwen3", "onnx-genai", "factorized", "int8"),
     ("granite", "onnx-genai", "materialized", "int8"),
-    ("llama", "executorch", "factorized", "int8,int4"),
+    ("llama", "executorch", "factorized", "int8,int4,int4-shared"),
+    ("qwen3", "executorch", "factorized", "int8"),
+    ("granite", "executorch", "materialized", "int8"),
 ]
 
 
@@ -208,13 +212,14 @@ def _pte_entries(path: Path) -> dict[str, tuple[int, int]]:
     return {e.key: (base + segments[e.segment_index].offset, segments[e.segment_index].size) for e in named}
 
 
-def scramble_pte(folder: Path, vocab: int, seed: int = 0) -> str:
+def scramble_pte(folder: Path, vocab: int, seed: int = 0, head: bool = False) -> str:
     """Random bytes in the codes of the first body weight (a delegate's quantized linear that is
-    not the ``vocab``-row head) of the ``.pte`` in ``folder``, in place, in whichever file holds its
-    named-data entry; returns the tensor's name."""
+    not the ``vocab``-row head; ``head``: the head itself) of the ``.pte`` in ``folder``, in place,
+    in whichever file holds its named-data entry; returns the tensor's name."""
     from pit_deploy.evaluate.weight_check import pte_stored
 
-    stored = next(s for s in pte_stored(folder / "model.pte") if "/xnnpack" in s.name and s.values.shape[0] != vocab)
+    stored = next(s for s in pte_stored(folder / "model.pte")
+                  if "/xnnpack" in s.name and (s.values.shape[0] == vocab) == head)
     prefix = stored.name.rsplit("/", 1)[1]
     for path in sorted(folder.glob("model.pt[ed]")):
         hits = [entry for key, entry in _pte_entries(path).items() if key.startswith(prefix)]
@@ -350,20 +355,40 @@ def test_the_interface_is_bounded_where_the_export_corrects_it():
     assert get_target("gguf").interface_exact(True, "materialized")
 
 
-def test_a_pte_reads_every_body_linear_and_says_what_it_leaves_out(export, request):
+def test_a_pte_reads_every_body_linear_its_head_and_its_gather(export, request):
     """The ``.pte``'s check reads all of its body linears (7 a layer) and its gather table; the int4
     program's body matches the GPTQ digests recorded at export (so the nibble order, the zero
-    point 8 and the bfloat16 scales are read as XNNPACK stores them), and its GPTQ-rounded head and
-    the gather sharing its codes, whose digests are not recorded, are named as not covered."""
-    if "executorch" not in request.node.callspec.id:
-        pytest.skip("the .pte export only")
+    point 8 and the bfloat16 scales are read as XNNPACK stores them), and so do its GPTQ-rounded
+    quantized head and the gather that shares the head's codes: nothing is left out."""
+    if request.node.callspec.id != "llama-executorch-int8":
+        pytest.skip("the Llama .pte export only (its int8 and int4 programs)")
     checks = _weight_checks(export)
     config = json.loads((export / "reference" / "config.json").read_text())
     layers, head = config["num_hidden_layers"], f"({config['vocab_size']}, {config['hidden_size']})"
-    int8, int4 = checks["executorch-factorized-int8"], checks["executorch-factorized-int4"]
+    int8 = checks["executorch-factorized-int8"]
     assert int8["tensors"] == 7 * layers + 1 and int8["note"] == "", int8
-    assert int4["calibrated"] == 7 * layers == int4["tensors"], int4
-    assert int4["note"].startswith("not covered: ") and "GPTQ" in int4["note"] and head in int4["note"], int4
+    for name in ("executorch-factorized-int4", "executorch-factorized-int4-shared"):  # 8- and 4-bit shared head
+        assert checks[name]["calibrated"] == 7 * layers + 2 == checks[name]["tensors"], (name, checks[name])
+        assert checks[name]["note"] == "", (name, checks[name])
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int4-shared"])
+def test_random_bytes_in_a_gptq_head_of_a_pte_fail(export, tmp_path, request, scheme):
+    """The GPTQ-rounded head of the int4 programs (its codes shared with the gather: 8-bit, and
+    4-bit in ``model.ptd``) is held to the digests the export records for it: random bytes in its
+    named-data entry fail the check, naming the head or the gather that reads the same codes."""
+    if not request.node.callspec.id.startswith("llama-executorch-int8"):
+        pytest.skip("the Llama .pte export only (its int8 and int4 programs)")
+    from pit_deploy.evaluate.weight_check import pte_stored
+
+    folder = f"executorch-factorized-{scheme}"
+    vocab = json.loads((export / "reference" / "config.json").read_text())["vocab_size"]
+    head_side = [s.name for s in pte_stored(export / folder / "model.pte") if s.values.shape[0] == vocab]
+    directory = _copy(export, tmp_path)
+    assert scramble_pte(directory / folder, vocab, head=True) in head_side
+    rehash(directory)
+    failure = _weight_checks(directory)[folder]["failure"] or ""
+    assert any(failure.startswith(f"quantized tensor {name}:") for name in head_side), (failure, head_side)
 
 
 def test_a_target_without_a_reader_is_reported_not_checked(monkeypatch):
