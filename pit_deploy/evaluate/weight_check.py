@@ -692,8 +692,9 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     if skipped:
         notes.append("not read: " + "; ".join(skipped))
     if left and not covered:
-        # every quantized tensor is one of those not covered (GPT-2: torchao leaves its Conv1D body
-        # float32, so the head and its gather are all there is): not checked, never passed or failed
+        # every quantized tensor is one of those not covered (an older GPT-2 export: torchao leaves
+        # its Conv1D body float32, so the head and its gather are all there is): not checked, never
+        # passed or failed
         return WeightCheck(checked=False, note="not checked at the weight level: " + "; ".join(notes))
     candidates = pte_candidates(prepare(reference, _mode(art)), details, vocab)
     result = compare(covered, None, candidates, details, torchao_hqq_rounding)
