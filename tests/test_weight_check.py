@@ -42,6 +42,8 @@ CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 HAVE_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
 
+#: the Llama ``.pte`` export: torchao's rounding, GPTQ with an 8-bit shared head, and a 4-bit shared head
+LLAMA_PTE = ("llama", "executorch", "factorized", "int8,int4,int4-shared")
 #: (family, runtime, mode, schemes): every scheme of every target on Llama, one per target elsewhere
 EXPORTS = [
     ("llama", "onnx", "factorized", "int8,int4,int4-compact,int8-web,int4-web"),
@@ -53,7 +55,7 @@ EXPORTS = [
     ("qwen3", "gguf", "materialized", "q8_0"),
     ("qwen3", "onnx-genai", "factorized", "int8"),
     ("granite", "onnx-genai", "materialized", "int8"),
-    ("llama", "executorch", "factorized", "int8,int4,int4-shared"),
+    LLAMA_PTE,
     ("qwen3", "executorch", "factorized", "int8"),
     ("granite", "executorch", "materialized", "int8"),
 ]
@@ -321,6 +323,12 @@ def onnx_int8(sources, cheap_calibration, tmp_path_factory) -> Path:
     return _exported(("qwen3", "onnx", "factorized", "int8"), sources, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def llama_pte(sources, cheap_calibration, tmp_path_factory) -> Path:
+    """The Llama ``executorch`` factorized int8, int4 and int4-shared export (one of :data:`EXPORTS`)."""
+    return _exported(LLAMA_PTE, sources, tmp_path_factory)
+
+
 def test_a_deleted_expected_error_is_refused_before_any_work(onnx_int8, tmp_path, capsys):
     """Without ``details.expected`` the scaled KL check would be dropped: unusable input (exit 2,
     re-export), not a pass on the absolute bounds alone."""
@@ -355,16 +363,14 @@ def test_the_interface_is_bounded_where_the_export_corrects_it():
     assert get_target("gguf").interface_exact(True, "materialized")
 
 
-def test_a_pte_reads_every_body_linear_its_head_and_its_gather(export, request):
+def test_a_pte_reads_every_body_linear_its_head_and_its_gather(llama_pte):
     """The ``.pte``'s check reads all of its body linears (7 a layer) and its gather table; the int4
     program's body matches the GPTQ digests recorded at export (so the nibble order, the zero
     point 8 and the bfloat16 scales are read as XNNPACK stores them), and so do its GPTQ-rounded
     quantized head and the gather that shares the head's codes: nothing is left out."""
-    if request.node.callspec.id != "llama-executorch-int8":
-        pytest.skip("the Llama .pte export only (its int8 and int4 programs)")
-    checks = _weight_checks(export)
-    config = json.loads((export / "reference" / "config.json").read_text())
-    layers, head = config["num_hidden_layers"], f"({config['vocab_size']}, {config['hidden_size']})"
+    checks = _weight_checks(llama_pte)
+    config = json.loads((llama_pte / "reference" / "config.json").read_text())
+    layers = config["num_hidden_layers"]
     int8 = checks["executorch-factorized-int8"]
     assert int8["tensors"] == 7 * layers + 1 and int8["note"] == "", int8
     for name in ("executorch-factorized-int4", "executorch-factorized-int4-shared"):  # 8- and 4-bit shared head
@@ -372,31 +378,27 @@ def test_a_pte_reads_every_body_linear_its_head_and_its_gather(export, request):
         assert checks[name]["note"] == "", (name, checks[name])
 
 
-def test_a_pte_exported_without_head_digests_lists_its_head_as_not_covered(export, tmp_path, request):
+def test_a_pte_exported_without_head_digests_lists_its_head_as_not_covered(llama_pte, tmp_path):
     """A manifest without the head's digests (an export made before they were recorded): the body
     is still checked, the GPTQ head and its gather are named as not covered, never passed."""
-    if request.node.callspec.id != "llama-executorch-int8":
-        pytest.skip("the Llama .pte export only (its int8 and int4 programs)")
-    layers = json.loads((export / "reference" / "config.json").read_text())["num_hidden_layers"]
-    directory = _edit(export, tmp_path, lambda d: d.get("quantization", {}).pop("weight_codes", None))
+    layers = json.loads((llama_pte / "reference" / "config.json").read_text())["num_hidden_layers"]
+    directory = _edit(llama_pte, tmp_path, lambda d: d.get("quantization", {}).pop("weight_codes", None))
     check = _weight_checks(directory)["executorch-factorized-int4"]
     assert check["checked"] and check["failure"] is None and check["calibrated"] == 7 * layers == check["tensors"]
     assert check["note"].startswith("not covered: ") and "re-export" in check["note"], check
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int4-shared"])
-def test_random_bytes_in_a_gptq_head_of_a_pte_fail(export, tmp_path, request, scheme):
+def test_random_bytes_in_a_gptq_head_of_a_pte_fail(llama_pte, tmp_path, scheme):
     """The GPTQ-rounded head of the int4 programs (its codes shared with the gather: 8-bit, and
     4-bit in ``model.ptd``) is held to the digests the export records for it: random bytes in its
     named-data entry fail the check, naming the head or the gather that reads the same codes."""
-    if not request.node.callspec.id.startswith("llama-executorch-int8"):
-        pytest.skip("the Llama .pte export only (its int8 and int4 programs)")
     from pit_deploy.evaluate.weight_check import pte_stored
 
     folder = f"executorch-factorized-{scheme}"
-    vocab = json.loads((export / "reference" / "config.json").read_text())["vocab_size"]
-    head_side = [s.name for s in pte_stored(export / folder / "model.pte") if s.values.shape[0] == vocab]
-    directory = _copy(export, tmp_path)
+    vocab = json.loads((llama_pte / "reference" / "config.json").read_text())["vocab_size"]
+    head_side = [s.name for s in pte_stored(llama_pte / folder / "model.pte") if s.values.shape[0] == vocab]
+    directory = _copy(llama_pte, tmp_path)
     assert scramble_pte(directory / folder, vocab, head=True) in head_side
     rehash(directory)
     failure = _weight_checks(directory)[folder]["failure"] or ""
