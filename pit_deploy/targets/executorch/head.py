@@ -152,9 +152,9 @@ class RotatedQuantizedHead(nn.Module):
     def dequantized_rows(self) -> np.ndarray:
         """``q · s`` of the quantized weight in float64 (``V×d``) from :meth:`stored_codes`: what
         the kernel multiplies by."""
-        v, d = self.linear.weight.shape
-        q, scale = (torch.from_numpy(a).to(torch.float64) for a in self.stored_codes())
-        return (q.reshape(v, scale.shape[1], -1) * scale[..., None]).reshape(v, d).numpy()
+        q, scale = self.stored_codes()
+        v, d = q.shape
+        return (q.reshape(v, scale.shape[1], -1).astype(np.float64) * scale[..., None]).reshape(v, d)
 
     def stored_codes(self) -> tuple[np.ndarray, np.ndarray]:
         """The quantized weight as XNNPACK stores it: signed codes ``(V, d)`` (int8) and scales

@@ -224,13 +224,11 @@ def shared_rows(head: RotatedQuantizedHead) -> tuple[torch.Tensor, torch.Tensor]
     the grouped scales XNNPACK stores in bfloat16, as float32 values (the runtime's
     ``embedding_4bit`` reads float32 scales only; the bfloat16 values convert exactly). 8 bits:
     the per-channel codes as they are and one scale a row (a group of ``d``), the bytes XNNPACK
-    stores for a per-channel int8 weight."""
-    weight = head.linear.weight
-    q = weight.qdata.to(torch.int8)
+    stores for a per-channel int8 weight (:meth:`~.head.RotatedQuantizedHead.stored_codes`)."""
+    q, scales = (torch.from_numpy(a) for a in head.stored_codes())
     if head.bits == 4:
-        swap = nibble_pair_swap(q.shape[1])
-        return q[:, swap].contiguous(), weight.scale.to(torch.bfloat16).to(torch.float32).contiguous()
-    return q.contiguous(), weight.scale.to(torch.float32).reshape(-1, 1).contiguous()
+        q = q[:, nibble_pair_swap(q.shape[1])]
+    return q.contiguous(), scales.contiguous()
 
 
 def install_quantized_head(model: PreTrainedModel, factors: PITFactors, bits: int,
