@@ -29,6 +29,31 @@ def pytest_collection_modifyitems(config, items) -> None:
         path = Path(str(item.fspath))
         group = "runtime_tests" if "runtime_tests" in path.parts else path.stem
         item.add_marker(pytest.mark.xdist_group(group))
+        if _full_tier_only(item, path):
+            item.add_marker(pytest.mark.full)
+
+
+#: test files that run only in the full tier: notebooks (minutes of kernels each) and the aarch64
+#: emulation's runs (50-100x slower than native); their argument and set-up checks stay default
+FULL_TIER_FILES = {"test_notebooks"}
+#: fixtures whose presence puts a test in the full tier: emulated runs and the tiny .pte export
+#: that only the emulated tests read
+FULL_TIER_FIXTURES = {"arm_setup", "pte_export"}
+
+
+def _full_tier_only(item, path: Path) -> bool:
+    """Whether ``item`` runs only under ``bash scripts/test.sh --full``.
+
+    The default tier keeps every target x family x mode on tiny models; the full tier adds what
+    costs minutes per test and guards the same code paths at a larger scale: the bundled default
+    model (``real_model``), the notebooks and the emulated aarch64 runs. A test can also carry
+    ``@pytest.mark.full`` itself (the README block on the families beyond the first).
+    """
+    if item.get_closest_marker("real_model") is not None:
+        return True
+    if path.stem in FULL_TIER_FILES:
+        return True
+    return bool(FULL_TIER_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
 @pytest.fixture(params=FAMILIES)
