@@ -113,8 +113,7 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
         PitError: an unknown ``t_init`` or ``diagonal``, ``calib_tokens`` < 1, an ``out`` that
             exists without ``force``, an unusable source, a source that is already PIT.
     """
-    from .convert.conversion import CONVERSIONS
-    from .model.core import DIAGONAL_MAPS
+    from .model.choices import CONVERSIONS, DIAGONAL_MAPS
 
     say = _sayer(say)
     model, out = os.fspath(model), os.fspath(out)

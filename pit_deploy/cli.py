@@ -48,12 +48,12 @@ def stage(message: str) -> None:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    from .model.core import DIAGONAL_MAPS
+    from .model.choices import DIAGONAL_MAPS
 
     p = sub.add_parser("convert", help="convert a causal LM into a PIT model")
     p.add_argument("--model", required=True, help="default | GGUF file | HF directory | hub id")
     p.add_argument("--out", required=True, help="output directory (PIT checkpoint)")
-    from .convert.conversion import CONVERSIONS
+    from .model.choices import CONVERSIONS
 
     p.add_argument("--t-init", default=None,
                    help=f"{' | '.join(CONVERSIONS)} (default: preserve where the family allows it, else output)")
@@ -186,7 +186,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
                    ".toml/.json path (flags override it)")
     for flag in dataclass_flags(Recipe, defaults=False):
         p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
-    from .convert.conversion import CONVERSIONS
+    from .model.choices import CONVERSIONS
 
     p.add_argument("--t-init", default=None,
                    help=f"conversion of a plain model: {' | '.join(CONVERSIONS)} (default: preserve where allowed, else output)")

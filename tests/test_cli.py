@@ -144,3 +144,28 @@ def test_console_script_runs_as_a_process(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["list"], ["export", "--help"], ["export", "m", "--out", "o", "--dtype", "bogus"],
+                                  ["verify"], ["list", "bogus"], ["train", "--help"], ["run", "--help"]])
+def test_help_list_and_argument_errors_load_no_heavy_library(argv):
+    """The parser's choices come from tables that import no torch: ``--help``, ``list`` and an
+    argument error answer at once, and print no library warning before the answer."""
+    code = (
+        "import sys\n"
+        "from pit_deploy.cli import main\n"
+        "try:\n"
+        f"    rc = main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    rc = exc.code\n"
+        "heavy = [m for m in ('torch', 'transformers', 'torchao', 'onnx', 'onnxruntime', 'executorch') if m in sys.modules]\n"
+        "print('HEAVY', heavy, 'RC', rc, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("HEAVY [] RC"), proc.stderr[-2000:]
+    others = [line for line in proc.stderr.splitlines()[:-1] if line.strip()]
+    assert all(line.startswith(("usage:", "error:", "pit-deploy", "  ")) for line in others), others
+    rc = last.rsplit("RC", 1)[1].strip()
+    assert rc in ("0", "None") if argv[-1] in ("--help", "list") else rc == "2"

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import PitError
+from ..model.choices import CONVERSIONS
 from ..model.core import T_INITS, PITSpec, init_from_embedding, init_random
 from ..model.families import adapter_for
 from ..model.inspect import check_finite, effective_interface, is_pit
@@ -23,8 +24,6 @@ from ..model.pit_model import install_interface, pit_config_block
 
 log = logging.getLogger(__name__)
 
-#: every conversion ``convert_model`` knows: the paper's T inits and the source-preserving fit
-CONVERSIONS: tuple[str, ...] = (*T_INITS, "preserve")
 
 
 def default_conversion(config: Any) -> str:

@@ -44,7 +44,7 @@ def load_pit_source(model: str, t_init: str | None = None, progress: Progress | 
 
     ``t_init`` ``None`` picks ``preserve`` where the family allows it, else ``output``.
     """
-    from ..convert.conversion import CONVERSIONS
+    from ..model.choices import CONVERSIONS
 
     if t_init is not None and t_init not in CONVERSIONS:
         raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")

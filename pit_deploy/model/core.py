@@ -1,7 +1,8 @@
 """Pseudo-Inverse Tying: the token interface ``E = Z T⁻¹``, ``W_out = T Zᵀ``.
 
 This module is the only place in the project where ``T`` is applied to hidden states or
-``T⁻¹`` to token memories. It imports nothing else of the project.
+``T⁻¹`` to token memories. It imports nothing else of the project but the names of its choices
+(:mod:`.choices`).
 
 Paper: "Rethinking Weight Tying: Pseudo-Inverse Tying for LM Stable Training and Updates",
 section *Approach* (Eq. 3–12) and Appendix *Implementation Details*:
@@ -33,8 +34,7 @@ from torch.nn import functional as F
 
 DiagonalMap = Literal["softplus", "exp"]
 TInit = Literal["identity", "input", "output"]
-T_INITS: tuple[str, ...] = ("identity", "input", "output")
-DIAGONAL_MAPS: tuple[str, ...] = ("softplus", "exp")
+from .choices import DIAGONAL_MAPS, T_INITS  # noqa: F401  (re-exported: the names' one table)
 #: :meth:`PITInterface.floor_spectrum_` puts the floor this factor above ``λ_max / max_cond``
 FLOOR_MARGIN = 1.01
 

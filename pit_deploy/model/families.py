@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+if TYPE_CHECKING:  # the registry itself loads no torch: `pit-deploy list` reads it at once
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 #: the body linears of a Llama-layout block, by name (what the quantization schemes name)
@@ -148,6 +149,7 @@ def max_positions(config: PretrainedConfig) -> int | None:
 def body_linears(model: nn.Module) -> list[str]:
     """Module paths of the model's body linears (``nn.Linear`` and GPT-2's ``Conv1D``; not the
     head, not the PIT interface): what ``int4_8bit_layers`` names."""
+    from torch import nn
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -184,8 +184,7 @@ def describe_change(key: str, before: Any, now: Any) -> str:
 
 def validate(cfg: TrainConfig) -> None:
     """Reject inconsistent or out-of-range options before anything slow happens (exit 2)."""
-    from ..convert.conversion import CONVERSIONS
-    from ..model.core import DIAGONAL_MAPS
+    from ..model.choices import CONVERSIONS, DIAGONAL_MAPS
 
     if not cfg.out:
         raise PitError("--out is required: the run directory")
