@@ -209,7 +209,7 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
             if value is not None:
                 given[name] = os.fspath(value)
         cfg = TrainConfig(**given)
-    result = run_training(cfg)
+    result = run_training(cfg, say=say)
     if result is not None:
         say(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
             + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,7 +85,11 @@ def test_train_takes_the_flags_as_keywords(converted, assets, tmp_path):
     result = pit_deploy.train(conversion.out, tmp_path / "run", data=corpus, steps=2, seq_len=32, batch_size=2,
                               betas="0.9,0.95", val_fraction=0.2, progress=False, plot=False, say=lines.append)
     assert result.steps == 2 and result.final_train_loss > 0
-    assert lines == [f"done: 2 steps, final train loss {result.final_train_loss:.4f}"]
+    # without the progress bar, a line after the first step and the last (step, loss, tokens/s,
+    # MFU where the CPU's peak is known, ETA or the time in all), then the summary
+    assert len(lines) == 3 and lines[-1] == f"done: 2 steps, final train loss {result.final_train_loss:.4f}"
+    assert re.fullmatch(r"step 1/2: loss \d+\.\d{4}, [\d,]+ tokens/s(, MFU \d+\.\d%)?, ETA \d+s", lines[0]), lines
+    assert re.fullmatch(r"step 2/2: loss \d+\.\d{4}, [\d,]+ tokens/s(, MFU \d+\.\d%)?, \d+s in all", lines[1]), lines
     with pytest.raises(PitError, match="did you mean 'steps'"):
         pit_deploy.train(conversion.out, tmp_path / "run2", stepz=2, say=None)
     with pytest.raises(PitError, match="--out is required"):

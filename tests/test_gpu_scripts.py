@@ -68,6 +68,13 @@ def test_flops_per_token_and_mfu():
     cpu = torch.device("cpu")
     assert peak_flops(cpu, "bf16") is None and peak_memory_mb(cpu) is None
     assert peak_flops(cpu, "bf16", 2.0) == 2e12
+    # an fp32 CPU run: threads x fp32 FLOPs a cycle of the widest vector ISA x the clock
+    from pit_deploy.train.throughput import cpu_peak_flops
+
+    info = "flags\t\t: fpu sse2 avx2 fma avx512f\ncpu MHz\t\t: 2300.0\n"
+    assert cpu_peak_flops(2, info) == pytest.approx(2 * 64 * 2.3e9)
+    assert cpu_peak_flops(1, info.replace(" avx512f", "")) == pytest.approx(32 * 2.3e9)
+    assert cpu_peak_flops(1, "flags\t: fp asimd\n") is None and cpu_peak_flops(1, "flags\t: avx2\n") is None
     assert mfu(1000.0, 1e9, 2e12) == pytest.approx(0.5) and mfu(1000.0, 1e9, None) is None
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -86,19 +87,20 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-def _candidates(w: torch.Tensor, grid: RoundingGrid):
-    """``(scale, zero)`` ``(rows, 1)`` pairs to search: each clipping ratio of
-    :data:`CLIP_RATIOS`, and on a symmetric grid the largest weight on either end."""
+def _candidates(w: torch.Tensor, grid: RoundingGrid) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, zeros)`` ``(candidates, rows, 1)`` to search, all at once: each clipping ratio of
+    :data:`CLIP_RATIOS`, and on a symmetric grid the largest weight on either end (candidate
+    ``2k`` and ``2k + 1`` for ratio ``k``)."""
     if grid.symmetric:
         amax = w.abs().amax(1, keepdim=True).clamp(min=1e-12)
-        for ratio in CLIP_RATIOS:
-            for end in (grid.qmax, -grid.qmin):
-                yield _bf16(ratio * amax / end).clamp(min=1e-30), torch.zeros_like(amax)
-        return
+        ratio = torch.tensor([r for r in CLIP_RATIOS for _ in (0, 1)], dtype=w.dtype)[:, None, None]
+        end = torch.tensor([e for _ in CLIP_RATIOS for e in (grid.qmax, -grid.qmin)], dtype=w.dtype)[:, None, None]
+        scale = _bf16(ratio * amax / end).clamp(min=1e-30)
+        return scale, torch.zeros_like(scale)
     low, high = w.amin(1, keepdim=True).clamp(max=0.0), w.amax(1, keepdim=True).clamp(min=0.0)
-    for ratio in CLIP_RATIOS:
-        scale = (ratio * (high - low) / grid.qmax).to(torch.float32).to(w.dtype).clamp(min=1e-30)
-        yield scale, torch.clamp(torch.round(-ratio * low / scale), 0, grid.qmax)
+    ratio = torch.tensor(CLIP_RATIOS, dtype=w.dtype)[:, None, None]
+    scale = (ratio * (high - low) / grid.qmax).to(torch.float32).to(w.dtype).clamp(min=1e-30)
+    return scale, torch.clamp(torch.round(-ratio * low / scale), 0, grid.qmax)
 
 
 def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: RoundingGrid) -> torch.Tensor:
@@ -107,16 +109,14 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: Round
 
 def choose_params(w: torch.Tensor, grid: RoundingGrid) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero)`` ``(rows, 1)`` for each row of ``w`` ``(rows, cols)``: of the candidates
-    (:func:`_candidates`), the one with the smallest squared rounding error."""
-    best = None
-    for scale, zero in _candidates(w, grid):
-        err = (w - (_codes(w, scale, zero, grid) - zero) * scale).square().sum(1, keepdim=True)
-        if best is None:
-            best = [scale, zero, err]
-            continue
-        take = err < best[2]
-        best = [torch.where(take, scale, best[0]), torch.where(take, zero, best[1]), torch.where(take, err, best[2])]
-    return best[0], best[1]
+    (:func:`_candidates`), the one with the smallest squared rounding error (the first of equals).
+    Every candidate is scored in one pass over a ``(candidates, rows, cols)`` stack: GPTQ calls
+    this once per group, thousands of times a model, where a loop over candidates cost more in
+    per-call overhead than in arithmetic."""
+    scale, zero = _candidates(w, grid)
+    err = (w - (_codes(w, scale, zero, grid) - zero) * scale).square().sum(2, keepdim=True)
+    pick = torch.argmin(err, 0, keepdim=True)
+    return scale.gather(0, pick)[0], zero.gather(0, pick)[0]
 
 
 def _groups(cols: int, grid: RoundingGrid) -> int:
@@ -157,7 +157,6 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, act_or
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    codes = torch.zeros(out, cols, dtype=torch.float64)
     scales = torch.zeros(out, cols // per, dtype=torch.float64)
     zeros = torch.zeros(out, cols // per, dtype=torch.float64)
     order = torch.arange(cols)
@@ -174,37 +173,67 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, act_or
         hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except RuntimeError:  # numerically singular even after dampening: no error feedback to give
         return round_to_nearest(weight, grid)
+    # The column loop runs in numpy on transposed blocks (a column is a contiguous row): each
+    # step is a handful of small vector operations, where numpy's per-call cost is a fraction of
+    # torch's. The arithmetic is the same elementwise IEEE float64 operations in the same order
+    # (round half to even in both), so the codes are the same bits as a torch loop's; the
+    # block-to-block update stays one torch product, as before.
+    hinv_np, scales_np, zeros_np = hinv.numpy(), scales.numpy(), zeros.numpy()
+    codes_t = np.zeros((cols, out), dtype=np.float64)  # row c: the codes of input column c
+    group_np, order_np = group_of.numpy(), order.numpy()
+    qmin, qmax = float(grid.qmin), float(grid.qmax)
     for start in range(0, cols, block):
         stop = min(start + block, cols)
-        w1 = w[:, start:stop].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[start:stop, start:stop]
+        w1 = w[:, start:stop].T.contiguous().numpy()  # (columns, out)
+        err1 = np.zeros_like(w1)
+        hinv1 = hinv_np[start:stop, start:stop]
         for i in range(stop - start):
             col = start + i
             if grid.group is not None and not act_order and col % per == 0:
-                scale, zero = choose_params(w1[:, i:i + per], grid)
-                scales[:, col // per], zeros[:, col // per] = scale[:, 0], zero[:, 0]
-            scale, zero = scales[:, group_of[col]], zeros[:, group_of[col]]
-            q = _codes(w1[:, i], scale, zero, grid)
-            codes[:, order[col]] = q
-            err = (w1[:, i] - (q - zero) * scale) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, stop:] -= err1 @ hinv[start:stop, stop:]
+                scale, zero = choose_params(torch.from_numpy(w1[i:i + per].T), grid)
+                scales_np[:, col // per], zeros_np[:, col // per] = scale[:, 0].numpy(), zero[:, 0].numpy()
+            scale, zero = scales_np[:, group_np[col]], zeros_np[:, group_np[col]]
+            q = np.clip(np.rint(w1[i] / scale) + zero, qmin, qmax)
+            codes_t[order_np[col]] = q
+            err = (w1[i] - (q - zero) * scale) / hinv1[i, i]
+            w1[i + 1:] -= hinv1[i, i + 1:, None] * err
+            err1[i] = err
+        w[:, stop:] -= torch.from_numpy(np.ascontiguousarray(err1.T)) @ hinv[start:stop, stop:]
+    codes = torch.from_numpy(np.ascontiguousarray(codes_t.T))
     return RoundedWeight(codes.to(torch.int16), scales.to(torch.float32), zeros.to(torch.int16), grid)
 
 
 class _Moments:
-    """Accumulates ``Σ x xᵀ`` of a linear's inputs (float64) from a forward hook."""
+    """Accumulates ``Σ x xᵀ`` of a linear's inputs (float64) from a forward hook.
 
-    def __init__(self, cols: int):
+    Linears that read one tensor (``q_proj``, ``k_proj`` and ``v_proj`` the attention's input,
+    ``gate_proj`` and ``up_proj`` the MLP's) share a :class:`_Products`, which forms ``xᵀx`` once
+    for them all: the float64 products are most of calibration's arithmetic."""
+
+    def __init__(self, cols: int, products: "_Products | None" = None):
         self.h = torch.zeros(cols, cols, dtype=torch.float64)
         self.n = 0
+        self.products = products or _Products()
 
     def __call__(self, _module: nn.Module, args: tuple, _output: torch.Tensor) -> None:
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
-        self.h += x.T @ x
-        self.n += x.shape[0]
+        xtx, rows = self.products.of(args[0])
+        self.h += xtx
+        self.n += rows
+
+
+class _Products:
+    """``xᵀx`` (float64) of the last input tensor seen, kept with the tensor itself: a linear
+    called on the very same tensor object, unchanged since (its version counter), reuses it
+    (holding the tensor keeps its identity from being reused by another)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[torch.Tensor, int, torch.Tensor, int] | None = None
+
+    def of(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self.last is None or self.last[0] is not x or self.last[1] != x._version:
+            flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+            self.last = (x, x._version, flat.T @ flat, flat.shape[0])
+        return self.last[2], self.last[3]
 
 
 class _Stop(Exception):
@@ -279,7 +308,8 @@ def calibrate(model: nn.Module, blocks: Iterable[torch.Tensor], grid_of: Callabl
     result: dict[str, RoundedWeight] = {}
     for index, layer in enumerate(layers):
         linears = {names[m]: m for m in layer.modules() if isinstance(m, nn.Linear) and grid_of(names[m]) is not None}
-        moments = {n: _Moments(m.in_features) for n, m in linears.items()}
+        products = _Products()
+        moments = {n: _Moments(m.in_features, products) for n, m in linears.items()}
         if inputs is not None and linears:
             hooks = [m.register_forward_hook(moments[n]) for n, m in linears.items()]
             try:

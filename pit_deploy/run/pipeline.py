@@ -372,7 +372,7 @@ def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: S
     if nproc > 1:
         run_distributed(cfg, nproc)
     else:
-        train(cfg)
+        train(cfg, say=lambda line: say("    " + line))
     summary = json.loads((out / "summary.json").read_text())
     return {"dir": str(out), "model": str(out / "model"), "summary": summary}
 

@@ -41,7 +41,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,8 @@ __all__ = ["TrainConfig", "TrainResult", "TrainingRecipe", "StepStats", "train",
 log = logging.getLogger(__name__)
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: seconds between two progress lines (the first and the last step are always reported)
+PROGRESS_SECONDS = 5.0
 
 
 @dataclass
@@ -190,10 +192,13 @@ def _jsonable(cfg: TrainConfig) -> dict[str, Any]:
 class TrainingRecipe:
     """One training job described by a :class:`TrainConfig` (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, say: Callable[[str], None] | None = None) -> None:
         cfg = with_start_defaults(cfg)
         validate(cfg)
         self.cfg = cfg
+        #: where progress lines go when the progress bar is off (``pit-deploy run``, ``--no-progress``)
+        self.say = say
+        self._said_at = -math.inf
         self.out = Path(cfg.out)
         self.step = 0
         self.tokens_seen = 0
@@ -640,6 +645,8 @@ class TrainingRecipe:
             if self._progress is not None:
                 self._progress.update(1)
                 self._progress.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{self.tokens_per_step / wall:.0f}")
+            elif self.say is not None and self.master:
+                self._say_progress(stats, wall, time.perf_counter() - started, step_times, last)
             if self.val is not None and (self.step % cfg.eval_every == 0 or last):
                 self._log_eval(self.evaluate())
             if cfg.save_every and (self.step % cfg.save_every == 0 or last):
@@ -652,6 +659,22 @@ class TrainingRecipe:
                           "reached", file=sys.stderr)
                 break
         return self.finish(step_times, last_loss)
+
+    def _say_progress(self, stats: StepStats, wall: float, elapsed: float, step_times: list[float],
+                      last: bool) -> None:
+        """One progress line (step, loss, tokens/s, MFU, ETA) after the first step, the last one,
+        and otherwise at most every :data:`PROGRESS_SECONDS`: a slow step is reported as it ends,
+        a thousand fast ones do not flood the terminal."""
+        now = time.perf_counter()
+        if not (len(step_times) == 1 or last or now - self._said_at >= PROGRESS_SECONDS):
+            return
+        self._said_at = now
+        tokens_per_s = self.tokens_per_step / wall
+        util = mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
+        left = (self.total_steps - self.step) * elapsed / max(len(step_times), 1)
+        self.say(f"step {self.step}/{self.total_steps}: loss {stats.loss:.4f}, {tokens_per_s:,.0f} tokens/s"
+                 + (f", MFU {util:.1%}" if util is not None else "")
+                 + (f", ETA {_clock(left)}" if not last else f", {_clock(elapsed)} in all"))
 
     def _log_train(self, stats: StepStats, lr: float, wall: float) -> None:
         record = {"kind": "train", "step": self.step, "tokens": self.tokens_seen, "loss": stats.loss,
@@ -758,8 +781,17 @@ class TrainingRecipe:
             self._writer = None
 
 
-def train(cfg: TrainConfig) -> TrainResult | None:
-    """Run one training job described by ``cfg``; returns its result on rank 0.
+def _clock(seconds: float) -> str:
+    """``seconds`` as ``1h02m``, ``3m05s`` or ``12s``."""
+    whole = int(round(seconds))
+    if whole >= 3600:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 60}m{whole % 60:02d}s" if whole >= 60 else f"{whole}s"
+
+
+def train(cfg: TrainConfig, say: Callable[[str], None] | None = None) -> TrainResult | None:
+    """Run one training job described by ``cfg``; returns its result on rank 0. ``say`` takes
+    a progress line every few seconds when ``cfg.progress`` (the bar) is off.
 
     Raises:
         PitError: bad options or data, no loadable checkpoint to resume from, a non-finite
@@ -767,7 +799,7 @@ def train(cfg: TrainConfig) -> TrainResult | None:
             :class:`~.interface_guard.IdentityLost` (exit 1) when ``delta_ti`` exceeds
             ``--max-delta-ti``.
     """
-    recipe = TrainingRecipe(cfg)
+    recipe = TrainingRecipe(cfg, say)
     try:
         recipe.setup()
         return recipe.train()

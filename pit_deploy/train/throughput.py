@@ -10,8 +10,9 @@ PIT model ``Z`` and ``T``'s factor, which the head multiplies by. Recomputation 
 optimizer are not counted, as MFU conventionally does not.
 
 The peak is ``--peak-tflops`` when given, else the dense bf16/fp16 tensor-core figure of a known
-device (H100 SXM and H200: 989 TFLOP/s; H100 NVL: 835; H100 PCIe: 756), else unknown (``None``: on a CPU, or
-an fp32 run, or an unlisted GPU), and MFU is then ``None`` too.
+device (H100 SXM and H200: 989 TFLOP/s; H100 NVL: 835; H100 PCIe: 756), else, for an fp32 run on an
+x86 CPU, the CPU's fp32 vector peak (:func:`cpu_peak_flops`), else unknown (``None``: an fp32 run on
+a GPU, an unlisted GPU, a CPU whose vector width or clock cannot be read), and MFU is then ``None``.
 """
 
 from __future__ import annotations
@@ -45,10 +46,48 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6.0 * parameter_count(model) + 12.0 * layers * heads * head_dim * seq_len
 
 
+#: fp32 FLOPs a core retires per cycle at its widest vector ISA, by ``/proc/cpuinfo`` flag (first
+#: match): two FMA units of 16 (AVX-512) or 8 (AVX2) lanes, two FLOPs an FMA
+CPU_FP32_FLOPS_PER_CYCLE: tuple[tuple[str, int], ...] = (("avx512f", 64), ("avx2", 32))
+
+
+def cpu_peak_flops(threads: int | None = None, cpuinfo: str | None = None) -> float | None:
+    """The fp32 peak of the cores an fp32 CPU run uses: ``threads`` (torch's intra-op threads)
+    × FLOPs per cycle (:data:`CPU_FP32_FLOPS_PER_CYCLE`; both FMA units assumed, so an upper
+    bound on parts with one) × the clock (the kernel's maximum frequency where it reports one,
+    else ``cpu MHz`` of ``/proc/cpuinfo``, the base clock a virtual machine reports). ``None``
+    where the flags or the clock cannot be read (not x86 Linux)."""
+    import re
+    from pathlib import Path
+
+    try:
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"^flags\s*:(.*)$", text, re.M)
+    flags = set(found.group(1).split()) if found else set()
+    per_cycle = next((n for flag, n in CPU_FP32_FLOPS_PER_CYCLE if flag in flags), None)
+    hz = None
+    if cpuinfo is None:
+        try:
+            hz = int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text().strip()) * 1e3
+        except (OSError, ValueError):
+            hz = None
+    if hz is None:
+        found = re.search(r"^cpu MHz\s*:\s*([0-9.]+)", text, re.M)
+        hz = float(found.group(1)) * 1e6 if found else None
+    if per_cycle is None or not hz:
+        return None
+    return float(threads if threads is not None else torch.get_num_threads()) * per_cycle * hz
+
+
 def peak_flops(device: torch.device, precision: str, override_tflops: float | None = None) -> float | None:
-    """The device's peak FLOP/s for MFU: the override, a known bf16/fp16 peak, or ``None``."""
+    """The device's peak FLOP/s for MFU: the override, a known bf16/fp16 GPU peak, the CPU's
+    fp32 peak for an fp32 CPU run, or ``None``."""
     if override_tflops is not None:
         return override_tflops * 1e12
+    if device.type == "cpu" and precision == "fp32":
+        return cpu_peak_flops()
     if device.type != "cuda" or precision not in ("bf16", "fp16"):
         return None
     name = torch.cuda.get_device_name(device)
