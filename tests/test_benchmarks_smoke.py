@@ -304,3 +304,21 @@ def test_index_names_every_script_and_result(folder):
     assert not missing, f"{folder.name}/README.md does not name {missing}"
     for result in (folder / "results").glob("*.json"):
         json.loads(result.read_text(encoding="utf-8"))  # every committed result parses
+
+
+@pytest.mark.slow
+def test_pipeline_time(work, tmp_path):
+    """``pit-deploy run smoke`` on the tiny source (ONNX only, no bench): each stage's record and
+    the timed progress lines (a GPTQ grid, each artifact) are read into the result, beside the
+    command line's answer times."""
+    out = tmp_path / "pipeline_time.json"
+    assert run_benchmark("pipeline_time", ["--recipe", "smoke", "--model", str(work / "src"), "--label", "smoke",
+                                           "--set", "export.runtimes=['onnx']", "--set", "bench.enabled=false",
+                                           "--out", str(out)]) == 0
+    data = well_formed(out, "pipeline_time", "runs")
+    run = data["runs"]["smoke"]
+    assert run["exit_code"] == 0 and run["stages"]["export"]["status"] == "done"
+    assert {"convert", "train", "export", "verify", "report"} <= set(run["stages"])
+    kinds = {p["kind"] for p in run["parts"]}
+    assert {"gptq", "artifact", "stage"} <= kinds, run["parts"]
+    assert run["cli"]["help_s"] > 0 and run["cli"]["list_s"] > 0

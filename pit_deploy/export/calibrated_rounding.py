@@ -114,7 +114,10 @@ def choose_params(w: torch.Tensor, grid: RoundingGrid) -> tuple[torch.Tensor, to
     this once per group, thousands of times a model, where a loop over candidates cost more in
     per-call overhead than in arithmetic."""
     scale, zero = _candidates(w, grid)
-    err = (w - (_codes(w, scale, zero, grid) - zero) * scale).square().sum(2, keepdim=True)
+    if grid.symmetric:  # zero points are 0: adding and taking away 0.0 changes no error's bits
+        err = (w - torch.clamp(torch.round(w / scale), grid.qmin, grid.qmax) * scale).square().sum(2, keepdim=True)
+    else:
+        err = (w - (_codes(w, scale, zero, grid) - zero) * scale).square().sum(2, keepdim=True)
     pick = torch.argmin(err, 0, keepdim=True)
     return scale.gather(0, pick)[0], zero.gather(0, pick)[0]
 
