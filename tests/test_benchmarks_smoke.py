@@ -12,7 +12,8 @@ What is smoked, and what is left out:
   is ExecuTorch: lowering even one tiny ``.pte`` took about a minute on a 2-core machine, and
   ``bench_default.py`` would need two plus their stock-runner cells; the exporters and the bench
   have their own tests. These two are marked ``slow`` (one to two minutes each on a busy 2-core
-  machine, mostly ``verify`` and ``bench`` subprocesses); they still run in CI.
+  machine, mostly ``verify`` and ``bench`` subprocesses); ``quantization.py`` runs in the default
+  tier, ``bench_default.py`` in the full one.
 * ``export_sizes.py`` runs its own stock ONNX export and PIT export (``--runtime onnx``).
 * ``onnx_decode_profile.py`` profiles the tiny ONNX export; ``web_decode.py`` runs it in Node,
   headless Chromium and native onnxruntime; ``onnx_head_kernels.py`` and
@@ -22,6 +23,11 @@ What is smoked, and what is left out:
   except ``onnx_head_kernels.py``, which runs as ``python benchmarks/onnx_head_kernels.py`` to
   check that the scripts still run the way the docs say. The orchestrating scripts start their
   own ``pit-deploy`` subprocesses either way.
+
+Tiers: the scripts that orchestrate whole pipelines or build the peers' artifacts
+(``bench_default.py``, ``pte_anchors.py``, ``int4_quality_peers.py``, ``genai_side_by_side.py``,
+``onnx_targets.py``, ``pipeline_time.py``: a minute or more each) are smoked in the full tier
+(``bash scripts/test.sh --full``); the rest, and the index and writer checks, in the default tier.
 
 ``studies/`` are one-off studies that need the default model; they are not run here, but the
 checks at the end keep their index and the single result writer honest.
@@ -102,6 +108,7 @@ BENCH = ["--threads", "1", "--prompt-len", "4", "--gen-len", "3", "--reps", "1"]
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_bench_default(work, tmp_path):
     out = tmp_path / "bench_default.json"
     assert run_benchmark("bench_default", ["--model", str(work / "src"), "--work", str(work / "bench"),
@@ -138,6 +145,7 @@ def test_gguf_pit_vs_tt(work, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_pte_anchors(work, tmp_path):
     """The tiny PIT model's int4-shared ``.pte`` in the stock runner against the builder's int4 of
     the tiny source, one round, one thread; the llama.cpp anchor has no GGUF of a tiny source and
@@ -157,6 +165,7 @@ def test_pte_anchors(work, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_int4_quality_peers(work, tmp_path):
     """The tiny PIT model's int8 ONNX artifact and the builder's int4 of the tiny source on the
     three held-out kinds (blocks of 32); the llama.cpp peers have no GGUF of a tiny source and must
@@ -175,6 +184,7 @@ def test_int4_quality_peers(work, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_genai_side_by_side(work, tmp_path):
     """The tiny source through the builder (int4, fp32) against the tiny PIT model's factorized
     onnx-genai folders, one round, one thread."""
@@ -195,6 +205,7 @@ def test_genai_side_by_side(work, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_onnx_targets(work, tmp_path):
     """Both ONNX targets of the tiny PIT model, fp32 and int4, through one bench run."""
     pytest.importorskip("onnxruntime_genai")
@@ -307,6 +318,7 @@ def test_index_names_every_script_and_result(folder):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_pipeline_time(work, tmp_path):
     """``pit-deploy run smoke`` on the tiny source (ONNX only, no bench): each stage's record and
     the timed progress lines (a GPTQ grid, each artifact) are read into the result, beside the

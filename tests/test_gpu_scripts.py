@@ -176,7 +176,8 @@ def _check_run(run: dict, steps: int, pit: bool) -> None:
     assert curves["step"] == list(range(1, steps + 1))
     assert len(curves["delta_ti"]) == steps  # every logged step; PIT's within the bound, TT's is E's own
     assert all(d <= 1e-5 for d in curves["delta_ti"]) if pit else all(d > 1e-3 for d in curves["delta_ti"])
-    assert all(t > 0 for t in curves["tokens_per_s"]) and all(m is None for m in curves["mfu"])
+    # MFU: against the CPU's fp32 peak where it is known (an fp32 CPU run), else None
+    assert all(t > 0 for t in curves["tokens_per_s"]) and all(m is None or 0 < m < 1 for m in curves["mfu"])
     assert all(m is None for m in curves["peak_memory_mb"])
     assert "t_cond" in curves if pit else "t_cond" not in curves
     assert all(math.isfinite(v) for v in run["curves"]["eval"]["val_prose_loss"])

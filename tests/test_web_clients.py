@@ -73,7 +73,11 @@ def test_the_folder_is_laid_out_as_transformers_js_loads_it(web_exports):
     assert locations == {data_name("model_q4.onnx")}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+#: Llama in the default tier (the other tests here run on it too), every other family in the full one
+WEB_FAMILIES = [f if f == "llama" else pytest.param(f, marks=pytest.mark.full) for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", WEB_FAMILIES)
 def test_node_reproduces_pytorch_on_every_family(web_exports, family, capsys):
     """fp32: transformers.js's logits within the fp32 bound and its own greedy loop identical;
     int4: within the int4 KL bounds (onnxruntime-node has every operator native builds have)."""

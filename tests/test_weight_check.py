@@ -59,6 +59,14 @@ EXPORTS = [
     ("qwen3", "executorch", "factorized", "int8"),
     ("granite", "executorch", "materialized", "int8"),
 ]
+#: the ``.pte`` programs of the families after Llama lower in the full tier only (a minute or more
+#: each); the ``.pte`` reader and its checks run on Llama's in the default tier
+FULL_TIER = {("qwen3", "executorch"), ("granite", "executorch")}
+
+
+def _cases(cases):
+    return [pytest.param(c, marks=pytest.mark.full, id=_id(c)) if c[:2] in FULL_TIER else pytest.param(c, id=_id(c))
+            for c in cases]
 
 
 def _id(case) -> str:
@@ -119,7 +127,7 @@ def _exported(case: tuple, sources: dict[str, Path], tmp_path_factory) -> Path:
     return _MADE[case]
 
 
-@pytest.fixture(scope="module", params=EXPORTS, ids=_id)
+@pytest.fixture(scope="module", params=_cases(EXPORTS))
 def export(request, sources, cheap_calibration, tmp_path_factory) -> Path:
     return _exported(request.param, sources, tmp_path_factory)
 
