@@ -129,7 +129,8 @@ def test_compile_uses_the_compiled_model(tmp_path, assets, monkeypatch):
     result = train(config(tmp_path / "c", model, corpus, compile=True, steps=2, eval_every=0))
     assert result.extra["compiled"] is True
     assert len(calls) == 1 + 2  # the trial micro-batch, then one per step (batch 4, no accumulation)
-    assert result.extra["mfu"] is None  # no known peak on a CPU
+    mfu = result.extra["mfu"]  # against the CPU's fp32 peak where it is known
+    assert mfu is None or 0 < mfu < 1
 
 
 # ---- recipes --------------------------------------------------------------------------------
