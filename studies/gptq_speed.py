@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         for setting, loaded_machine in settings:
             stop = worker = None
             if loaded_machine:
-                stop = multiprocessing.Event()
-                worker = multiprocessing.Process(target=busy, args=(stop,), daemon=True)
+                spawn = multiprocessing.get_context("spawn")  # a forked child of torch can hang in its thread pool
+                stop = spawn.Event()
+                worker = spawn.Process(target=busy, args=(stop,), daemon=True)
                 worker.start()
             try:
                 for name, module in (("current", current), (args.against, earlier)):
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if worker is not None:
                     stop.set()
-                    worker.join()
+                    worker.join(timeout=30)
+                    if worker.is_alive():
+                        worker.kill()
     same = {}
     for row in rows:
         same.setdefault((row["target"], row["machine"]), set()).add(row["digest"])
