@@ -25,7 +25,6 @@ from ..model.pit_model import install_interface, pit_config_block
 log = logging.getLogger(__name__)
 
 
-
 def default_conversion(config: Any) -> str:
     """The conversion a plain model gets when none is named: ``preserve`` where the family
     allows it (it keeps what the source knew), else ``output``, the paper init that disturbs

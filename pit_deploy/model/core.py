@@ -32,9 +32,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .choices import DIAGONAL_MAPS, T_INITS  # noqa: F401  (re-exported: the names' one table)
+
 DiagonalMap = Literal["softplus", "exp"]
 TInit = Literal["identity", "input", "output"]
-from .choices import DIAGONAL_MAPS, T_INITS  # noqa: F401  (re-exported: the names' one table)
 #: :meth:`PITInterface.floor_spectrum_` puts the floor this factor above ``λ_max / max_cond``
 FLOOR_MARGIN = 1.01
 
