@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import PitError
+from ..errors import PitError, WriteError
 from ..export.recipes import MODES, parse_list
 from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, json_text, lock_target, write_json_atomic
@@ -584,7 +584,44 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
     ).judge(bounds)
 
 
-def verify_directory(
+def verify_directory(directory: str | Path, *args: Any, **kwargs: Any) -> VerifyReport:
+    """Verify the export ``directory`` (:func:`verify_export`); a failure that comes from the
+    directory being replaced while it was read (another ``export --force`` into it) is said as
+    such, not as a damaged or failing artifact: what was read was half the old export and half
+    the new one, and nothing is wrong with either.
+
+    Raises:
+        PitError: as :func:`verify_export`; and the directory was replaced while it was verified.
+    """
+    directory = Path(directory)
+    before = _identity(directory)
+    try:
+        report = verify_export(directory, *args, **kwargs)
+    except Exception as exc:
+        _refuse_if_replaced(directory, before, exc)
+        raise
+    if not report.passed:
+        _refuse_if_replaced(directory, before, None)
+    return report
+
+
+def _identity(directory: Path) -> tuple[Any, ...]:
+    """What tells one export in ``directory`` from another written there later: the directory's
+    inode (an export replaces the whole directory) and its manifest's pin."""
+    try:
+        info = os.stat(directory)
+        return info.st_dev, info.st_ino, pin_sha256(directory)
+    except (OSError, PitError):
+        return ()
+
+
+def _refuse_if_replaced(directory: Path, before: tuple[Any, ...], cause: BaseException | None) -> None:
+    if before and _identity(directory) != before:
+        raise PitError(f"{directory} was replaced while it was being verified (another export into it?); nothing "
+                       "was recorded — verify it again once that export has finished") from cause
+
+
+def verify_export(
     directory: str | Path,
     runtimes: Sequence[str] | str | None = None,
     modes: Sequence[str] | str | None = None,
@@ -723,5 +760,10 @@ def record_results(directory: Path, pin: str, selected: Sequence[Any], results: 
             "passed": all(r["passed"] for r in by_key.values()),
             "artifacts": list(by_key.values()),
         }
-        write_json_atomic(directory / MANIFEST_NAME, data)
+        try:
+            write_json_atomic(directory / MANIFEST_NAME, data)
+        except WriteError as exc:  # verify has no --out: the way out is space, or not recording
+            raise WriteError(f"cannot record the results in {directory / MANIFEST_NAME}: {exc.detail.split(';')[0]}; "
+                             "free some space or fix the folder's permissions, or pass --no-record to verify "
+                             "without recording", exc.errno, directory / MANIFEST_NAME) from exc
 
