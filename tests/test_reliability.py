@@ -293,6 +293,7 @@ GENAI = "onnx-genai-materialized"
     ("another decoder", ["genai_config.json", "model.decoder.filename"]),
     ("absolute", ["genai_config.json", "model.decoder.filename"]),
     ("head_size", ["genai_config.json", "head_size"]),
+    ("context_length", ["genai_config.json", "model.context_length"]),
     ("no tokenizer", ["tokenizer.json"]),
 ])
 def test_genai_folder_its_runtime_would_load_otherwise_is_exit_2(genai_export, tmp_path, capsys, how, names):
@@ -307,6 +308,8 @@ def test_genai_folder_its_runtime_would_load_otherwise_is_exit_2(genai_export, t
         _edit_json(config, lambda c: c["model"]["decoder"].update(filename=str(folder / "model.onnx")))
     elif how == "head_size":
         _edit_json(config, lambda c: c["model"]["decoder"].update(head_size=8))
+    elif how == "context_length":  # shorter than any generation: onnxruntime-genai's RuntimeError before
+        _edit_json(config, lambda c: c["model"].update(context_length=4))
     else:
         (folder / "tokenizer.json").unlink()
         _unlist(out, f"{GENAI}/tokenizer.json")

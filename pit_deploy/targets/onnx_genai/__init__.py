@@ -208,6 +208,13 @@ class OnnxGenaiTarget(Target):
             if want is not None and key in decoder and decoder[key] != want:
                 raise PitError(f"{folder / CONFIG_NAME}: model.decoder.{key} is {decoder[key]!r}, the model's is "
                                f"{want!r}; the file was edited or does not belong to this export — re-export")
+        # the builder writes the model's own context; a shorter one makes the runtime refuse every
+        # generation past it (and a longer one lets it write past the position table)
+        context, want = model.get("context_length"), ref.get("max_position_embeddings")
+        if isinstance(want, int) and context != want:
+            raise PitError(f"{folder / CONFIG_NAME}: model.context_length is {context!r}, the model's is {want!r} "
+                           "(max_position_embeddings); the file was edited or does not belong to this export — "
+                           "re-export")
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe),

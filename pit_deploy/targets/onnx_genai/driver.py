@@ -17,6 +17,7 @@ decoder's weight bytes (:func:`shared_interface_weights` checks that).
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -119,24 +120,30 @@ def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
         og.Tokenizer(model)  # what an app built on the folder loads beside the model
     prompt = np.arange(3, 11, dtype=np.int64)
     steps = 4
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt[None])
     driver = GenaiDriver(folder)
-    ref = driver.prefill(torch.from_numpy(prompt)).numpy()[-1]
-    errors, tokens = [], []
-    for i in range(steps):
-        got = np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1, ref.shape[-1])[-1]
-        errors.append(float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
-        token = int(ref.argmax())
-        tokens.append(token)
-        if i + 1 < steps:
-            generator.append_tokens(np.array([[token]], np.int64))
-            ref = driver.step(token, len(prompt) + i).numpy()
-    driver.close()
-    worst, bound = float(np.max(errors)), GENERATOR_REL_L2  # NaN propagates (max() would drop it)
+    errors: list[float] = []
+    try:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(prompt[None])
+        ref = driver.prefill(torch.from_numpy(prompt)).numpy()[-1]
+        for i in range(steps):
+            got = np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1, ref.shape[-1])[-1]
+            errors.append(float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
+            token = int(ref.argmax())
+            if i + 1 < steps:
+                generator.append_tokens(np.array([[token]], np.int64))
+                ref = driver.step(token, len(prompt) + i).numpy()
+        refused = None
+    except RuntimeError as exc:  # the runtime refuses to generate with this folder: it fails the check
+        refused = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    finally:
+        driver.close()
+    worst, bound = (float(np.max(errors)) if refused is None else math.inf), GENERATOR_REL_L2  # NaN propagates
     fails = [] if worst <= bound else [
+        f"onnxruntime_genai's generator cannot generate {steps} tokens after an {len(prompt)}-token prompt with this "
+        f"folder ({refused})" if refused is not None else
         f"onnxruntime_genai's generator differs from the decoder session verify measured: max rel L2 {worst:.3e} > "
         f"{bound:g} (does {CONFIG_NAME} name another decoder?)"]
     result.target_checks = {**(result.target_checks or {}), "genai_generator": {
