@@ -92,7 +92,9 @@ def kl_parity(driver: Any, reference: Any, blocks: list[list[int]]) -> KLFigures
         targets_n += nxt.numel()
     every = torch.cat(kls)
     finite = bool(torch.isfinite(every).all())
-    ratio = math.exp((nll_q - nll_p) / max(targets_n, 1)) if math.isfinite(nll_q) else math.inf
+    gap = (nll_q - nll_p) / max(targets_n, 1)
+    # a damaged artifact can be worse than exp's range (a few flipped exponents in T): unbounded
+    ratio = math.exp(gap) if math.isfinite(gap) and gap < 700.0 else math.inf
     return KLFigures(
         kl_mean=float(every.mean()) if finite else math.inf,
         kl_p99=float(torch.quantile(every, 0.99)) if finite else math.inf,

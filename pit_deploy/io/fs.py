@@ -31,6 +31,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -54,9 +55,13 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def check_output_dir(out: str | os.PathLike, force: bool, protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+def check_output_dir(out: str | os.PathLike, force: bool, protect: tuple[str | os.PathLike, ...] = (),
+                     owned: bool = False) -> Path:
     """Refuse to overwrite an existing non-empty directory unless ``force``, and refuse an
-    ``--out`` that ``--force`` could turn into data loss (:func:`check_replaceable`).
+    ``--out`` that ``--force`` could turn into data loss (:func:`check_replaceable`): with
+    ``force`` an existing directory is replaced only when it is a pit-deploy output
+    (:func:`pit_deploy_output`) and not a folder inside an export, unless the caller ``owned``
+    it (a checkpoint or cache entry of its own).
 
     Also checks, before any slow work, that ``--out`` can be created: not under a file, and
     in a writable directory.
@@ -68,8 +73,11 @@ def check_output_dir(out: str | os.PathLike, force: bool, protect: tuple[str | o
     if out.exists() and not out.is_dir():
         raise PitError(f"--out {out} exists and is not a directory; choose another path")
     check_replaceable(out, protect)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise PitError(f"--out {out} exists and is not empty; pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise PitError(f"--out {out} exists and is not empty; pass --force to replace it")
+        if not owned:
+            check_forceable(out)
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
@@ -78,6 +86,44 @@ def check_output_dir(out: str | os.PathLike, force: bool, protect: tuple[str | o
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PitError(f"--out {out}: {parent} is not writable; choose another path")
     return out
+
+
+#: the files that mark a directory as pit-deploy's own output, and what they make it
+OUTPUT_MARKERS = (("manifest.json", "an export"), ("run.json", "a run or training run"),
+                  ("state.json", "a training checkpoint"))
+
+
+def pit_deploy_output(directory: str | os.PathLike) -> str | None:
+    """What pit-deploy output ``directory`` is (``"an export"``, ``"a PIT checkpoint"``, …), or
+    ``None`` when it is none: no export manifest, run or training record, and no ``config.json``
+    carrying a PIT section (what ``convert`` writes)."""
+    directory = Path(directory)
+    for name, what in OUTPUT_MARKERS:
+        if (directory / name).is_file():
+            return what
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return "a PIT checkpoint" if isinstance(config, dict) and isinstance(config.get("pit"), dict) else None
+
+
+def check_forceable(out: Path) -> None:
+    """Refuse to replace (``--force``) the existing directory ``out`` unless it is a pit-deploy
+    output that stands on its own: never a folder nobody can tell is pit-deploy's (the user's
+    data), a folder inside an export (an artifact whose export would then fail its digest
+    check), or a mount point (which cannot be renamed away)."""
+    if os.path.ismount(out):
+        raise PitError(f"--out {out} is a mount point, which --force cannot replace (pit-deploy swaps in a new "
+                       "directory by renaming); choose a directory inside it")
+    for parent in Path(out).absolute().parents:
+        if (parent / "manifest.json").is_file():
+            raise PitError(f"--out {out} lies inside the export {parent}; --force would replace a folder of "
+                           "that export — choose a directory outside it")
+    if pit_deploy_output(out) is None:
+        raise PitError(f"--out {out} exists and is not a pit-deploy output (no manifest.json, run.json or PIT "
+                       "config.json); --force replaces only pit-deploy's own outputs — choose a new directory, "
+                       "or empty this one yourself")
 
 
 def check_replaceable(out: str | os.PathLike, protect: tuple[str | os.PathLike, ...] = ()) -> None:
@@ -186,10 +232,7 @@ def lock_directory(directory: str | os.PathLike, what: str = "run") -> Iterator[
         PitError: another process holds the lock (named with its PID).
     """
     path = Path(directory) / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise as_write_error(exc, path) or exc
+    fd = open_lock_file(path)
     try:
         if not _try_lock(fd, path):
             holder = _read_pid(path)
@@ -201,6 +244,44 @@ def lock_directory(directory: str | os.PathLike, what: str = "run") -> Iterator[
         yield path
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+#: flags of a lock file's ``open``: never through a symbolic link (a link planted where the lock
+#: goes would make the pid be written into whatever it points to), never inherited by children
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (creating it) the lock file ``path`` for :func:`lock_directory` and
+    :func:`lock_target`, which truncate it and write their pid into it: so it must be a file of
+    this process's own. A symbolic link there (``O_NOFOLLOW``), a directory, a special file, a
+    file with other hard links, or one another user owns is refused, untouched: in a shared
+    folder (``/tmp``, a group directory, a CI workspace) someone may have planted it to make
+    pit-deploy overwrite the file it leads to.
+
+    Raises:
+        PitError: ``path`` is not a lock file this process may use (exit 2, naming it).
+        WriteError: it cannot be created (permissions, read-only or full file system).
+    """
+    refusal = (f"{path} is {{what}}, not a pit-deploy lock file; refusing to use it (someone may have put it "
+               "there to make pit-deploy overwrite another file): remove it, or choose another --out")
+    try:
+        fd = os.open(path, _LOCK_FLAGS, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.EMLINK and path.is_symlink()):
+            raise PitError(refusal.format(what="a symbolic link")) from None
+        if exc.errno == errno.EISDIR or path.is_dir():
+            raise PitError(refusal.format(what="a directory")) from None
+        raise as_write_error(exc, path) or exc
+    info = os.fstat(fd)
+    problem = ("not a regular file" if not stat.S_ISREG(info.st_mode) else
+               f"a file with {info.st_nlink} hard links" if info.st_nlink > 1 else
+               f"owned by another user (uid {info.st_uid})"
+               if hasattr(os, "geteuid") and info.st_uid != os.geteuid() else None)
+    if problem is not None:
+        os.close(fd)
+        raise PitError(refusal.format(what=problem))
+    return fd
 
 
 def target_lock_path(target: str | os.PathLike) -> Path:
@@ -230,14 +311,14 @@ def lock_target(target: str | os.PathLike, what: str, wait: float = 0.0) -> Iter
     deadline = time.monotonic() + wait
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
+            fd = open_lock_file(path)
+        except WriteError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 log.warning("cannot lock %s (%s); another command writing it at once would not be detected",
-                            target, exc.strerror)
+                            target, os.strerror(exc.errno))
                 yield None
                 return
-            raise as_write_error(exc, path) or exc
+            raise
         if _try_lock(fd, path):
             if _same_file(fd, path):
                 break
@@ -303,7 +384,8 @@ def _read_pid(path: Path) -> str | None:
 
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike, force: bool = False,
-                     protect: tuple[str | os.PathLike, ...] = (), lock: str | None = None) -> Iterator[Path]:
+                     protect: tuple[str | os.PathLike, ...] = (), lock: str | None = None,
+                     owned: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
     On any exception the temporary directory is removed and ``out`` is untouched; a write that
@@ -316,24 +398,27 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
     ``lock`` (the command's name, e.g. ``"export"``): hold :func:`lock_target` on ``out`` for the
     whole block, so that a second command writing ``out`` at the same time is refused (exit 2,
     naming the first) instead of replacing or losing its work; ``out`` is checked again under it.
+    ``owned``: ``out`` is the caller's own (a checkpoint, a cache entry), replaced with ``force``
+    whatever it holds (:func:`check_output_dir`).
     """
     if lock is None:
-        with _atomic_directory(out, force, protect) as tmp:
+        with _atomic_directory(out, force, protect, owned) as tmp:
             yield tmp
         return
-    out = check_output_dir(out, force, protect).absolute()
+    out = check_output_dir(out, force, protect, owned).absolute()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         _raise_as_write_error(exc, out)
         raise
-    with lock_target(out, lock), _atomic_directory(out, force, protect) as tmp:
+    with lock_target(out, lock), _atomic_directory(out, force, protect, owned) as tmp:
         yield tmp
 
 
 @contextlib.contextmanager
-def _atomic_directory(out: str | os.PathLike, force: bool, protect: tuple[str | os.PathLike, ...]) -> Iterator[Path]:
-    out = check_output_dir(out, force, protect).absolute()
+def _atomic_directory(out: str | os.PathLike, force: bool, protect: tuple[str | os.PathLike, ...],
+                      owned: bool) -> Iterator[Path]:
+    out = check_output_dir(out, force, protect, owned).absolute()
     tmp: Path | None = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -221,9 +221,10 @@ def check_run_directory(out: Path, recipe: RunRecipe, force: bool) -> None:
         if data.get("recipe") != recipe.name and not force:
             raise PitError(f"{out} is a run of recipe {data.get('recipe')!r}, not {recipe.name!r}; choose "
                            "another --out, or pass --force to reuse it (stages whose settings differ rerun)")
-    elif out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()) and not force:
-        raise PitError(f"--out {out} exists and is not a pit-deploy run directory; choose another path "
-                       "(or --force to use it anyway)")
+    elif out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        # --force reuses a run of another recipe; it never turns someone's folder into a run
+        raise PitError(f"--out {out} exists and is not a pit-deploy run directory (no run.json); choose a new "
+                       "directory, or an earlier run's")
 
 
 def _directories(root: Path) -> list[Path]:
