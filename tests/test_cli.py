@@ -62,8 +62,14 @@ def test_existing_out_needs_force(tmp_path: Path, capsys) -> None:
     assert code == 2 and "--force" in err
     assert (out / "keep.txt").read_text() == "user data"
     code, _, err = _run(capsys, "convert", "--model", str(src), "--out", str(out), "--force")
+    assert code == 2 and "not a pit-deploy output" in err  # --force replaces pit-deploy's outputs only
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    converted = tmp_path / "converted"
+    assert _run(capsys, "convert", "--model", str(src), "--out", str(converted))[0] == 0
+    (converted / "stale.txt").write_text("from the earlier conversion")
+    code, _, err = _run(capsys, "convert", "--model", str(src), "--out", str(converted), "--force")
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert not (converted / "stale.txt").exists() and (converted / "model.safetensors").is_file()
 
 
 def _bert_dir(tmp_path: Path) -> Path:

@@ -586,10 +586,14 @@ def test_commands_under_a_file_size_limit_exit_2_naming_the_path_and_leave_nothi
     assert proc.returncode == 0, proc.stderr[-3000:]
     convert, run, capped, plain, verify = json.loads(proc.stdout.splitlines()[-1])
     cause = "file too large: the file size limit (ulimit -f) was reached (EFBIG); raise the limit or choose another --out"
-    for result, path in [(convert, tmp_path / "converted"), (capped, tmp_path / "capped-export"),
-                         (verify, export / "manifest.json")]:
+    for result, path in [(convert, tmp_path / "converted"), (capped, tmp_path / "capped-export")]:
         assert result["code"] == 2, result
         assert _error_lines(result["err"]) == [f"error: cannot write {path}: {cause}"]
+    # verify has no --out: its way out is the limit, or not recording
+    assert verify["code"] == 2, verify
+    assert _error_lines(verify["err"]) == [
+        f"error: cannot write {export / 'manifest.json'}: file too large: the file size limit (ulimit -f) was "
+        "reached (EFBIG); raise the limit, or pass --no-record to verify without recording"]
     assert run["code"] == 2, run
     model = tmp_path / "run" / "1-convert" / "model"
     assert _error_lines(run["err"]) == [f"error: stage convert failed: cannot write {model}: {cause}"]

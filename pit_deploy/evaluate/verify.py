@@ -454,6 +454,91 @@ def require_expected(directory: Path, art) -> None:
                        "KL check needs; the manifest was edited or written by an older pit-deploy: re-export")
 
 
+def _onnx_tensors(graph: Any) -> Any:
+    """Every tensor an ONNX graph holds: its initializers (sparse ones' values and indices) and
+    the tensors of its nodes' attributes, those of subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        yield from _attribute_tensors(node)
+
+
+def _attribute_tensors(node: Any) -> Any:
+    for attr in node.attribute:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        if attr.HasField("sparse_tensor"):
+            yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
+        for sparse in attr.sparse_tensors:
+            yield from (sparse.values, sparse.indices)
+        if attr.HasField("g"):
+            yield from _onnx_tensors(attr.g)
+        for sub in attr.graphs:
+            yield from _onnx_tensors(sub)
+
+
+def check_onnx_data_files(directory: Path, art) -> None:
+    """Refuse an artifact whose ONNX graphs read external data from a file that is not a regular
+    file of the artifact that its manifest lists: every tensor stored outside an ``.onnx`` file
+    that the manifest lists (the decoder, the interface graph, any other session's graph) names
+    its data file by a ``location`` relative to the graph, which onnxruntime opens as it is. A
+    location that is not a plain relative path (absolute, ``..``), a file the manifest does not
+    list (so no digest covers what the runtime reads), a symbolic link or anything but a regular
+    file is a tampered artifact.
+
+    Exit 2, as a digest that does not match (:func:`~pit_deploy.io.manifest.check_digests`) and
+    a config that names an unlisted file (:meth:`~pit_deploy.targets.base.Target.check_files`)
+    are: what ``verify`` would measure is not the artifact the manifest describes, so it is
+    refused before any work and nothing is recorded; exit 1 is for an artifact that was measured
+    and missed a bound.
+
+    Raises:
+        PitError: a listed ``.onnx`` file that cannot be read, or an external-data location as above.
+    """
+    import posixpath
+
+    import onnx
+    from onnx import TensorProto
+
+    from ..targets.base import plain_relative
+
+    listed = set(art.files)
+    for rel in sorted(r for r in art.files if r.endswith(".onnx")):
+        path = confined(directory, rel, "manifest file")
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # noqa: BLE001 — onnx raises several types for a damaged file
+            raise PitError(f"{path} cannot be read as ONNX ({type(exc).__name__}); re-export") from None
+        tensors = list(_onnx_tensors(model.graph))
+        for function in model.functions:
+            for node in function.node:
+                tensors += list(_attribute_tensors(node))
+        folder = posixpath.dirname(rel)
+        checked: set[str] = set()
+        for tensor in tensors:
+            if tensor.data_location != TensorProto.EXTERNAL:
+                continue
+            location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+            if location in checked:
+                continue
+            where = f"{path}: tensor {tensor.name!r} reads its data from {location!r}"
+            if not plain_relative(location):
+                raise PitError(f"{where}, not a plain relative path inside the artifact (no absolute path, no '..'); "
+                               "the file was edited or tampered — re-export")
+            target = posixpath.join(folder, location)
+            if target not in listed:
+                raise PitError(f"{where}, which is not a file of the artifact that its manifest lists (no digest "
+                               "covers it); the file was edited or tampered — re-export")
+            file = Path(directory) / target
+            linked = any(p.is_symlink() for p in [file, *file.parents][: target.count("/") + 1])
+            if linked or not file.is_file():
+                raise PitError(f"{where}, which is {'a symbolic link' if linked else 'not a regular file'}; the "
+                               "runtime must read the file the manifest's digest covers — re-export")
+            checked.add(location)
+
+
 def interface_exact_of(art, recipe: dict | None) -> bool:
     """Whether a quantized artifact's interface is exact (``W_out E = I``, ``delta_ti`` bounded),
     from its scheme's ``pit_correction`` (the recipe's override, else the scheme's own) and its
@@ -679,6 +764,7 @@ def verify_export(
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
     for art in selected:  # what each runtime opens is what the digests cover
         get_target(art.runtime).check_files(directory, art)
+        check_onnx_data_files(directory, art)
     for art in selected:
         require_expected(directory, art)  # before any work
     web_clients: tuple[str, ...] = ()
@@ -762,8 +848,10 @@ def record_results(directory: Path, pin: str, selected: Sequence[Any], results: 
         }
         try:
             write_json_atomic(directory / MANIFEST_NAME, data)
-        except WriteError as exc:  # verify has no --out: the way out is space, or not recording
-            raise WriteError(f"cannot record the results in {directory / MANIFEST_NAME}: {exc.detail.split(';')[0]}; "
-                             "free some space or fix the folder's permissions, or pass --no-record to verify "
-                             "without recording", exc.errno, directory / MANIFEST_NAME) from exc
+        except WriteError as exc:  # verify has no --out: the way out is the cause's, or not recording
+            cause, _, todo = exc.detail.partition("; ")
+            todo = todo.split(" or ")[0] if " or " in todo else "fix that"
+            detail = f"{cause}; {todo}, or pass --no-record to verify without recording"
+            raise WriteError(f"cannot write {directory / MANIFEST_NAME}: {detail}", exc.errno,
+                             directory / MANIFEST_NAME, detail) from exc
 

@@ -105,7 +105,7 @@ def export_model(
     schemes = recipe.schemes(model.config)
     quantized = [s for s in schemes if s.quantized]
 
-    with atomic_directory(out, force, lock="export") as tmp:  # a second export of out is refused
+    with atomic_directory(out, force, lock="export", owned=False) as tmp:  # a second export of out is refused
         say(f"saving the {'tied' if keep_tying else 'PIT'} reference checkpoint to {REFERENCE_DIR}/")
         save_model(model, tmp / REFERENCE_DIR, loaded.tokenizer)
         reference = {

@@ -88,6 +88,7 @@ def check_output_dir(out: str | os.PathLike, force: bool, protect: tuple[str | o
     return out
 
 
+RUN_FORMAT = "pit-deploy-run"  #: the ``format`` of a run directory's ``run.json``
 #: the files that mark a directory as pit-deploy's own output, and what they make it
 OUTPUT_MARKERS = (("manifest.json", "an export"), ("run.json", "a run or training run"),
                   ("state.json", "a training checkpoint"))
@@ -101,11 +102,16 @@ def pit_deploy_output(directory: str | os.PathLike) -> str | None:
     for name, what in OUTPUT_MARKERS:
         if (directory / name).is_file():
             return what
+    return "a PIT checkpoint" if isinstance(_json_object(directory / "config.json").get("pit"), dict) else None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; empty when there is none (no file, not JSON, not an object)."""
     try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return "a PIT checkpoint" if isinstance(config, dict) and isinstance(config.get("pit"), dict) else None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def check_forceable(out: Path) -> None:
@@ -116,11 +122,13 @@ def check_forceable(out: Path) -> None:
     if os.path.ismount(out):
         raise PitError(f"--out {out} is a mount point, which --force cannot replace (pit-deploy swaps in a new "
                        "directory by renaming); choose a directory inside it")
-    for parent in Path(out).absolute().parents:
-        if (parent / "manifest.json").is_file():
+    parents = Path(out).absolute().parents
+    for parent in parents:
+        if isinstance(_json_object(parent / "manifest.json").get("artifacts"), list):
             raise PitError(f"--out {out} lies inside the export {parent}; --force would replace a folder of "
                            "that export — choose a directory outside it")
-    if pit_deploy_output(out) is None:
+    in_run = any(_json_object(parent / "run.json").get("format") == RUN_FORMAT for parent in parents)
+    if pit_deploy_output(out) is None and not in_run:  # a run's own stage folders are the run's
         raise PitError(f"--out {out} exists and is not a pit-deploy output (no manifest.json, run.json or PIT "
                        "config.json); --force replaces only pit-deploy's own outputs — choose a new directory, "
                        "or empty this one yourself")
@@ -385,7 +393,7 @@ def _read_pid(path: Path) -> str | None:
 @contextlib.contextmanager
 def atomic_directory(out: str | os.PathLike, force: bool = False,
                      protect: tuple[str | os.PathLike, ...] = (), lock: str | None = None,
-                     owned: bool = False) -> Iterator[Path]:
+                     owned: bool = True) -> Iterator[Path]:
     """Yield a temporary directory beside ``out``; rename it to ``out`` only on success.
 
     On any exception the temporary directory is removed and ``out`` is untouched; a write that
@@ -398,8 +406,9 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
     ``lock`` (the command's name, e.g. ``"export"``): hold :func:`lock_target` on ``out`` for the
     whole block, so that a second command writing ``out`` at the same time is refused (exit 2,
     naming the first) instead of replacing or losing its work; ``out`` is checked again under it.
-    ``owned``: ``out`` is the caller's own (a checkpoint, a cache entry), replaced with ``force``
-    whatever it holds (:func:`check_output_dir`).
+    ``owned`` (default): the caller decided that ``out`` is its to replace (a checkpoint, a cache
+    entry, a folder a command checked with :func:`check_output_dir` before its slow work);
+    ``False`` checks again, under the lock, that ``force`` replaces only a pit-deploy output.
     """
     if lock is None:
         with _atomic_directory(out, force, protect, owned) as tmp:

@@ -197,7 +197,7 @@ def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Pa
         folder.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(folder.parent, os.W_OK | os.X_OK):
             raise PermissionError(f"{folder.parent} is not writable")
-        with atomic_directory(folder, force=True, owned=True) as tmp:
+        with atomic_directory(folder, force=True) as tmp:
             build(tmp)  # a PitError (say, an unsupported architecture) propagates
             files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             write_json_atomic(tmp / CACHE_META, {"gguf": path.name, "gguf_sha256": sha256, "files": files})

@@ -5,6 +5,7 @@ loop, ``pit-deploy plot``, the run report and the benchmarks all read it through
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ class MetricsLog:
     def start(self) -> None:
         """An empty log for a new run."""
         if self.enabled:
-            self.path.write_text("")
+            write_text_atomic(self.path, "")  # a link planted at the path is replaced, not followed
 
     def truncate_after(self, step: int) -> None:
         """Drop what was logged after ``step`` (a resumed run logs those steps again)."""
@@ -60,7 +61,8 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(self.path, flags, 0o644), "a", encoding="utf-8") as fh:
             fh.write(json_text(record) + "\n")
         if self.scalar_sink is not None:
             for key, value in record.items():

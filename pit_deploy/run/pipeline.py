@@ -29,15 +29,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import PitError, WriteError, as_write_error
-from ..io.fs import (LOCK_NAME, check_apart, json_text, lock_directory, remove_stale_partials, write_json_atomic,
-                     write_text_atomic)
+from ..io.fs import (LOCK_NAME, RUN_FORMAT, check_apart, json_text, lock_directory, remove_stale_partials,
+                     write_json_atomic, write_text_atomic)
 from .recipe import STAGES, RunRecipe
 from .report import REPORT_NAME, isa_tag
 from .stages import StageRecord, digest_path, fingerprint, jsonable, relative_outputs, resolved_outputs, stage_dir
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
-RUN_FORMAT = "pit-deploy-run"
 
 
 class StageFailed(Exception):

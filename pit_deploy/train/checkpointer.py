@@ -141,7 +141,7 @@ def save_checkpoint(run: Path, step: int, weights: dict[str, torch.Tensor] | tor
     root = run / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:07d}"
-    with atomic_directory(root / name, force=True, owned=True) as tmp:
+    with atomic_directory(root / name, force=True) as tmp:
         if isinstance(weights, torch.nn.Module):
             save_model(weights, str(tmp / "model.safetensors"))
         else:  # gathered copies of tied weights no longer share storage: keep the first name

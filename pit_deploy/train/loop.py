@@ -759,7 +759,7 @@ class TrainingRecipe:
 
         from ..io.fs import atomic_directory
 
-        with atomic_directory(self.out / "adapter", force=True, owned=True) as tmp:
+        with atomic_directory(self.out / "adapter", force=True) as tmp:
             self.raw_model.save_pretrained(tmp)
             if self.interface is not None and (self.cfg.lora_train_t or self.cfg.train_z):
                 # PEFT saves adapters only; the trained interface goes next to them.
