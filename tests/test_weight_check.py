@@ -219,7 +219,7 @@ def _pte_entries(path: Path) -> dict[str, tuple[int, int]]:
         header = _get_extended_header(raw)
         program = _flatbuffer_to_program(raw[:header.program_size])
         base, segments, named = header.segment_base_offset, program.segments, program.named_data
-    return {e.key: (base + segments[e.segment_index].offset, segments[e.segment_index].size) for e in named}
+    return {e.key: (base + segments[e.segment_index].offset, segments[e.segment_index].size) for e in named or ()}
 
 
 def scramble_pte(folder: Path, vocab: int, seed: int = 0, head: bool = False) -> str:
@@ -459,3 +459,332 @@ def test_torchao_hqq_rounding_passes_the_exporters_own_codes_and_no_others():
     rng = np.random.default_rng(0)
     assert not torchao_hqq_rounding(_from_codes("w", rng.integers(-8, 8, codes.shape), scales, 4, 32, 128), reference)
     assert not torchao_hqq_rounding(_from_codes("w", codes, scales * 1.02, 4, 32, 128), reference)
+
+
+# --------------------------------------------------------------------------------------
+# tensors swapped between places of one shape: each is paired with the weight of its own name
+# --------------------------------------------------------------------------------------
+
+
+def _node_module(node_name: str) -> str:
+    """The module path an ONNX node's name is made of (``/model/layers.0/mlp/up_proj/MatMul_Q8``
+    → ``model.layers.0.mlp.up_proj``)."""
+    return ".".join(node_name.strip("/").split("/")[:-1])
+
+
+def swap_onnx(path: Path, first: str, second: str) -> str:
+    """Swap the stored codes, scales and zero points of the quantized weights read by the nodes
+    named for the module paths ``first`` and ``second`` in the ONNX graph at ``path`` (in the
+    external data file, in place, or in the graph where a small tensor is stored inline); returns
+    the name the weight-level check gives the first of them."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+
+    def tensors(module: str) -> tuple[str, list[str]]:
+        for node in model.graph.node:
+            if _node_module(node.name) != module:
+                continue
+            if node.op_type == "MatMulNBits":
+                return node.name, [n for n in node.input[1:] if n in inits]
+            if node.op_type == "MatMul" and any(f"{node.input[1]}.q{b}" in inits for b in (4, 8)):  # folded codes
+                base = node.input[1]
+                return base, [n for n in inits if n in (f"{base}.q4", f"{base}.q8", f"{base}.scales",
+                                                        f"{base}.zero_points")]
+        raise AssertionError(f"no quantized weight read by a node of {module} in {path}")
+
+    name, ours = tensors(first)
+    _, theirs = tensors(second)
+    assert len(ours) == len(theirs) >= 2, (ours, theirs)
+    files: dict[str, bytearray] = {}
+    for a, b in zip(ours, theirs):
+        ta, tb = inits[a], inits[b]
+        assert tuple(ta.dims) == tuple(tb.dims) and ta.data_location == tb.data_location, (a, b)
+        if ta.data_location == onnx.TensorProto.EXTERNAL:
+            where = [{e.key: e.value for e in t.external_data} for t in (ta, tb)]
+            raw = files.setdefault(where[0]["location"],
+                                   bytearray((path.parent / where[0]["location"]).read_bytes()))
+            assert where[0]["location"] == where[1]["location"] and where[0]["length"] == where[1]["length"]
+            (oa, ob), n = (int(w["offset"]) for w in where), int(where[0]["length"])
+            raw[oa:oa + n], raw[ob:ob + n] = raw[ob:ob + n], raw[oa:oa + n]
+        else:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(ta)
+            ta.CopyFrom(tb)
+            tb.CopyFrom(copy)
+            ta.name, tb.name = a, b
+    for location, raw in files.items():
+        (path.parent / location).write_bytes(bytes(raw))
+    onnx.save(model, str(path))
+    return name
+
+
+def swap_gguf(path: Path, first: str, second: str) -> str:
+    """Swap the data of two GGUF tensors of one type and size, in place; returns ``first``."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    found = {t.name: (int(t.data_offset), int(t.n_bytes), t.tensor_type) for t in reader.tensors}
+    (oa, n, kind), (ob, m, other) = found[first], found[second]
+    assert (n, kind) == (m, other), (found[first], found[second])
+    del reader
+    raw = bytearray(path.read_bytes())
+    raw[oa:oa + n], raw[ob:ob + n] = raw[ob:ob + n], raw[oa:oa + n]
+    path.write_bytes(bytes(raw))
+    return first
+
+
+def _pte_linear_keys(path: Path) -> list[tuple[str, str]]:
+    """``(codes key, scales key)`` of the named-data entries of every quantized linear of the
+    XNNPACK delegates of ``forward``, in the order the weight-level check reads them."""
+    from pit_deploy.evaluate.weight_check import XNN_WEIGHTS, _PteData, _xnn_graph
+
+    program = _PteData(path).program
+    plan = next(p for p in program.execution_plan if p.name == "forward")
+    keys = []
+    for delegate in plan.delegates:
+        graph = _xnn_graph(bytes(program.backend_delegate_data[delegate.processed.index].data))
+        constants = graph["constant_data"]
+        values = {v["xvalue_union"]["tensor_value"]["id_out"]: v["xvalue_union"] for v in graph["xvalues"]
+                  if v.get("xvalue_union_type") == "XNNQuantizedTensorValue"
+                  and v["xvalue_union"]["tensor_value"].get("constant_buffer_idx")
+                  and v["xvalue_union"]["tensor_value"].get("datatype") in XNN_WEIGHTS}
+        for node in graph["xnodes"]:
+            value = values.get(node["xnode_union"].get("filter_id", -1))
+            if value is not None:
+                keys.append((constants[value["tensor_value"]["constant_buffer_idx"]]["named_key"],
+                             constants[value["quant_params"]["scale_buffer_idx"]]["named_key"]))
+    return keys
+
+
+def swap_pte(folder: Path, first: int, second: int) -> str:
+    """Swap the codes and the scales of the ``first``-th and ``second``-th quantized linear of the
+    ``.pte``'s ``forward`` (program order) in their named-data entries, in whichever file holds
+    them, in place; returns the end of the name the weight-level check gives the first of them."""
+    (codes_a, scales_a), (codes_b, scales_b) = (_pte_linear_keys(folder / "model.pte")[i] for i in (first, second))
+    swapped = 0
+    for path in sorted(folder.glob("model.pt[ed]")):
+        entries = _pte_entries(path)
+        raw = bytearray(path.read_bytes())
+        for a, b in ((codes_a, codes_b), (scales_a, scales_b)):
+            if a in entries:
+                (oa, n), (ob, m) = entries[a], entries[b]
+                assert n == m, (a, b, n, m)
+                raw[oa:oa + n], raw[ob:ob + n] = raw[ob:ob + n], raw[oa:oa + n]
+                swapped += 1
+        path.write_bytes(bytes(raw))
+    assert swapped == 2, (folder, swapped)
+    return codes_a[:16]  # the check names a delegate's weight "<method>/xnnpack<j>/<key[:16]>"
+
+
+Q0, Q1 = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"
+GATE0, GATE1, UP0 = "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.gate_proj", "model.layers.0.mlp.up_proj"
+LLAMA_ONNX, LLAMA_GGUF, LLAMA_GENAI = EXPORTS[0], EXPORTS[1], EXPORTS[2]
+#: a .pte's quantized linears in program order: seven a layer, q k v o gate up down
+PTE_Q0, PTE_Q1, PTE_GATE0, PTE_UP0 = 0, 7, 4, 5
+#: (export, artifact folder, the two tensors swapped, the reference weight the first must be
+#: compared with): across layers and within one, plain rounding and GPTQ (its codes match the
+#: digest recorded for the other weight), for every target with a weight-level check
+SWAPS = {
+    "onnx-int8-q_proj-layers": (LLAMA_ONNX, "onnx-factorized-int8", (Q0, Q1), Q0),
+    "onnx-int4-gptq-q_proj-layers": (LLAMA_ONNX, "onnx-factorized-int4", (Q0, Q1), Q0),
+    "onnx-int4-gptq-gate-up": (LLAMA_ONNX, "onnx-factorized-int4", (GATE0, UP0), GATE0),
+    "onnx-int8-web-gate-up": (LLAMA_ONNX, "onnx-factorized-int8-web", (GATE0, UP0), GATE0),
+    "genai-int8-qkv-layers": (LLAMA_GENAI, "onnx-genai-factorized-int8",
+                              ("model.layers.0.attn.qkv_proj", "model.layers.1.attn.qkv_proj"),
+                              "model.layers.0.self_attn.{q_proj,k_proj,v_proj}"),
+    "genai-int8-gate-layers": (LLAMA_GENAI, "onnx-genai-factorized-int8", (GATE0, GATE1), GATE0),
+    "genai-int4-gptq-gate-up": (LLAMA_GENAI, "onnx-genai-factorized-int4", (GATE0, UP0), GATE0),
+    "gguf-q8_0-attn_q-layers": (LLAMA_GGUF, "gguf-materialized-q8_0", ("blk.0.attn_q.weight", "blk.1.attn_q.weight"),
+                                "blk.0.attn_q.weight"),
+    "gguf-q8_0-gate-up": (LLAMA_GGUF, "gguf-materialized-q8_0", ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"),
+                          "blk.0.ffn_gate.weight"),
+    "pte-int8-q_proj-layers": (LLAMA_PTE, "executorch-factorized-int8", (PTE_Q0, PTE_Q1), Q0),
+    "pte-int8-gate-up": (LLAMA_PTE, "executorch-factorized-int8", (PTE_GATE0, PTE_UP0), GATE0),
+    "pte-int4-gptq-q_proj-layers": (LLAMA_PTE, "executorch-factorized-int4", (PTE_Q0, PTE_Q1), Q0),
+}
+
+
+def _swapped(case: str, sources, tmp_path_factory, tmp_path: Path) -> tuple[Path, str, str, str]:
+    """A copy of the case's export with its two tensors swapped, digests re-recorded: the copy,
+    the artifact folder, the name the check gives the first tensor and its reference weight."""
+    export_case, folder, (first, second), weight = SWAPS[case]
+    directory = _copy(_exported(export_case, sources, tmp_path_factory), tmp_path)
+    art = next(a for a in json.loads((directory / MANIFEST_NAME).read_text())["artifacts"] if a["path"] == folder)
+    if art["runtime"] == "executorch":
+        name = swap_pte(directory / folder, first, second)
+    elif art["runtime"] == "gguf":
+        name = swap_gguf(directory / folder / art["details"]["file"], first, second)
+    elif art["runtime"] == "onnx-genai":
+        name = swap_onnx(directory / folder / "model.onnx", first, second)
+    else:
+        from pit_deploy.targets.onnx import decoder_file
+
+        name = swap_onnx(decoder_file(directory / folder), first, second)
+    rehash(directory)
+    return directory, folder, name, weight
+
+
+def _weight_check(directory: Path, folder: str) -> dict:
+    from pit_deploy.evaluate.verify import load_reference, weight_level_check
+    from pit_deploy.io.manifest import Manifest
+
+    art = next(a for a in Manifest.read(directory).artifacts if a.path == folder)
+    return weight_level_check(directory, art, load_reference(directory)[0])
+
+
+@pytest.mark.parametrize("case", list(SWAPS))
+def test_tensors_swapped_between_places_of_one_shape_fail_naming_both(case, sources, cheap_calibration,
+                                                                       tmp_path_factory, tmp_path):
+    """Two stored tensors of one shape swapped (the same projection of two layers, or gate_proj and
+    up_proj of one layer; GPTQ codes swapped with their digests left as recorded): each is
+    compared with the reference weight of its own name, so the check fails, naming the stored
+    tensor and the weight it was paired with. Pairing by shape passed every one of them."""
+    directory, folder, name, weight = _swapped(case, sources, tmp_path_factory, tmp_path)
+    failure = _weight_check(directory, folder)["failure"] or ""
+    assert failure.startswith("quantized tensor ") and name in failure.split(": ", 1)[0], (name, failure)
+    assert f"its reference weight {weight}" in failure, (weight, failure)
+
+
+#: the swaps run through ``pit-deploy verify`` itself, one per target
+SWAPS_VERIFIED = ("onnx-int4-gptq-q_proj-layers", "genai-int8-gate-layers", "gguf-q8_0-attn_q-layers",
+                  "pte-int8-q_proj-layers")
+
+
+@pytest.mark.parametrize("case", SWAPS_VERIFIED)
+def test_swapped_tensors_fail_verify(case, sources, cheap_calibration, tmp_path_factory, tmp_path, capsys):
+    """Through the command: exit 1, the artifact failed by the weight-level check, naming the
+    swapped tensor and the weight it stands for."""
+    if case.startswith("gguf") and not HAVE_LLAMA:
+        pytest.skip("llama-cpp-python is not installed")
+    directory, folder, name, weight = _swapped(case, sources, tmp_path_factory, tmp_path)
+    data = json.loads((directory / MANIFEST_NAME).read_text())
+    data["artifacts"] = [a for a in data["artifacts"] if a["path"] == folder]  # verify this one alone
+    (directory / MANIFEST_NAME).write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["verify", str(directory), "--no-record", "--json"]) == 1
+    (result,) = json.loads(capsys.readouterr().out)["artifacts"]
+    failures = [f for f in result["failures"] if f.startswith("weight-level check: quantized tensor ")]
+    assert not result["passed"] and failures, result["failures"]
+    assert name in failures[0] and f"its reference weight {weight}" in failures[0], failures
+
+
+# --------------------------------------------------------------------------------------
+# what an artifact may read, and the scheme a manifest records
+# --------------------------------------------------------------------------------------
+
+
+def _point_onnx_data(path: Path, location: str) -> None:
+    """Point every external-data tensor of the ONNX graph at ``path`` at ``location``."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("target", ["onnx", "onnx-genai"])
+@pytest.mark.parametrize("how", ["unlisted", "symlink"])
+def test_external_data_outside_the_listed_files_is_refused(target, how, onnx_int8, sources, cheap_calibration,
+                                                           tmp_path_factory, tmp_path, capsys):
+    """The decoder's external data moved to a copy of its data file that the manifest does not
+    list (``unlisted``), or to a symbolic link to it that the manifest lists (``symlink``; its
+    digest is the file's): onnxruntime reads it as it reads the original, so only the files it
+    reads can tell. Refused before any work (exit 2, naming the graph and the location); nothing
+    is recorded. The unlisted copy passed verify and was recorded; the link made the ONNX loader
+    raise, an internal error (exit 3)."""
+    if target == "onnx":
+        from pit_deploy.targets.onnx import data_name, decoder_file
+
+        directory = _copy(onnx_int8, tmp_path)
+        folder = "onnx-factorized-int8"
+        decoder = decoder_file(directory / folder)
+        data = decoder.with_name(data_name(decoder.name))
+    else:
+        directory = _copy(_exported(LLAMA_GENAI, sources, tmp_path_factory), tmp_path)
+        folder = "onnx-genai-factorized-int8"
+        decoder = directory / folder / "model.onnx"
+        data = decoder.with_name("model.onnx.data")
+    stray = data.with_name("stray.data")
+    if how == "unlisted":
+        shutil.copyfile(data, stray)
+    else:
+        stray.symlink_to(data.name)
+    _point_onnx_data(decoder, stray.name)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    if how == "symlink":
+        art = next(a for a in manifest["artifacts"] if a["path"] == folder)
+        art["files"][stray.relative_to(directory).as_posix()] = {"sha256": "", "bytes": 0}
+        (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    rehash(directory)
+    before = (directory / MANIFEST_NAME).read_bytes()
+    capsys.readouterr()
+    assert main(["verify", str(directory), "--runtime", target, "--dtype", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert f"reads its data from '{stray.name}'" in err and decoder.name in err, err
+    assert ("symbolic link" if how == "symlink" else "not a file of the artifact that its manifest lists") in err, err
+    assert (directory / MANIFEST_NAME).read_bytes() == before  # nothing recorded
+
+
+@pytest.mark.parametrize("edit", ["scheme", "scheme-and-dtype", "rounding"])
+def test_a_scheme_edited_in_the_manifest_is_refused(edit, sources, cheap_calibration, tmp_path_factory, tmp_path,
+                                                    capsys):
+    """The scheme picks the bounds (int8's scaled KL factor is 10, int4's 4; a GPTQ int4 body has
+    tighter bounds of its own): an int4 artifact whose manifest says ``int8`` (``scheme`` alone, or
+    with its ``dtype``), or ``rounding: rtn`` beside its recorded GPTQ codes, no longer agrees with
+    what else records the scheme, and is refused as a tampered manifest (exit 2) before any work.
+    Each was verified against the looser bounds."""
+    directory = _copy(_exported(LLAMA_ONNX, sources, tmp_path_factory), tmp_path)
+    data = json.loads((directory / MANIFEST_NAME).read_text())
+    data["artifacts"] = [a for a in data["artifacts"] if a["scheme"] == "int4"]  # no int8 artifact to collide with
+    (art,) = data["artifacts"]
+    if edit.startswith("scheme"):
+        art["scheme"] = "int8"
+        if edit == "scheme-and-dtype":
+            art["dtype"] = "int8"
+    else:
+        art["details"]["scheme"]["rounding"] = "rtn"
+    (directory / MANIFEST_NAME).write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["verify", str(directory), "--no-record"]) == 2
+    err = capsys.readouterr().err
+    field = {"scheme": "scheme 'int8' stores int8 weights", "scheme-and-dtype": "details.scheme.name is 'int4'",
+             "rounding": "details.scheme.rounding is 'rtn'"}[edit]
+    assert err.count("error:") == 1 and field in err and "tampered" in err, err
+
+
+def test_a_weight_is_paired_once_and_every_recorded_digest_is_held():
+    """Two stored tensors read by nodes named for one weight fail (a model stores each weight
+    once), and so does a digest recorded for a weight that no tensor paired with it holds; the
+    honest pair passes. On the tiny model's own weights, stored exactly."""
+    from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, compare, onnx_pairing, table_candidates
+    from pit_deploy.export.passes import prepare
+
+    prepared = prepare(_model("llama"), "materialized")
+    vocab = prepared.config.vocab_size
+    weights = ReferenceWeights(prepared, vocab, table_candidates(prepared, vocab, False))
+
+    def stored(module: str, node: str) -> Stored:
+        s = Stored(node, weights.weight(module), 8, 32)
+        s.places = (node,)
+        return s
+
+    q0 = stored(Q0, "/model/layers.0/self_attn/q_proj/MatMul_Q8")
+    q1 = stored(Q1, "/model/layers.1/self_attn/q_proj/MatMul_Q8")
+    pair = onnx_pairing(weights)
+    assert compare([q0, q1], pair, {}).failure is None
+    twice = stored(Q1, "/model/layers.0/self_attn/q_proj/MatMul_Q8_copy")
+    twice.places = q0.places
+    failure = compare([q0, twice], pair, {}).failure or ""
+    assert failure.startswith("quantized tensor /model/layers.0/self_attn/q_proj/MatMul_Q8_copy:") \
+        and f"paired with {Q0}" in failure, failure
+    codes = {"weight_codes": {"tensors": {"model.layers.0.self_attn.k_proj": {"rows": 32, "cols": 64,
+                                                                             "sha256": "0" * 64}}}}
+    failure = compare([q0, q1], pair, codes).failure or ""
+    assert "recorded for model.layers.0.self_attn.k_proj are held by no quantized tensor" in failure, failure
+    unknown = stored(Q0, "/model/layers.9/self_attn/q_proj/MatMul_Q8")
+    assert "named for no weight of the reference model" in (compare([unknown], pair, {}).failure or "")

@@ -13,7 +13,8 @@ error). This check does not depend on the model's sensitivity:
   (:func:`pte_stored`, through ExecuTorch's own program reader): every quantized constant
   weight of every XNNPACK delegate (4-bit group-wise and 8-bit per-channel linears), located by
   the delegate graph (``backends/xnnpack/serialization/schema.fbs``, decompiled by ExecuTorch's
-  bundled ``flatc``) and read unpacked from the program's named data or from ``model.ptd``
+  bundled ``flatc``) and read unpacked from the program's named data or from the data file the
+  manifest lists (``model.ptd``)
   (XNNPACK serializes weights unpacked, each under the sha256 of its bytes: 4-bit codes as
   nibbles ``q + 8`` with the even column low, grouped scales as bfloat16); and every quantized
   gather table (``embedding_byte``/``embedding_4bit``) from the program's constants. A
@@ -22,13 +23,36 @@ error). This check does not depend on the model's sensitivity:
   those were recorded has them listed in the check's ``note`` as not covered, never counted as
   checked.
 * **What it is compared with.** The export directory's ``reference/`` checkpoint, prepared as
-  the exporter prepared it (:func:`pit_deploy.export.passes.prepare`): every 2-D weight, its
-  transpose, the builder's fused projections (``qkv_proj``, ``gate_up_proj``), and a
-  factorized token table turned by the exporter's rotation (``Z R``); the gguf target's
-  tensors under llama.cpp's names with its row order (:func:`pit_deploy.targets.gguf.export.gguf_tensors`)
-  (the PIT-corrected GGUF table is float32 and is not a quantized tensor); a ``.pte``'s weights
-  also after ``rotate_residual`` and, for a quantized head, its table ``Y = Z T S⁻ᵀ``
-  (:func:`pte_candidates`).
+  the exporter prepared it (:func:`pit_deploy.export.passes.prepare`), each stored tensor with
+  the weight of **its own name**, once:
+
+  - ONNX (:func:`onnx_pairing`): the module path the nodes that read the tensor are named for
+    (optimum's ``/model/layers.0/self_attn/q_proj/MatMul_Q8``, the model builder's
+    ``/model/layers.0/attn/q_proj/MatMul_Q4``; a folded web tensor by the ``MatMul`` or
+    ``Gather`` that reads its float32 value); the builder's fused ``qkv_proj`` and
+    ``gate_up_proj`` as their parts' weights stacked in order. A token table no module holds (a
+    factorized ``Z``, turned by the exporter's rotation: ``Z R``) by its role: the embedding's
+    (read by a gather) or the head's.
+  - GGUF: the tensor the exporter writes from the reference under the same llama.cpp name
+    (``blk.N.attn_q.weight``, with llama.cpp's row order of ``q``/``k``:
+    :func:`pit_deploy.targets.gguf.export.gguf_tensors`); the PIT-corrected table is float32
+    and is not a quantized tensor.
+  - ``.pte`` (:func:`pte_pairing`): XNNPACK keeps no module names (each weight is a named-data
+    entry under the sha256 of its bytes), so the delegates' linears are paired by program
+    order: the ``i``-th quantized linear of ``forward``'s delegates (delegate by delegate, node
+    by node) with the reference's ``i``-th linear in module order, which is the order the model
+    computes them in; a program whose linears differ from the model's in number or shape at
+    any position fails. Their reference is the model the body was rounded from (after
+    ``rotate_residual`` where the scheme rotates it). The head (the one quantized linear with
+    ``V`` rows) and the gather tables (the program's quantized embedding operators) are paired
+    by role: the token table's forms, and with a quantized head its table
+    ``Y = Z T S⁻ᵀ`` (:func:`pte_table_candidates`).
+
+  A weight paired with two stored tensors fails the check, and so does a recorded digest that
+  no tensor paired with its weight holds. What the pairing trusts: an ONNX graph's node names,
+  and a ``.pte``'s node order. A graph whose nodes were renamed together with their weights, or
+  a program whose computation was reordered with its weights, is beyond the weight level; the
+  KL bounds judge it.
 * **The grid.** Plain rounding (``rtn``): every dequantized element within one grid step of the
   reference weight, the step of a ``b``-bit block being ``2·max|w| / (2^b − 1)`` over the block
   of the reference (the widest step any of the runtimes' quantizers uses for that block; llama.cpp's
@@ -38,11 +62,15 @@ error). This check does not depend on the model's sensitivity:
   own; its least-squares scale may clip a group's largest weight): each code within one of
   torchao's, each scale torchao's to bfloat16 rounding (:func:`torchao_hqq_rounding`).
   Calibrated rounding (``gptq``) moves codes further on purpose: the export records a digest of
-  each calibrated tensor's codes and scales (``details.weight_codes``), and the artifact's tensor
-  must hold exactly those.
+  each calibrated tensor's codes and scales under the tensor's name (``details.weight_codes``:
+  the body's linears by module path; ``details.quantization.weight_codes``: ``token_table``,
+  ``head``), and the artifact's tensor must hold exactly the digest of its own name (a fused
+  projection: its parts', row range by row range); a tensor holding another weight's codes is
+  compared on its own weight's grid, and fails.
 
-The first tensor that fails is named; nothing is sampled but the pairing of an artifact tensor
-with its reference weight (a few rows pick the candidate, then every element is compared).
+The first tensor that fails is named, with the reference weight it was paired with; nothing is
+sampled but the choice among a token table's forms (a few rows pick it, then every element is
+compared).
 """
 
 from __future__ import annotations
@@ -60,7 +88,7 @@ from ..io.weight_codes import CODES_FIELD, code_digest, table_codes, unpack_code
 
 #: what a dequantized element may exceed one grid step by (float32 rounding of scale × code)
 STEP_SLACK = 1e-3
-#: rows of an artifact tensor that pick its reference weight among those of its shape
+#: rows of an artifact tensor that pick the form of the token table it holds
 PROBE_ROWS = 8
 #: bits of the GGUF types, by type name (the others are float or unknown)
 GGUF_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5,
@@ -89,6 +117,11 @@ class Stored:
     #: the block scales are float16 (GGUF): a tiny block's scale is itself rounded, up to half a
     #: float16 unit, which ``2^(b−1)`` codes multiply
     f16_scales: bool = False
+    #: where the artifact puts the tensor: the names of the ONNX nodes that read it, a ``.pte``'s
+    #: method and delegate (what :func:`compare`'s pairing finds its reference weight by)
+    places: tuple[str, ...] = ()
+    #: read by a gather (the embedding side of a token table), not by a matmul
+    gather: bool = False
 
 
 @dataclass
@@ -126,7 +159,9 @@ _FOLDED = re.compile(r"^(.*)\.q(4|8)$")
 
 def onnx_stored(path: Path) -> list[Stored]:
     """Every quantized tensor of the ONNX graph at ``path`` (see the module docstring), in graph
-    order; an 8-bit table stored as two nibble planes is one tensor."""
+    order; an 8-bit table stored as two nibble planes is one tensor. Each tensor's ``places`` are
+    the names of the nodes that read it (a folded tensor's: the nodes that read its float32
+    value), which :func:`onnx_pairing` pairs it by."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -144,7 +179,8 @@ def onnx_stored(path: Path) -> list[Stored]:
 
     out: list[Stored] = []
     planes: dict[str, dict[int, tuple[np.ndarray, np.ndarray, int, int]]] = {}
-    seen: set[str] = set()
+    plane_readers: dict[str, list[Any]] = {}
+    seen: dict[str, Stored | str] = {}
     for node in graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "MatMulNBits" and arr(node.input[1]) is not None and arr(node.input[2]) is not None:
@@ -158,20 +194,33 @@ def onnx_stored(path: Path) -> list[Stored]:
             cols = scales.shape[-1] * block
         else:
             continue
-        if data_name in seen:
-            continue
-        seen.add(data_name)
-        qz, scales = table_codes(arr(data_name), scales, zp, bits, block)
         plane = _PLANE.match(data_name)
         if plane:
-            planes.setdefault(plane.group(1), {})[int(plane.group(2))] = (qz, scales, bits, block)
+            plane_readers.setdefault(plane.group(1), []).append(node)
+        if data_name in seen:  # a second node reading the same codes: one more place of that tensor
+            known = seen[data_name]
+            if isinstance(known, Stored):
+                known.places += (node.name,)
+                known.gather = known.gather or node.op_type == "GatherBlockQuantized"
             continue
-        out.append(_from_codes(node.name or data_name, qz, scales, bits, block, cols))
+        qz, scales = table_codes(arr(data_name), scales, zp, bits, block)
+        if plane:
+            planes.setdefault(plane.group(1), {})[int(plane.group(2))] = (qz, scales, bits, block)
+            seen[data_name] = plane.group(1)
+            continue
+        stored = _from_codes(node.name or data_name, qz, scales, bits, block, cols)
+        stored.places, stored.gather = (node.name,), node.op_type == "GatherBlockQuantized"
+        seen[data_name] = stored
+        out.append(stored)
     for prefix, parts in planes.items():
         n = len(parts)
         qz = sum(parts[k][0] * 16 ** (n - 1 - k) for k in sorted(parts))
         scales, _, block = parts[0][1], parts[0][2], parts[0][3]
-        out.append(_from_codes(prefix, qz, scales, 4 * n, block, qz.shape[1]))
+        stored = _from_codes(prefix, qz, scales, 4 * n, block, qz.shape[1])
+        readers = plane_readers.get(prefix, [])
+        stored.places = tuple(dict.fromkeys(r.name for r in readers))
+        stored.gather = any(r.op_type == "GatherBlockQuantized" for r in readers)
+        out.append(stored)
     for name in inits:
         folded = _FOLDED.match(name)
         if not folded or f"{folded.group(1)}.scales" not in inits:
@@ -181,7 +230,11 @@ def onnx_stored(path: Path) -> list[Stored]:
         rows, blocks = scales.shape[0], scales.shape[1]
         block = arr(name).reshape(-1).size * 8 // bits // (rows * blocks)
         qz, scales = table_codes(arr(name), scales.reshape(rows, blocks), arr(f"{base}.zero_points"), bits, block)
-        out.append(_from_codes(base, qz, scales, bits, block, qz.shape[1]))
+        stored = _from_codes(base, qz, scales, bits, block, qz.shape[1])
+        readers = [n for n in graph.node if base in n.input]  # the nodes that read the folded float32 weight
+        stored.places = tuple(dict.fromkeys(r.name for r in readers))
+        stored.gather = any(r.op_type == "Gather" for r in readers)
+        out.append(stored)
     return out
 
 
@@ -257,7 +310,7 @@ def _xnn_graph(blob: bytes) -> dict[str, Any]:
 class _PteData:
     """The stored bytes of a ``.pte`` and of its named data file (``model.ptd``) if it has one."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, data_files: list[Path] | None = None):
         from executorch.exir._serialize._program import deserialize_pte_binary
 
         pte = deserialize_pte_binary(Path(path).read_bytes())
@@ -267,7 +320,8 @@ class _PteData:
             self.named.update({key: bytes(pte.named_data.buffers[entry.buffer_index])
                                for key, entry in pte.named_data.pte_data.items()})
         self.external: dict[str, bytes] = {}
-        ptds = sorted(Path(path).parent.glob("*.ptd"))
+        # the data files the artifact lists (what its runtime is given), else every one beside it
+        ptds = sorted(Path(path).parent.glob("*.ptd")) if data_files is None else list(data_files)
         if ptds:
             from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
         for ptd in ptds:
@@ -290,7 +344,11 @@ class _PteData:
 
 
 def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
-                      seen: set[str], skipped: list[str]) -> list[Stored]:
+                      elsewhere: set[str], skipped: list[str]) -> list[Stored]:
+    """The quantized constant weights of one XNNPACK delegate, in the order of the nodes that read
+    them (a fully-connected node's ``filter_id``: the program's order), then any other; a weight
+    whose named-data entry another method read already (the head, in ``forward`` and ``head``) is
+    skipped, one read twice within a method is read twice."""
     constants = graph.get("constant_data") or []
 
     def raw(index: int) -> tuple[str, bytes | None]:
@@ -301,19 +359,24 @@ def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
         offset, size = int(entry["offset"]), int(entry["size"])
         return f"{where}@{offset}", graph["_constants"][offset:offset + size]
 
-    out = []
+    values = {}
     for value in graph.get("xvalues") or []:
         if value.get("xvalue_union_type") != "XNNQuantizedTensorValue":
             continue
-        quantized = value["xvalue_union"]
+        tensor = value["xvalue_union"]["tensor_value"]
+        if int(tensor.get("constant_buffer_idx") or 0) and tensor.get("datatype") in XNN_WEIGHTS:
+            values[int(tensor.get("id_out", -1))] = value["xvalue_union"]
+    order = [int(node["xnode_union"]["filter_id"]) for node in graph.get("xnodes") or []
+             if isinstance(node.get("xnode_union"), dict) and int(node["xnode_union"].get("filter_id", -1)) in values]
+    order += [i for i in values if i not in order]
+
+    out = []
+    for ident in order:
+        quantized = values[ident]
         tensor, params = quantized["tensor_value"], quantized.get("quant_params") or {}
-        index = int(tensor.get("constant_buffer_idx") or 0)
-        if not index or tensor.get("datatype") not in XNN_WEIGHTS:
+        key, codes = raw(int(tensor["constant_buffer_idx"]))
+        if key in elsewhere:
             continue
-        key, codes = raw(index)
-        if key in seen:
-            continue
-        seen.add(key)
         name = f"{where}/{key[:16]}"
         dims = [int(x) for x in tensor.get("dims") or []]
         if len(dims) != 2 or int(params.get("channel_dim", 0)) != 0 or codes is None:
@@ -332,7 +395,9 @@ def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
             q = unpack_codes(np.frombuffer(codes, np.uint8), 4, rows, scales.shape[1], block).reshape(rows, cols)
         else:
             q = np.frombuffer(codes, np.int8).astype(np.int32).reshape(rows, cols)
-        out.append(_from_codes(name, q - zero, scales, bits, block, cols))
+        stored = _from_codes(name, q - zero, scales, bits, block, cols)
+        stored.places = (where, key)
+        out.append(stored)
     return out
 
 
@@ -384,28 +449,38 @@ def _table_weights(plan: Any, data: _PteData, seen: set[str], skipped: list[str]
             block = q.shape[1] // s.shape[1]
             if raw_z:
                 q = q - np.repeat(_array(raw_z, zero).astype(np.int32).reshape(rows, -1), block, axis=1)
-            out.append(_from_codes(name, q, s, bits, block, q.shape[1]))
+            stored = _from_codes(name, q, s, bits, block, q.shape[1])
+            stored.places, stored.gather = (name,), True
+            out.append(stored)
     return out
 
 
-def pte_stored(path: Path, skipped: list[str] | None = None) -> list[Stored]:
+def pte_stored(path: Path, skipped: list[str] | None = None, data_files: list[Path] | None = None) -> list[Stored]:
     """Every quantized constant weight of every XNNPACK delegate of the ``.pte`` at ``path``
     (4-bit group-wise and 8-bit per-channel linears, read from the program's named data or from
-    ``model.ptd`` beside it) and every quantized gather table of the program, dequantized to
-    ``(rows, K)`` with their codes and scales; a tensor stored twice (one named-data entry read by
-    two methods) is one. What cannot be read is appended to ``skipped``."""
-    data = _PteData(Path(path))
+    the data files ``data_files``, by default every ``.ptd`` beside it) and every quantized
+    gather table of the program, dequantized to ``(rows, K)`` with their codes and scales, in
+    program order (method by method, delegate by delegate, node by node: what
+    :func:`check_pte_weights` pairs the body by). A tensor that two methods read (the head's
+    named-data entry in ``forward`` and ``head``, one table in ``embed`` and ``forward``) is read
+    once. What cannot be read is appended to ``skipped``."""
+    data = _PteData(Path(path), data_files)
     program = data.program
     skipped = [] if skipped is None else skipped
-    seen: set[str] = set()
+    tables: set[str] = set()
+    read_by: dict[str, str] = {}  # named-data key -> the method that read it first
     out: list[Stored] = []
     for plan in program.execution_plan:
+        elsewhere = {key for key, method in read_by.items() if method != plan.name}
         for j, delegate in enumerate(plan.delegates):
             if "xnnpack" not in delegate.id.lower():
                 continue
             blob = bytes(program.backend_delegate_data[delegate.processed.index].data)
-            out += _delegate_weights(_xnn_graph(blob), data, f"{plan.name}/xnnpack{j}", seen, skipped)
-        out += _table_weights(plan, data, seen, skipped)
+            found = _delegate_weights(_xnn_graph(blob), data, f"{plan.name}/xnnpack{j}", elsewhere, skipped)
+            for stored in found:
+                read_by.setdefault(stored.places[1], plan.name)
+            out += found
+        out += _table_weights(plan, data, tables, skipped)
     return out
 
 
@@ -444,40 +519,154 @@ def off_grid(stored_values: np.ndarray, reference: np.ndarray, stored: Stored) -
 
 
 # --------------------------------------------------------------------------------------
-# the reference
+# the reference, and which of its weights each stored tensor is paired with
 # --------------------------------------------------------------------------------------
 
 
-def onnx_candidates(prepared: Any, vocab: int, rotated_table: bool) -> dict[tuple[int, int], list[tuple[str, np.ndarray]]]:
-    """The reference weights an ONNX artifact's tensors may hold, by shape ``(rows, K)``
-    (``rotated_table``: a factorized graph's table, which the exporter turns by ``R``)."""
+@dataclass
+class Pairing:
+    """What one stored tensor is compared with.
+
+    ``label``: the reference weight, for messages; ``candidates``: its array ``(rows, K)`` (one for
+    a weight found by name; a token table's few forms where the artifact gives it a role rather
+    than a name, :meth:`ReferenceWeights.table`); ``names``: the module paths the tensor stands
+    for, in row order (a fused projection stacks several); ``once``: each of ``names`` may be
+    paired with one stored tensor only; ``codes``: the recorded calibrated codes it may hold
+    (``details.weight_codes``), each a tuple of names whose tensors it stacks row range by row
+    range (default: ``names``; a token table also its own ``token_table``)."""
+
+    label: str
+    candidates: list[tuple[str, np.ndarray]]
+    names: tuple[str, ...] = ()
+    once: bool = True
+    codes: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        self.codes = self.codes or ((self.names,) if self.names else ())
+
+
+def _float_weights(model: Any) -> dict[str, np.ndarray]:
+    """Every 2-D floating-point tensor of ``model``'s state, as float32 numpy arrays."""
     import torch
 
+    return {name: value.detach().to(torch.float32).cpu().numpy() for name, value in model.state_dict().items()
+            if value.ndim == 2 and value.is_floating_point()}
+
+
+def table_candidates(prepared: Any, vocab: int, rotated_table: bool) -> list[tuple[str, np.ndarray]]:
+    """The forms ``(V, d)`` a token table of the prepared reference may be stored in: every 2-D
+    weight with ``vocab`` rows or columns, as rows (``Zᵀ`` of a factorized model gives ``Z``),
+    and with ``rotated_table`` (a factorized ONNX graph's table, which the exporter turns by
+    ``R``) the same times ``R``."""
     from ..export.residual_rotation import rotation_matrix
 
-    state = {name: value.detach().to(torch.float32).cpu().numpy() for name, value in prepared.state_dict().items()
-             if value.ndim == 2 and value.is_floating_point()}
-    found: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}
-
-    def add(name: str, array: np.ndarray) -> None:
-        found.setdefault(tuple(array.shape), []).append((name, np.ascontiguousarray(array, dtype=np.float32)))
-
-    for name, array in state.items():
-        add(name, array)
-        add(name + ".T", array.T)
-        if rotated_table and vocab in array.shape:
-            rows = array if array.shape[0] == vocab else array.T
+    found = []
+    for name, array in _float_weights(prepared).items():
+        if vocab not in array.shape:
+            continue
+        rows = array if array.shape[0] == vocab else array.T
+        found.append((name if rows is array else name + ".T", np.ascontiguousarray(rows, dtype=np.float32)))
+        if rotated_table:
             r = rotation_matrix(rows.shape[1]).numpy()
-            add(name + " R", (rows.astype(np.float64) @ r).astype(np.float32))
-    for name in state:
-        module, _, leaf = name.rpartition(".")
-        prefix, _, proj = module.rpartition(".")
-        for fused, parts in FUSED.items():
-            if proj == parts[0] and leaf == "weight":
-                names = [f"{prefix}.{p}.weight" for p in parts]
-                if all(n in state for n in names) and len({state[n].shape[1] for n in names}) == 1:
-                    add(f"{prefix}.{fused}.weight", np.concatenate([state[n] for n in names]))
+            found.append((name + " R", (rows.astype(np.float64) @ r).astype(np.float32)))
     return found
+
+
+def _module_path(node_name: str) -> str:
+    """The module path a node's name gives: optimum's and the model builder's nodes are named
+    ``/<module path with '/'>/<op>`` (``/model/layers.0/self_attn/q_proj/MatMul_Q8`` →
+    ``model.layers.0.self_attn.q_proj``); ``""`` for a name of another form."""
+    if not node_name.startswith("/"):
+        return ""
+    return ".".join(node_name.strip("/").split("/")[:-1])
+
+
+def _aliases(path: str) -> list[str]:
+    """``path`` and the module path the onnxruntime-genai builder's ``attn`` stands for (``self_attn``)."""
+    parts = path.split(".")
+    other = ".".join("self_attn" if p == "attn" else p for p in parts)
+    return [path] if other == path else [path, other]
+
+
+class ReferenceWeights:
+    """The weights of a prepared reference model by module path, oriented as the artifacts store
+    them (``(out, in)``: a ``Conv1D``'s ``(in, out)`` weight transposed), and its token table's
+    forms (``tables``, from :func:`table_candidates` or :func:`pte_table_candidates`)."""
+
+    def __init__(self, prepared: Any, vocab: int, tables: list[tuple[str, np.ndarray]]):
+        self.state = _float_weights(prepared)
+        self.modules = dict(prepared.named_modules())
+        self.vocab = vocab
+        self.tables = tables
+        self.embed_key = self._key_of(prepared.get_input_embeddings())
+        self.head_key = self._key_of(prepared.get_output_embeddings())
+
+    def _key_of(self, module: Any) -> str | None:
+        for path, candidate in self.modules.items():
+            if candidate is module and module is not None and f"{path}.weight" in self.state:
+                return f"{path}.weight"
+        return None
+
+    def weight(self, path: str) -> np.ndarray | None:
+        """The weight of the module at ``path`` as ``(out, in)``, or ``None``."""
+        array = self.state.get(f"{path}.weight")
+        if array is None:
+            return None
+        return array.T if type(self.modules.get(path)).__name__ == "Conv1D" else array
+
+    def linear(self, path: str) -> Pairing | None:
+        """The weight a node named for ``path`` holds: the module's own, or a builder's fused
+        projection (``qkv_proj``, ``gate_up_proj``): its parts' weights stacked in order."""
+        for name in _aliases(path):
+            array = self.weight(name)
+            if array is not None:  # a materialized token table also holds the table's calibrated codes
+                table = f"{name}.weight" in (self.embed_key, self.head_key)
+                return Pairing(f"{name}.weight", [(f"{name}.weight", array)], (name,),
+                               codes=((name,), ("token_table",)) if table else ())
+            parent, _, leaf = name.rpartition(".")
+            if leaf in FUSED:
+                paths = tuple(f"{parent}.{part}" for part in FUSED[leaf])
+                arrays = [self.weight(q) for q in paths]
+                if all(a is not None for a in arrays) and len({a.shape[1] for a in arrays}) == 1:
+                    label = f"{parent}.{{{','.join(FUSED[leaf])}}}.weight stacked"
+                    return Pairing(label, [(label, np.concatenate(arrays))], paths)
+        return None
+
+    def table(self, gather: bool, names: tuple[str, ...] = ("token_table",), once: bool = False) -> Pairing:
+        """The token table as the embedding (``gather``) or the head reads it: the forms of
+        :attr:`tables`, less the other side's weight where the model has two (a materialized
+        ``E`` and ``W_out``)."""
+        other = self.head_key if gather else self.embed_key
+        own = self.embed_key if gather else self.head_key
+        forms = [(n, a) for n, a in self.tables if other is None or other == own or other not in n]
+        return Pairing("the token table's " + ("embedding" if gather else "head"), forms, names, once)
+
+
+def onnx_pairing(reference: ReferenceWeights) -> Callable[[Stored], Pairing | str]:
+    """How an ONNX artifact's tensors find their reference weights: by the module path the nodes
+    that read them are named for (:func:`_module_path`; readers named for two different weights
+    fail), the builder's fused projections as their parts stacked; a token table (``V`` rows)
+    whose readers name no weight of the reference (a factorized model's ``Z``, which no module
+    holds) by its role, the embedding's (a gather reads it) or the head's."""
+
+    def pair(stored: Stored) -> Pairing | str:
+        found = [(place, reference.linear(_module_path(place))) for place in stored.places]
+        named = [(place, hit) for place, hit in found if hit is not None]
+        if named:
+            (where, first), reference_array = named[0], named[0][1].candidates[0][1]
+            for place, hit in named[1:]:
+                array = hit.candidates[0][1]
+                if hit.names != first.names and not (array.shape == reference_array.shape
+                                                     and np.array_equal(array, reference_array)):
+                    return (f"its readers are named for different weights ({where}: {first.label}; "
+                            f"{place}: {hit.label})")
+            return first
+        if stored.values.shape[0] == reference.vocab:
+            return reference.table(stored.gather)
+        where = ", ".join(p for p in stored.places if p) or "a node without a name"
+        return f"read by {where}, named for no weight of the reference model"
+
+    return pair
 
 
 def _probe_rows(rows: int) -> np.ndarray:
@@ -485,7 +674,9 @@ def _probe_rows(rows: int) -> np.ndarray:
 
 
 def best_candidate(stored: Stored, candidates: list[tuple[str, np.ndarray]]) -> tuple[str, np.ndarray] | None:
-    """The candidate closest to ``stored`` on a few rows, measured in grid steps."""
+    """The candidate closest to ``stored`` on a few rows, measured in grid steps (the forms of one
+    token table: :meth:`ReferenceWeights.table`)."""
+    candidates = [(n, a) for n, a in candidates if a.shape == stored.values.shape]
     if not candidates:
         return None
     rows = _probe_rows(stored.values.shape[0])
@@ -510,79 +701,96 @@ def _section(details: Any, key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _recorded(details: Any) -> dict[tuple[int, int], dict[str, int]]:
-    """The calibrated codes' digests the export recorded, by ``(rows, cols)``: digest → count."""
-    if not isinstance(details, dict):
-        return {}
-    quant = _section(details, "quantization")
-    items = []
-    for entry in (details.get(CODES_FIELD), quant.get(CODES_FIELD)):
-        tensors = entry.get("tensors") if isinstance(entry, dict) else None
-        items += list(tensors.values()) if isinstance(tensors, dict) else []
-    out: dict[tuple[int, int], dict[str, int]] = {}
-    for item in items:
-        if isinstance(item, dict) and isinstance(item.get("sha256"), str):
-            key = (int(item.get("rows", 0)), int(item.get("cols", 0)))
-            out.setdefault(key, {}).setdefault(item["sha256"], 0)
-            out[key][item["sha256"]] += 1
+def _recorded(details: Any) -> dict[str, dict[str, Any]]:
+    """The calibrated codes' digests the export recorded, by name: the body's linears by module
+    path (``details.weight_codes``), a token table and a ``.pte``'s head by role
+    (``details.quantization.weight_codes``: ``token_table``, ``head``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for entry in (_section(details, CODES_FIELD), _section(_section(details, "quantization"), CODES_FIELD)):
+        for name, item in _section(entry, "tensors").items():
+            if isinstance(item, dict) and isinstance(item.get("sha256"), str):
+                out[str(name)] = item
     return out
 
 
-def _calibrated(stored: Stored, recorded: dict[tuple[int, int], dict[str, int]]) -> bool:
-    """Whether ``stored`` holds recorded calibrated codes: the whole tensor, or (a fused
-    projection) consecutive row ranges each of which is one recorded tensor."""
-    if stored.qz is None or stored.scales is None or not recorded:
+def _holds(stored: Stored, recorded: dict[str, dict[str, Any]], names: tuple[str, ...]) -> bool:
+    """Whether ``stored`` holds the calibrated codes recorded under ``names``: the whole tensor,
+    or (a fused projection) its consecutive row ranges, one recorded tensor each, in order."""
+    if stored.qz is None or stored.scales is None or not names or any(n not in recorded for n in names):
         return False
     rows, cols = stored.qz.shape
-    heights = sorted({r for r, c in recorded if c == cols}, reverse=True)
     at = 0
-    while at < rows:
-        for h in heights:
-            if at + h <= rows and code_digest(stored.qz[at:at + h], stored.scales[at:at + h]) in recorded[(h, cols)]:
-                at += h
-                break
-        else:
+    for name in names:
+        item = recorded[name]
+        try:
+            height, width = int(item.get("rows", 0)), int(item.get("cols", 0))
+        except (TypeError, ValueError):
             return False
-    return True
+        if width != cols or height <= 0 or at + height > rows:
+            return False
+        if code_digest(stored.qz[at:at + height], stored.scales[at:at + height]) != item["sha256"]:
+            return False
+        at += height
+    return at == rows
 
 
-def compare(stored_tensors: list[Stored], reference: dict[str, np.ndarray] | None,
-            candidates: dict[tuple[int, int], list[tuple[str, np.ndarray]]] | None,
-            details: Any, own_rounding: Callable[[Stored, np.ndarray], bool] | None = None) -> WeightCheck:
-    """Check every stored tensor: by name against ``reference`` (GGUF) or against the best of
-    ``candidates`` of its shape (ONNX); calibrated codes against the recorded digests.
-    ``own_rounding(stored, reference)``: whether a tensor off the grid is what the exporter's own
-    quantizer makes of the reference weight (:func:`torchao_hqq_rounding`)."""
+def compare(stored_tensors: list[Stored], pair: Callable[[Stored], Pairing | str], details: Any,
+            own_rounding: Callable[[Stored, np.ndarray], bool] | None = None,
+            complete: bool = True) -> WeightCheck:
+    """Check every stored tensor against the reference weight ``pair`` gives it (a string: why it
+    has none, a failure): its calibrated codes against the digests recorded under that weight's
+    own name, else every element on the grid of that weight. A weight paired with two tensors
+    fails (each is stored once), and so (``complete``: every quantized tensor was read) does a
+    recorded digest that no tensor holds. ``own_rounding(stored, reference)``: whether a tensor
+    off the grid is what the exporter's own quantizer makes of the reference weight
+    (:func:`torchao_hqq_rounding`)."""
     recorded = _recorded(details)
     result = WeightCheck(checked=True)
+    owner: dict[str, str] = {}
+    held: set[str] = set()
     for stored in stored_tensors:
         result.tensors += 1
         result.names.append(stored.name)
-        if _calibrated(stored, recorded):
+        pairing = pair(stored)
+        if isinstance(pairing, str):
+            result.failure = f"quantized tensor {stored.name}: {pairing}"
+            return result
+        for name in pairing.names if pairing.once else ():
+            if name in owner:
+                result.failure = (f"quantized tensor {stored.name}: paired with {name}, as {owner[name]} is; "
+                                  "each weight of the model is stored once")
+                return result
+            owner[name] = stored.name
+        holds = next((names for names in pairing.codes if _holds(stored, recorded, names)), None)
+        if holds is not None:
             result.calibrated += 1
+            held.update(holds)
             continue
-        if reference is not None:
-            ref = reference.get(stored.name)
-            ref_name = stored.name
-        else:
-            pick = best_candidate(stored, (candidates or {}).get(tuple(stored.values.shape), []))
-            ref_name, ref = pick if pick is not None else (None, None)
+        pick = pairing.candidates[0] if len(pairing.candidates) == 1 else best_candidate(stored, pairing.candidates)
+        ref_name, ref = pick if pick is not None else (pairing.label, None)
         if ref is None or ref.shape != stored.values.shape:
-            result.failure = (f"quantized tensor {stored.name} {tuple(stored.values.shape)} matches no weight of the "
-                              "reference model")
+            shape = "" if ref is None else f" of shape {tuple(ref.shape)}"
+            result.failure = (f"quantized tensor {stored.name} {tuple(stored.values.shape)}: its reference weight "
+                              f"{pairing.label}{shape} does not have its shape")
             return result
         bad, worst = off_grid(stored.values, ref, stored)
         if bad and own_rounding is not None and own_rounding(stored, ref):
             continue
         if bad:
             grid = f"{stored.bits}-bit blocks of {stored.block}" if stored.bits else "float16/bfloat16"
-            how = ("neither within one grid step of the reference weight nor the calibrated codes recorded at export"
-                   if recorded else "not within one grid step of the reference weight")
+            calibrated = [n for names in pairing.codes for n in names if n in recorded]
+            how = (f"neither within one grid step of its reference weight {ref_name} nor the calibrated codes "
+                   f"recorded for {', '.join(calibrated)}" if calibrated
+                   else f"not within one grid step of its reference weight {ref_name}")
             result.failure = (f"quantized tensor {stored.name}: {bad} of {stored.values.size} values {how} "
-                              f"(closest reference weight {ref_name}, {grid}, worst {worst:.3g} steps)")
+                              f"({grid}, worst {worst:.3g} steps)")
             return result
     if not result.tensors:
         result.failure = "the artifact holds no quantized tensor to check"
+    elif complete and (missing := [n for n in recorded if n not in held]):
+        result.failure = (f"the calibrated codes recorded for {missing[0]}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + " are held by no quantized tensor of the artifact paired with that weight")
     return result
 
 
@@ -603,21 +811,23 @@ def _mode(art: Any) -> str:
 
 
 def check_onnx_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
-    """An ONNX artifact (either ONNX target): its decoder's quantized tensors against every
-    weight of the prepared reference that has their shape."""
+    """An ONNX artifact (either ONNX target): each of its decoder's quantized tensors against the
+    weight of the prepared reference its nodes are named for (:func:`onnx_pairing`)."""
     from ..export.passes import prepare
     from ..targets import get_target
 
     folder = directory / art.path
     stored = onnx_stored(folder / get_target(art.runtime).primary_path(folder))
-    candidates = onnx_candidates(prepare(reference, _mode(art)), int(art.shapes["vocab_size"]),
-                                 _mode(art) == "factorized")
-    return compare(stored, None, candidates, art.details)
+    prepared = prepare(reference, _mode(art))
+    vocab = int(art.shapes["vocab_size"])
+    tables = table_candidates(prepared, vocab, _mode(art) == "factorized")
+    return compare(stored, onnx_pairing(ReferenceWeights(prepared, vocab, tables)), art.details)
 
 
 def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
-    """A GGUF artifact: every quantized tensor against the tensor the exporter wrote from the
-    prepared reference under the same name."""
+    """A GGUF artifact: every quantized tensor against the tensor the exporter writes from the
+    prepared reference under the same name (llama.cpp's, ``blk.N.attn_q.weight``, with its rows
+    in llama.cpp's order: :func:`pit_deploy.targets.gguf.export.gguf_tensors`)."""
     from ..export.passes import prepare
     from ..targets.gguf.export import gguf_tensors
 
@@ -626,59 +836,101 @@ def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck
     rel = next((f for f in files if Path(f).name == name), files[0] if files else None)
     if rel is None:
         return WeightCheck(checked=False, note="the artifact lists no .gguf file")
-    return compare(gguf_stored(directory / rel), gguf_tensors(prepare(reference, _mode(art))), None, art.details)
+    written = gguf_tensors(prepare(reference, _mode(art)))
+
+    def pair(stored: Stored) -> Pairing | str:
+        if stored.name not in written:
+            return "the exporter writes no tensor of that name from the reference model"
+        return Pairing(stored.name, [(stored.name, written[stored.name])], (stored.name,))
+
+    return compare(gguf_stored(directory / rel), pair, art.details)
 
 
-def _merge(found: dict[tuple[int, int], list[tuple[str, np.ndarray]]],
-           more: dict[tuple[int, int], list[tuple[str, np.ndarray]]], prefix: str) -> None:
-    for shape, items in more.items():
-        found.setdefault(shape, []).extend((prefix + name, array) for name, array in items)
-
-
-def pte_candidates(prepared: Any, details: dict[str, Any],
-                   vocab: int) -> dict[tuple[int, int], list[tuple[str, np.ndarray]]]:
-    """The reference weights a ``.pte``'s quantized tensors may hold, by shape: every 2-D weight of
-    the prepared reference and its transpose (``Zᵀ`` gives the gather's table ``Z``); with
-    ``rotate_residual`` the same of the rotated model the body was rounded from
-    (:func:`pit_deploy.export.residual_rotation.rotate_residual`); with a quantized head the
-    rotated table ``Y = Z T S⁻ᵀ`` it and its gather read (:class:`pit_deploy.targets.executorch.head.
-    RotatedQuantizedHead`), with each nibble pair swapped where a 4-bit gather shares its codes
+def pte_table_candidates(prepared: Any, details: dict[str, Any], vocab: int) -> list[tuple[str, np.ndarray]]:
+    """The forms ``(V, d)`` a ``.pte``'s quantized head and gather tables may hold: the prepared
+    reference's token table (:func:`table_candidates`); with ``rotate_residual`` the same of the
+    rotated model the body was rounded from (:func:`pit_deploy.export.residual_rotation.rotate_residual`);
+    with a quantized head the rotated table ``Y = Z T S⁻ᵀ`` it and its gather read
+    (:class:`pit_deploy.targets.executorch.head.RotatedQuantizedHead`), with each nibble pair
+    swapped where a 4-bit gather shares its codes
     (:func:`pit_deploy.targets.executorch.token_table.nibble_pair_swap`)."""
     import torch
 
     from ..export.passes import FACTORS_ATTR
+    from ..export.residual_rotation import rotate_residual, rotation_blocker
     from ..targets.executorch.head import ROTATION_SEED, int8_grid_rows, random_rotation
     from ..targets.executorch.token_table import nibble_pair_swap
-    from ..export.residual_rotation import rotate_residual, rotation_blocker
 
     scheme, quant = _section(details, "scheme"), _section(details, "quantization")
-    found = onnx_candidates(prepared, vocab, False)
+    found = table_candidates(prepared, vocab, False)
     if scheme.get("rotate_residual") and rotation_blocker(prepared) is None:
-        _merge(found, onnx_candidates(rotate_residual(prepared), vocab, False), "rotated ")
+        found += [("rotated " + n, a) for n, a in table_candidates(rotate_residual(prepared), vocab, False)]
     factors = getattr(prepared, FACTORS_ATTR, None)
     head_bits = int(quant.get("head_bits") or 0)
     if head_bits and factors is not None:
         t = factors.T.detach().to(torch.float64)
         s = int8_grid_rows(t @ random_rotation(t.shape[0], ROTATION_SEED))
         y = (factors.Zt.detach().to(torch.float64).T @ torch.linalg.solve(s, t).T).numpy()
-        found.setdefault(y.shape, []).append(("Y = Z T S⁻ᵀ", y.astype(np.float32)))
+        found.append(("Y = Z T S⁻ᵀ", y.astype(np.float32)))
         if quant.get("shared_table") and int(scheme.get("table_bits") or 8) == 4:
             swap = nibble_pair_swap(y.shape[1]).numpy()
-            found[y.shape].append(("Y = Z T S⁻ᵀ, nibble pairs swapped",
-                                   np.ascontiguousarray(y[:, swap], np.float32)))
+            found.append(("Y = Z T S⁻ᵀ, nibble pairs swapped", np.ascontiguousarray(y[:, swap], np.float32)))
     return found
+
+
+def _body_linears(model: Any) -> list[str]:
+    """The module paths of ``model``'s linears that a ``.pte`` quantizes (every ``nn.Linear`` but
+    the head: :func:`pit_deploy.targets.executorch.export.quantize_linears`), in module order."""
+    from torch import nn
+
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
+
+
+def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[str],
+                vocab: int) -> Callable[[Stored], Pairing | str]:
+    """How a ``.pte``'s tensors find their reference weights. XNNPACK keeps no module names: its
+    delegates' weights are named-data entries under the sha256 of their bytes. So the quantized
+    linears of the delegates that are not the head (``V`` rows) are paired by program order, the
+    ``i``-th (:func:`pte_stored`'s order: ``forward``'s delegates, each node by node) with the
+    ``i``-th of ``body`` (the reference's linears in module order, the order the model computes
+    them in), and the two lists must agree in length and shape; the head (the one quantized
+    linear with ``V`` rows) and the gather tables (the program's quantized embedding operators)
+    by their role."""
+    linears = [s for s in stored if not s.gather and s.values.shape[0] != vocab]
+    order = {id(s): i for i, s in enumerate(linears)}
+
+    def pair(s: Stored) -> Pairing | str:
+        if s.gather:
+            return reference.table(True, ("token_table",))
+        if s.values.shape[0] == vocab:
+            return reference.table(False, ("head",), once=True)
+        i = order[id(s)]
+        if len(linears) != len(body):
+            return (f"the program holds {len(linears)} quantized linears besides its head, the reference model "
+                    f"{len(body)}; the program's weights cannot be paired with the model's in order")
+        found = reference.linear(body[i])
+        if found is None or found.candidates[0][1].shape != s.values.shape:
+            shape = "" if found is None else f" {tuple(found.candidates[0][1].shape)}"
+            return (f"the program's linear #{i + 1} has shape {tuple(s.values.shape)}, the reference model's linear "
+                    f"#{i + 1} ({body[i]}){shape}: the program does not compute the model's linears in its order")
+        return found
+
+    return pair
 
 
 def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     """An ExecuTorch ``.pte`` artifact: its delegates' quantized linears and its quantized gather
-    tables (:func:`pte_stored`) against every weight of the reference as the exporter prepared it
-    (:func:`pte_candidates`)."""
+    tables (:func:`pte_stored`) against the weights of the reference as the exporter prepared it,
+    paired by :func:`pte_pairing`."""
     from ..export.passes import prepare
+    from ..export.residual_rotation import rotate_residual, rotation_blocker
     from ..targets import get_target
 
     folder = directory / art.path
     skipped: list[str] = []
-    stored = pte_stored(folder / get_target(art.runtime).primary_path(folder), skipped)
+    listed = [directory / rel for rel in art.files if rel.endswith(".ptd")]
+    stored = pte_stored(folder / get_target(art.runtime).primary_path(folder), skipped, listed)
     details = art.details if isinstance(art.details, dict) else {}
     vocab = int(art.shapes["vocab_size"])
     left = _uncovered_head(stored, details, vocab)
@@ -696,8 +948,12 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
         # its Conv1D body float32, so the head and its gather are all there is): not checked, never
         # passed or failed
         return WeightCheck(checked=False, note="not checked at the weight level: " + "; ".join(notes))
-    candidates = pte_candidates(prepare(reference, _mode(art)), details, vocab)
-    result = compare(covered, None, candidates, details, torchao_hqq_rounding)
+    prepared = prepare(reference, _mode(art))
+    rotated = _section(details, "scheme").get("rotate_residual") and rotation_blocker(prepared) is None
+    body_model = rotate_residual(prepared) if rotated else prepared
+    weights = ReferenceWeights(body_model, vocab, pte_table_candidates(prepared, details, vocab))
+    pair = pte_pairing(stored, weights, _body_linears(body_model), vocab)
+    result = compare(covered, pair, details, torchao_hqq_rounding, complete=not skipped)
     result.note = "; ".join(notes)
     return result
 
@@ -733,9 +989,9 @@ def _uncovered_head(stored: list[Stored], details: dict[str, Any], vocab: int) -
     if "head" in _section(_section(quant, CODES_FIELD), "tensors"):
         return []  # recorded: a head that matches no digest is compared on the grid, and fails
     recorded = _recorded(details)
-    rows = [s for s in stored if s.values.shape[0] == vocab and "/xnnpack" in s.name]
-    tables = [s for s in stored if s.values.shape[0] == vocab and "/xnnpack" not in s.name]
-    left = [s for s in rows if not _calibrated(s, recorded)]
+    rows = [s for s in stored if s.values.shape[0] == vocab and not s.gather]
+    tables = [s for s in stored if s.values.shape[0] == vocab and s.gather]
+    left = [s for s in rows if not _holds(s, recorded, ("head",))]
     if left and quant.get("shared_table"):
-        left += [s for s in tables if not _calibrated(s, recorded)]
+        left += [s for s in tables if not _holds(s, recorded, ("token_table",))]
     return left

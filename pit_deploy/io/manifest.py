@@ -241,6 +241,7 @@ def _validate(path: Path, data: dict[str, Any]) -> None:
             _check_path(path, f"artifacts[{i}].files key", rel)
             if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
                 raise PitError(f"{path}: artifacts[{i}].files[{rel!r}] needs a sha256 string")
+        _check_scheme(path, i, art)
     ref_files = data["reference"].get("files", {})
     if not isinstance(ref_files, dict):
         raise PitError(f"{path}: reference.files must be a dict, got {type(ref_files).__name__}")
@@ -249,6 +250,43 @@ def _validate(path: Path, data: dict[str, Any]) -> None:
         if not isinstance(info, dict) or not isinstance(info.get("sha256"), str):
             raise PitError(f"{path}: reference.files[{rel!r}] needs a sha256 string")
     _check_unique(path, data["artifacts"])
+
+
+def _check_scheme(path: Path, i: int, art: dict[str, Any]) -> None:
+    """Refuse an artifact whose scheme the manifest records inconsistently. The scheme picks the
+    bounds ``verify`` judges the artifact by (int8's scaled KL factor is 10, int4's 4), so it must
+    agree with everything else that records it: ``scheme`` names a known scheme whose dtype is
+    the artifact's ``dtype``; ``details.scheme`` (the settings the export recorded) carries the
+    same ``name`` and ``dtype``; and an artifact that carries what only GPTQ rounding records
+    (``details.calibration``, ``details.weight_codes``) says ``rounding: gptq`` (its own, tighter
+    bounds). Editing one of them alone is a tampered manifest (exit 2), not another scheme."""
+    from ..schemes import SCHEMES
+    from .weight_codes import CODES_FIELD
+
+    where = f"{path}: artifacts[{i}]"
+    tampered = "the manifest was edited or tampered — re-export"
+    scheme, dtype = art.get("scheme", ""), art["dtype"]
+    if not isinstance(scheme, str):
+        raise PitError(f"{where}.scheme must be a str, got {type(scheme).__name__}")
+    name = scheme or dtype
+    known = SCHEMES.get(name)
+    if known is not None and known.dtype != dtype:
+        raise PitError(f"{where}: scheme {name!r} stores {known.dtype} weights, but the artifact's dtype is "
+                       f"{dtype!r}; {tampered}")
+    details = art.get("details")
+    settings = details.get("scheme") if isinstance(details, dict) else None
+    if settings is None:
+        return
+    if not isinstance(settings, dict):
+        raise PitError(f"{where}.details.scheme must be an object, got {type(settings).__name__}; {tampered}")
+    for key, want in (("name", name), ("dtype", dtype)):
+        if key in settings and settings[key] != want:
+            raise PitError(f"{where}.details.scheme.{key} is {settings[key]!r}, the artifact's "
+                           f"{'scheme' if key == 'name' else 'dtype'} {want!r}; {tampered}")
+    calibrated = [key for key in ("calibration", CODES_FIELD) if key in details]
+    if calibrated and settings.get("rounding") != "gptq":
+        raise PitError(f"{where}.details.scheme.rounding is {settings.get('rounding')!r}, but the artifact records "
+                       f"GPTQ rounding (details.{calibrated[0]}); {tampered}")
 
 
 def _check_unique(path: Path, artifacts: list[dict[str, Any]]) -> None:
