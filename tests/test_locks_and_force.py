@@ -20,25 +20,11 @@ from pit_deploy.errors import PitError
 from pit_deploy.io import fs
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
+from test_reliability import onnx_export, source  # noqa: F401 — the same tiny PIT model and ONNX export
 
 PIT_DEPLOY = Path(sys.executable).with_name("pit-deploy")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 VICTIM_TEXT = "a file the user cares about\n"
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    src = tmp_path_factory.mktemp("locks") / "pit"
-    save_model(tiny_pit_model("llama"), src, tiny_tokenizer())
-    return src
-
-
-@pytest.fixture(scope="module")
-def onnx_export(source) -> Path:
-    out = source.parent / "exp"
-    assert main(["export", str(source), "--out", str(out), "--recipe", "tiny-ci", "--runtime", "onnx",
-                 "--mode", "materialized", "--dtype", "float32"]) == 0
-    return out
 
 
 def _export_args(source: Path, out: Path, *extra: str) -> list[str]:
