@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import PitError
 from .evaluate.bench import BenchOptions
-from .options import PARSERS, field_default, flag_name
+from .options import PARSERS, check_types, describe_value, field_default, flag_name, type_problem
 
 if TYPE_CHECKING:  # the result types, imported where they are used (they pull in torch)
     from .evaluate.bench import BenchResult
@@ -62,6 +62,59 @@ def _sayer(say: Say | None) -> Say:
 def _closest(name: str, choices: Sequence[str]) -> str:
     match = difflib.get_close_matches(name, list(choices), n=1)
     return f"; did you mean {match[0]!r}?" if match else ""
+
+
+# --------------------------------------------------------------------------------------
+# the arguments' types, checked at the boundary (a wrong type is the caller's mistake: PitError)
+# --------------------------------------------------------------------------------------
+
+
+def _path_arg(call: str, name: str, value: Any, optional: bool = False) -> str | None:
+    """``value`` of path argument ``name`` as text: a ``str`` or ``os.PathLike`` (``None`` where
+    ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise PitError(f"{call}(): {name} must be a path (str or os.PathLike), got {describe_value(value)}")
+    if not value:
+        raise PitError(f"{call}(): {name} must not be empty; pass a path")
+    return value
+
+
+def _bool_args(call: str, **values: Any) -> None:
+    """Every switch a real ``bool``: ``"no"`` is truthy, and would switch the option on."""
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise PitError(f"{call}(): {name} must be True or False, got {describe_value(value)}")
+
+
+def _text_arg(call: str, name: str, value: Any, optional: bool = False) -> None:
+    """A name or other text (its value is checked where it is used, naming the flag)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        raise PitError(f"{call}(): {name} must be text (a str){' or None' if optional else ''}, got "
+                       f"{describe_value(value)}")
+
+
+def _names_arg(call: str, name: str, value: Any) -> None:
+    """A selection: ``None``, a comma list, or a list of names."""
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise PitError(f"{call}(): {name} must be a name, a comma list or a list of names, got {describe_value(value)}")
+
+
+def _int_arg(call: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PitError(f"{call}(): {name} must be an integer, got {describe_value(value)}")
+
+
+def _say_arg(call: str, say: Any) -> None:
+    if say is not None and not callable(say):
+        raise PitError(f"{call}(): say must be None or a callable taking one string, got {describe_value(say)}")
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
@@ -115,8 +168,14 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
     """
     from .model.choices import CONVERSIONS, DIAGONAL_MAPS
 
+    model, out = _path_arg("convert", "model", model), _path_arg("convert", "out", out)
+    _bool_args("convert", train_z=train_z, force=force, trust_remote_code=trust_remote_code)
+    _text_arg("convert", "t_init", t_init, optional=True)
+    calib = _path_arg("convert", "calib", calib)  # "default" or a text file or folder
+    _text_arg("convert", "diagonal", diagonal)
+    _int_arg("convert", "calib_tokens", calib_tokens)
+    _say_arg("convert", say)
     say = _sayer(say)
-    model, out = os.fspath(model), os.fspath(out)
     if t_init is not None and t_init not in CONVERSIONS:
         raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")
     if not isinstance(calib_tokens, int) or isinstance(calib_tokens, bool) or calib_tokens < 1:
@@ -193,7 +252,11 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
     from .train.config import TrainConfig, read_config
     from .train.loop import train as run_training
 
+    _say_arg("train", say)
     say = _sayer(say)
+    model = _path_arg("train", "model", model, optional=True)
+    out = _path_arg("train", "out", out, optional=True)
+    config = _path_arg("train", "config", config, optional=True)
     if config is not None:
         if model is not None or out is not None or options:
             raise PitError("config= reads every training option from its file; pass no other option")
@@ -207,7 +270,8 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
         given = {name: _coerce(TrainConfig, name, value) for name, value in options.items()}
         for name, value in (("model", model), ("out", out)):
             if value is not None:
-                given[name] = os.fspath(value)
+                given[name] = value
+        check_types(TrainConfig, given, lambda name: f"train(): {name}")
         cfg = TrainConfig(**given)
     result = run_training(cfg, say=say)
     if result is not None:
@@ -250,8 +314,15 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
     from .export.recipes import Recipe, load_recipe
     from .export.recipes import recipe_fields as names
 
+    model, out = _path_arg("export", "model", model), _path_arg("export", "out", out)
+    _bool_args("export", keep_tying=keep_tying, force=force)
+    _text_arg("export", "t_init", t_init, optional=True)
+    for name, value in (("runtime", runtime), ("mode", mode), ("dtype", dtype)):
+        _names_arg("export", name, value)
+    if recipe is not None and not isinstance(recipe, (str, os.PathLike, Recipe)):
+        raise PitError(f"export(): recipe must be a recipe name, a path or a Recipe, got {describe_value(recipe)}")
+    _say_arg("export", say)
     say = _sayer(say)
-    model, out = os.fspath(model), os.fspath(out)
     allowed = [n for n in names() if n not in _RECIPE_FLAG_NAMES and n != "dtype"]
     for name in recipe_fields:
         if name not in allowed:
@@ -263,6 +334,7 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
     else:
         base = load_recipe(os.fspath(recipe))
     changes = {"runtimes": runtime, "modes": mode, "dtype": dtype, **recipe_fields}
+    check_types(Recipe, {k: v for k, v in recipe_fields.items() if v is not None}, lambda name: f"export(): {name}")
     built = base.override(**{k: _coerce(Recipe, k, v) for k, v in changes.items()})
     from .io.fs import check_output_dir
 
@@ -316,8 +388,14 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
     """
     from .evaluate.verify import verify_directory
 
+    directory = _path_arg("verify", "directory", directory)
+    _bool_args("verify", record=record)
+    _text_arg("verify", "expect_sha256", expect_sha256, optional=True)
+    for name, value in (("runtime", runtime), ("mode", mode), ("dtype", dtype), ("web", web), ("isa", isa),
+                        ("arm_cpu", arm_cpu), ("kleidiai", kleidiai)):
+        _names_arg("verify", name, value)
+    _say_arg("verify", say)
     say = _sayer(say)
-    directory = os.fspath(directory)
     say(f"verifying {directory}")
     isas = {k: v for k, v in (("isa", isa), ("arm_cpu", arm_cpu), ("kleidiai", kleidiai)) if v is not None}
     return verify_directory(directory, runtime, mode, record=record, expect_sha256=expect_sha256, dtypes=dtype,
@@ -363,6 +441,21 @@ def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
     """
     from .evaluate.bench import bench_directories, ingest_rows, int_list, write_bundle
 
+    directories = tuple(_path_arg("bench", f"directory {i + 1}", d) for i, d in enumerate(directories))
+    out, plot = _path_arg("bench", "out", out, optional=True), _path_arg("bench", "plot", plot, optional=True)
+    bundle = _path_arg("bench", "bundle", bundle, optional=True)
+    ingest = (_path_arg("bench", "ingest", ingest) if isinstance(ingest, (str, os.PathLike)) else
+              [_path_arg("bench", "ingest", i) for i in _sequence_arg("bench", "ingest", ingest)])
+    _bool_args("bench", force=force, adb=adb)
+    for name, value in (("threads", threads), ("prompt_len", prompt_len)):
+        problem = type_problem(value, "tuple[int, ...]")
+        if problem:
+            raise PitError(f"bench(): {name} {problem}, got {describe_value(value)}")
+    _int_arg("bench", "gen_len", gen_len)
+    _int_arg("bench", "reps", reps)
+    for name, value in (("torch", torch), ("runner", runner), ("serial", serial), ("device_dir", device_dir)):
+        _text_arg("bench", name, value, optional=True)
+    _say_arg("bench", say)
     say = _sayer(say)
     opts = BenchOptions(threads=int_list(threads, "--threads"), prompt_lens=int_list(prompt_len, "--prompt-len"),
                         gen_len=gen_len, reps=reps, torch_model=torch)
@@ -444,14 +537,20 @@ def run(recipe: PathLike = "default", *, model: PathLike | None = None, data: Pa
     from .run.pipeline import run_pipeline
     from .run.recipe import load_run_recipe
 
+    recipe = _path_arg("run", "recipe", recipe)
+    model, data = _path_arg("run", "model", model, optional=True), _path_arg("run", "data", data, optional=True)
+    out = _path_arg("run", "out", out, optional=True)
+    _bool_args("run", force=force)
+    _text_arg("run", "from_stage", from_stage, optional=True)
+    _say_arg("run", say)
     say = _sayer(say)
     assignments = _assignments(overrides)
     if model is not None:
-        assignments.append(f"run.model={_toml_value(os.fspath(model))}")
+        assignments.append(f"run.model={_toml_value(model)}")
     if data is not None:
-        assignments.append(f"run.data={_toml_value(os.fspath(data))}")
-    loaded = load_run_recipe(os.fspath(recipe), assignments)
-    where = os.fspath(out) if out else f"runs/{loaded.name}"
+        assignments.append(f"run.data={_toml_value(data)}")
+    loaded = load_run_recipe(recipe, assignments)
+    where = out if out else f"runs/{loaded.name}"
     say(f"run {loaded.name} → {where}")
     return run_pipeline(loaded, where, from_stage=from_stage, force=force, say=say)
 
@@ -463,8 +562,25 @@ def _assignments(overrides: Mapping[str, Any] | Sequence[str] | str | None) -> l
     if isinstance(overrides, str):
         return [overrides]
     if isinstance(overrides, Mapping):
+        bad = [key for key in overrides if not isinstance(key, str)]
+        if bad:
+            raise PitError(f"run(): overrides keys must be 'TABLE.KEY' texts, got {describe_value(bad[0])}")
         return [f"{key}={_toml_value(value)}" for key, value in overrides.items()]
-    return [str(o) for o in overrides]
+    items = _sequence_arg("run", "overrides", overrides)
+    bad = [o for o in items if not isinstance(o, str)]
+    if bad:
+        raise PitError(f"run(): overrides must be 'TABLE.KEY=VALUE' texts or a mapping of 'TABLE.KEY' to values, "
+                       f"got {describe_value(bad[0])}")
+    return list(items)
+
+
+def _sequence_arg(call: str, name: str, value: Any) -> list[Any]:
+    """The items of a list argument (a list or tuple; ``None`` or ``()`` for none)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise PitError(f"{call}(): {name} must be a list, got {describe_value(value)}")
+    return list(value)
 
 
 def _toml_value(value: Any) -> str:

@@ -104,3 +104,75 @@ def dataclass_flags(cls: type, *, defaults: bool = True, required: tuple[str, ..
                 kwargs["required"] = True
         flags.append(Flag(flag=meta.get("flag") or flag_name(f.name), dest=f.name, group=meta["group"], kwargs=kwargs))
     return flags
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _all(value: Any, test: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(test(v) for v in value)
+
+
+#: annotation (without ``| None``) → (test of a value, what a fitting value is)
+_KINDS: dict[str, tuple[Any, str]] = {
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "str": (lambda v: isinstance(v, str), "text (a str)"),
+    "list[str]": (lambda v: isinstance(v, str) or _all(v, lambda x: isinstance(x, str)),
+                  "a list of names or a comma list"),
+    "tuple[str, ...]": (lambda v: isinstance(v, str) or _all(v, lambda x: isinstance(x, str)),
+                        "a list of names or a comma list"),
+    "tuple[int, ...]": (lambda v: _is_int(v) or isinstance(v, str) or _all(v, _is_int),
+                        "an integer, a list of integers or a comma list"),
+    "tuple[float, float]": (lambda v: isinstance(v, str) or (_all(v, _is_number) and len(v) == 2),
+                            "two numbers (a pair, or a comma list like '0.9,0.95')"),
+}
+
+
+def type_problem(value: Any, annotation: str) -> str | None:
+    """What is wrong with ``value`` as the value of a field annotated ``annotation`` (its text:
+    ``int``, ``float | None``, ``tuple[str, ...]``), or ``None`` when it fits. Text fits a
+    list-valued field (a comma list, as on the command line); an int fits a float; a bool fits
+    only a bool. An annotation not listed here (a table of bounds) is left to its dataclass."""
+    optional = annotation.endswith(" | None")
+    kind = annotation[: -len(" | None")] if optional else annotation
+    if value is None:
+        return None if optional else f"must be {_KINDS[kind][1]}, not None" if kind in _KINDS else None
+    if kind.startswith("dict["):
+        return None if isinstance(value, dict) else "must be a table (a dict)"
+    if kind not in _KINDS:
+        return None
+    test, what = _KINDS[kind]
+    if test(value):
+        return None
+    if optional:
+        what = "True, False or None" if kind == "bool" else f"{what} or None"
+    return f"must be {what}"
+
+
+def check_types(cls: type, values: dict[str, Any], name_of: Any = flag_name) -> None:
+    """Refuse a value of the wrong type for a field of dataclass ``cls`` (before the dataclass
+    compares or computes with it), naming the field by ``name_of(field name)``.
+
+    Raises:
+        PitError: ``<name> must be …, got <value> (<type>)``.
+    """
+    from .errors import PitError
+
+    annotations = {f.name: str(f.type) for f in fields(cls)}
+    for name, value in values.items():
+        problem = type_problem(value, annotations[name]) if name in annotations else None
+        if problem:
+            raise PitError(f"{name_of(name)} {problem}, got {describe_value(value)}")
+
+
+def describe_value(value: Any) -> str:
+    """``value`` as an error message shows it: its repr (cut to 60 characters) and its type."""
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(value).__name__})"

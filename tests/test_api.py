@@ -152,3 +152,88 @@ def test_run_returns_the_exit_code_and_the_report(assets, tmp_path):
     assert "onnx-factorized" in Path(result.report).read_text()
     with pytest.raises(PitError, match="did you mean 'steps'"):
         pit_deploy.run("smoke", model=model, data=corpus, out=tmp_path / "r2", overrides=["train.stepz=2"], say=None)
+
+
+def _bool_options() -> list[tuple[str, str]]:
+    """Every switch of the API: the calls' bool parameters, the training options' and the export
+    recipe's (``pit_correction=``, …) bool fields."""
+    import inspect
+    from dataclasses import fields
+
+    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.train.config import TrainConfig
+
+    out = [(call, name) for call in ("convert", "train", "export", "verify", "bench", "run")
+           for name, p in inspect.signature(getattr(pit_deploy, call)).parameters.items()
+           if isinstance(p.default, bool)]
+    out += [("train", f.name) for f in fields(TrainConfig) if str(f.type) == "bool"]
+    out += [("export", f.name) for f in fields(Recipe) if str(f.type) in ("bool", "bool | None")]
+    return out
+
+
+def _call(call: str, tmp_path: Path, **kwargs):
+    """``pit_deploy.<call>`` with its required arguments (paths that do not exist: the types are
+    checked before anything is read)."""
+    positional = {"convert": (tmp_path / "m", tmp_path / "o"), "train": (tmp_path / "m", tmp_path / "o"),
+                  "export": (tmp_path / "m", tmp_path / "o"), "verify": (tmp_path / "d",), "bench": (),
+                  "run": ("default",)}[call]
+    if call == "run":
+        kwargs = {"model": tmp_path / "m", "out": tmp_path / "o", **kwargs}
+    return getattr(pit_deploy, call)(*positional, **{"say": None, **kwargs})
+
+
+@pytest.mark.parametrize("call, name", _bool_options())
+def test_every_switch_of_the_api_must_be_a_real_bool(call, name, tmp_path):
+    """``record="no"`` is truthy: taken as given it would switch the option on. Every switch
+    refuses anything but True or False, naming the argument, before any work."""
+    with pytest.raises(PitError, match=rf"^{call}\(\): {name} must be True(,| or) False.*got 'no' \(str\)"):
+        _call(call, tmp_path, **{name: "no"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_record_no_does_not_record(exported, tmp_path):
+    _, out = exported
+    copy = tmp_path / "exp"
+    shutil.copytree(out, copy)
+    before = (copy / "manifest.json").read_bytes()
+    with pytest.raises(PitError, match="record must be True or False"):
+        pit_deploy.verify(copy, record="no", say=None)
+    assert (copy / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("call, kwargs, said", [
+    ("export", {"dtype": 4}, "export(): dtype must be a name, a comma list or a list of names, got 4 (int)"),
+    ("export", {"runtime": ["onnx", 3]}, "export(): runtime must be a name, a comma list or a list of names"),
+    ("export", {"recipe": 7}, "export(): recipe must be a recipe name, a path or a Recipe, got 7 (int)"),
+    ("export", {"max_seq_len": "64"}, "export(): max_seq_len must be an integer, got '64' (str)"),
+    ("export", {"group_size": 3.5}, "export(): group_size must be an integer or None, got 3.5 (float)"),
+    ("train", {"lr": "fast"}, "train(): lr must be a number or None, got 'fast' (str)"),
+    ("train", {"steps": "3"}, "train(): steps must be an integer or None, got '3' (str)"),
+    ("train", {"betas": 0.9}, "train(): betas must be two numbers"),
+    ("train", {"data": 5}, "train(): data must be text (a str), got 5 (int)"),
+    ("convert", {"calib_tokens": 1.5}, "convert(): calib_tokens must be an integer, got 1.5 (float)"),
+    ("convert", {"t_init": 1}, "convert(): t_init must be text (a str) or None, got 1 (int)"),
+    ("verify", {"expect_sha256": 0}, "verify(): expect_sha256 must be text (a str) or None"),
+    ("verify", {"isa": 64}, "verify(): isa must be a name, a comma list or a list of names"),
+    ("bench", {"threads": 1.5}, "bench(): threads must be an integer, a list of integers or a comma list"),
+    ("bench", {"reps": "3"}, "bench(): reps must be an integer, got '3' (str)"),
+    ("run", {"from_stage": 2}, "run(): from_stage must be text (a str) or None, got 2 (int)"),
+    ("run", {"overrides": [("train.steps", 2)]}, "run(): overrides must be 'TABLE.KEY=VALUE' texts"),
+    ("run", {"say": "loud"}, "run(): say must be None or a callable taking one string, got 'loud' (str)"),
+])
+def test_arguments_of_the_wrong_type_are_a_pit_error_naming_them(call, kwargs, said, tmp_path):
+    with pytest.raises(PitError) as caught:
+        _call(call, tmp_path, **kwargs)
+    assert said in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("call, position", [("convert", 0), ("convert", 1), ("export", 1), ("verify", 0),
+                                            ("run", 0), ("train", 1)])
+def test_a_path_that_is_not_a_path_is_a_pit_error_naming_it(call, position, tmp_path):
+    args = [tmp_path / "m", tmp_path / "o"][: 1 if call in ("verify", "run") else 2]
+    args[position] = None if call != "train" else 3
+    name = {"convert": ["model", "out"], "export": ["model", "out"], "verify": ["directory"], "run": ["recipe"],
+            "train": ["model", "out"]}[call][position]
+    with pytest.raises(PitError, match=rf"^{call}\(\): {name} must be a path \(str or os.PathLike\), got"):
+        getattr(pit_deploy, call)(*args, say=None)

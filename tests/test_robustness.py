@@ -202,7 +202,7 @@ def test_config_that_disagrees_with_tensor_shapes_is_exit_2(tmp_path, capsys):
     cfg["intermediate_size"] = cfg["intermediate_size"] * 2
     (src / "config.json").write_text(json.dumps(cfg))
     assert main(["diagnose", str(src)]) == 2
-    assert "does not match" in capsys.readouterr().err
+    assert "intermediate_size is 256, but model.safetensors holds 128" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [(["--top-k", "-3"], "--top-k must be at least 1"),
@@ -227,3 +227,151 @@ def test_internal_error_is_exit_3_with_one_line(monkeypatch, capsys):
     assert "internal error" in err and "--debug" in err and "Traceback" not in err
     assert cli.main(["--debug", "diagnose", "x"]) == 3
     assert "Traceback" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------
+# A source's config.json: sizes checked against the checkpoint before anything is built
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_sources(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama, GPT-2 and PIT Llama, saved once (each test copies the one it edits)."""
+    root = tmp_path_factory.mktemp("config-sizes")
+    out = {"llama": root / "llama", "gpt2": root / "gpt2", "pit": root / "pit"}
+    save_model(tiny_model("llama"), out["llama"], tiny_tokenizer())
+    save_model(tiny_model("gpt2"), out["gpt2"], tiny_tokenizer())
+    save_model(tiny_pit_model("llama"), out["pit"], tiny_tokenizer())
+    return out
+
+
+def _edited(source: Path, tmp_path: Path, **changes) -> Path:
+    target = tmp_path / source.name
+    shutil.copytree(source, target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(changes)
+    (target / "config.json").write_text(json.dumps(cfg))
+    return target
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("source, changes, said", [
+    ("llama", {"num_hidden_layers": -2}, "num_hidden_layers (decoder layers) must be a positive integer, got -2"),
+    ("llama", {"num_hidden_layers": 3}, "num_hidden_layers is 3, but model.safetensors holds 2 layers; set "
+                                        "num_hidden_layers to 2"),
+    ("llama", {"hidden_size": -64}, "hidden_size (hidden size) must be a positive integer, got -64"),
+    ("llama", {"num_attention_heads": 0}, "num_attention_heads (attention heads) must be a positive integer, got 0"),
+    ("llama", {"head_dim": 0}, "head_dim (width of an attention head) must be a positive integer, got 0"),
+    ("llama", {"num_hidden_layers": 2.5}, "num_hidden_layers (decoder layers) must be a positive integer, got 2.5"),
+    ("llama", {"num_key_value_heads": 3}, "num_key_value_heads is 3, but model.safetensors holds 2"),
+    ("llama", {"intermediate_size": 100}, "intermediate_size is 100, but model.safetensors holds 128"),
+    ("llama", {"vocab_size": 2}, "vocab_size is 2, but model.safetensors holds 512"),
+    ("llama", {"vocab_size": 10**12}, "vocab_size is 1000000000000, but model.safetensors holds 512"),
+    ("gpt2", {"n_layer": 5}, "n_layer is 5, but model.safetensors holds 2 layers"),
+    ("gpt2", {"n_embd": 32}, "n_embd is 32, but model.safetensors holds 64"),
+    ("pit", {"hidden_size": 32}, "hidden_size is 32, but model.safetensors holds 64"),
+    ("pit", {"vocab_size": 100}, "vocab_size is 100, but model.safetensors holds 512 (pit_interface.Z has shape "
+                                 "(512, 64)"),
+])
+def test_config_sizes_that_are_not_the_checkpoints_are_exit_2_naming_the_field(plain_sources, tmp_path, capsys,
+                                                                              source, changes, said):
+    """A size that is not a positive integer, or that is not what the checkpoint's tensors hold
+    (read from the safetensors header), is one line naming the config.json field, its value and
+    the checkpoint's; nothing is built or written."""
+    src = _edited(plain_sources[source], tmp_path, **changes)
+    out = tmp_path / "out"
+    argv = (["export", str(src), "--out", str(out), "--recipe", "tiny-ci", "--runtime", "onnx"] if source == "pit"
+            else ["convert", "--model", str(src), "--out", str(out), "--t-init", "output"])
+    assert main(argv) == 2
+    line = _one_error(capsys)
+    assert said in line and str(src / "config.json") in line, line
+    assert not out.exists()
+
+
+def test_a_million_layers_over_a_two_layer_checkpoint_is_refused_before_any_layer_is_built(plain_sources, tmp_path):
+    """The config is read without building anything: the layer count is compared with the
+    checkpoint's header (a build of 10⁶ layers would take minutes and gigabytes)."""
+    from pit_deploy.errors import PitError
+    from pit_deploy.io.checkpoint import load_config
+
+    for source in ("llama", "pit"):
+        src = _edited(plain_sources[source], tmp_path / source, num_hidden_layers=10**6)
+        with pytest.raises(PitError, match="num_hidden_layers is 1000000, but model.safetensors holds 2 layers"):
+            load_config(src)
+
+
+def test_a_vocabulary_smaller_than_the_hidden_size_is_exit_2(tmp_path, capsys):
+    """PIT's Z (vocab_size × hidden_size) has orthonormal columns: a model of 2 tokens and 64
+    dimensions (config and weights agreeing) cannot be converted, by any conversion."""
+    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.errors import PitError
+
+    src = tmp_path / "two-tokens"
+    save_model(tiny_model("llama", vocab_size=2), src)
+    for t_init in ("preserve", "output"):
+        assert main(["convert", "--model", str(src), "--out", str(tmp_path / t_init), "--t-init", t_init]) == 2
+        line = _one_error(capsys)
+        assert "vocab_size 2 is smaller than hidden_size 64" in line and str(src / "config.json") in line, line
+    for t_init in ("preserve", "identity"):  # a model in memory (a GGUF file, the API) is refused alike
+        with pytest.raises(PitError, match=r"vocabulary \(2 tokens, vocab_size\) is smaller than the hidden size"):
+            convert_model(tiny_model("llama", vocab_size=2), t_init)
+
+
+# ----------------------------------------------------------------------------------------
+# A source's tokenizer: present but unreadable is exit 2 naming the file
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("content, said", [
+    (bytes(range(256)) * 16, "not JSON"),
+    (b"[" * 200_000 + b"]" * 200_000, "nested too deep to read"),
+    (b"{}", "cannot be read as a tokenizer"),
+], ids=["random-bytes", "nested-200000-deep", "not-a-tokenizer"])
+def test_a_corrupt_tokenizer_json_is_exit_2_naming_the_file(plain_sources, tmp_path, capsys, command, content, said):
+    """Random bytes, JSON nested 200 000 deep, or a JSON object that is no tokenizer: refused
+    before the model loads, never dropped with a warning (the artifacts would lose their
+    tokenizer and verify its text prompts)."""
+    src = _edited(plain_sources["pit" if command == "export" else "llama"], tmp_path)
+    (src / "tokenizer.json").write_bytes(content)
+    out = tmp_path / "out"
+    argv = (["export", str(src), "--out", str(out), "--recipe", "tiny-ci", "--runtime", "onnx"] if command == "export"
+            else ["convert", "--model", str(src), "--out", str(out), "--t-init", "output"])
+    assert main(argv) == 2
+    line = _one_error(capsys)
+    assert str(src / "tokenizer.json") in line and said in line, line
+    assert not out.exists()
+
+
+def test_a_source_without_any_tokenizer_still_converts(plain_sources, tmp_path):
+    src = _edited(plain_sources["llama"], tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink(missing_ok=True)
+    assert main(["convert", "--model", str(src), "--out", str(tmp_path / "out"), "--t-init", "output"]) == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Run recipes are TOML files
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, content, said", [
+    ("some.json", '{"train": {"steps": 3}}', "some.json is not a run recipe: a .json file that is not TOML; run "
+                                             "recipes are TOML files ending in .toml"),
+    ("recipe.txt", "[train]\nsteps = 3\n", "it reads as TOML: rename it to recipe.toml"),
+    ("missing.json", None, "run recipe missing.json does not exist, and a .json file is not a run recipe"),
+])
+def test_a_run_recipe_that_is_not_a_toml_file_says_so(tmp_path, capsys, monkeypatch, name, content, said):
+    monkeypatch.chdir(tmp_path)
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    assert main(["run", name]) == 2
+    line = _one_error(capsys)
+    assert said in line and "did you mean" not in line, line
+    assert not (tmp_path / "runs").exists()

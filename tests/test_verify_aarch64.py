@@ -12,6 +12,7 @@ serves every test, and each verify asks for the fewest CPU profiles that show th
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 from pathlib import Path
 
@@ -191,7 +192,38 @@ def test_an_emulator_that_cannot_start_onnxruntime_is_exit_2(export, tmp_path, m
     assert main(["verify", str(export), "--dtype", "float32", "--isa", "aarch64", "--arm-cpu", "max",
                  "--no-record"]) == 2
     err = capsys.readouterr().err
-    assert "could not start onnxruntime" in err and "qemu: cannot run this" in err and "setup_aarch64.sh" in err
+    assert "does not start" in err and "qemu: cannot run this" in err and "setup_aarch64.sh" in err
+
+
+@pytest.mark.skipif(platform.machine() == "aarch64", reason="a native run is an aarch64 run on this machine")
+def test_an_emulator_that_runs_the_child_natively_is_exit_2(export, tmp_path, monkeypatch, capsys):
+    """A ``qemu-aarch64`` that only execs its argument (here with this machine's own Python,
+    numpy and onnxruntime, so that every job would run) checks the host's kernels under the
+    aarch64 name: the child's ``platform.machine()`` gives it away, exit 2 naming the script,
+    before any artifact runs."""
+    import os
+    import sys
+    import sysconfig
+
+    root = tmp_path / "native"
+    (root / "bin").mkdir(parents=True)
+    (root / "sysroot").mkdir()
+    (root / "sysroot" / "usr").symlink_to(sys.base_prefix)  # PYTHONHOME of the (host) Python
+    (root / "site").symlink_to(sysconfig.get_paths()["purelib"])
+    (root / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    qemu = root / "bin" / "qemu-aarch64"
+    qemu.write_text('#!/bin/sh\nwhile [ "$#" -gt 0 ]; do case "$1" in -L|-cpu) shift 2 ;; *) break ;; esac; done\n'
+                    'exec "$@"\n')
+    qemu.chmod(0o755)
+    (root / "setup.json").write_text(json.dumps({"qemu": "bin/qemu-aarch64", "sysroot": "sysroot",
+                                                 "python": "bin/python", "site": "site"}))
+    monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(root))
+    capsys.readouterr()
+    assert main(["verify", str(export), "--dtype", "float32", "--isa", "aarch64", "--arm-cpu", "max",
+                 "--no-record"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[pit-deploy")]
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert "does not emulate" in err[0] and repr(platform.machine()) in err[0] and "setup_aarch64.sh" in err[0]
 
 
 def test_a_setup_without_the_executorch_runtime_is_exit_2_for_a_pte(pte_export, tmp_path, monkeypatch, capsys):

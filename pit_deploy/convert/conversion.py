@@ -74,8 +74,8 @@ def convert_model(
     tokenized with ``tokenizer``) so the converted model stays close to the source.
 
     Raises:
-        PitError: unsupported architecture, non-finite or rank-deficient embedding, a model
-            that is already PIT.
+        PitError: unsupported architecture, a vocabulary smaller than the hidden size,
+            non-finite or rank-deficient embedding, a model that is already PIT.
     """
     if is_pit(model):
         raise PitError("the model is already a PIT model; nothing to convert")
@@ -84,6 +84,11 @@ def convert_model(
     except KeyError as exc:
         raise PitError(str(exc.args[0])) from None
     e_eff, w_eff, tying = effective_interface(model)
+    vocab, hidden = e_eff.shape
+    if vocab < hidden:
+        raise PitError(f"the vocabulary ({vocab} tokens, vocab_size) is smaller than the hidden size ({hidden}, "
+                       "hidden_size): PIT's token memory Z (vocab_size × hidden_size) has orthonormal columns, which "
+                       "needs at least as many tokens as hidden dimensions; this model cannot be converted to PIT")
     check_finite("the input embedding", e_eff)
     if tying == "untied":
         check_finite("the output head", w_eff)

@@ -25,8 +25,8 @@ profiles (ExecuTorch's aarch64 wheel needs ARMv8.1+ instructions), are reported 
 aarch64" with the target's ``aarch64_blocker`` — never as passed, and they fail nothing by
 themselves (:attr:`~.verify.VerifyReport.passed`); a selection of which nothing can be checked is
 refused (exit 2). A runtime that cannot load or run an artifact on aarch64 fails that row (a phone
-would fail the same way); an emulated Python that cannot even import its runtime is a broken
-set-up (exit 2). Target extras that run other x86 programs (the genai generator,
+would fail the same way); an emulated Python that cannot even import its runtime, or that does not
+run as aarch64 at all (an emulator that runs it natively), is a broken set-up (exit 2). Target extras that run other x86 programs (the genai generator,
 transformers.js, ExecuTorch's stock LLM runner) stay with the x86 rows; the interface graph's
 weight-sharing check is a file check and runs in both.
 """
@@ -45,7 +45,7 @@ from ..errors import PitError
 from ..export.recipes import parse_list
 from ..runtime.base import Driver
 from ..runtime.emulated import (ARMV8_0_CPUS, EXECUTORCH, KLEIDIAI_SETTINGS, ONNXRUNTIME, OTHER_CPUS, PROFILES,
-                                SETUP_COMMAND, Aarch64Setup, find_setup, run_job)
+                                SETUP_COMMAND, Aarch64Setup, check_emulates, find_setup, run_job)
 from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
 from ..targets import get_target
 
@@ -155,6 +155,7 @@ class EmulatedVerify:
         self.setup: Aarch64Setup = find_setup()
         for runtime in {_runtime(a) for a in self.runnable}:
             self.setup.require(runtime)
+        check_emulates(self.setup)  # an emulator that runs the child natively would check x86 kernels
 
     @staticmethod
     def reason(art: Any) -> str:
@@ -243,7 +244,8 @@ class EmulatedVerify:
         except (OSError, ValueError):
             return {}
         if data.get("machine") != "aarch64":
-            raise RuntimeError(f"the emulated runner on {cpu} reports machine {data.get('machine')!r}, not aarch64")
+            raise PitError(f"the emulated runner on {cpu} reports machine {data.get('machine')!r}, not aarch64: the "
+                           f"set-up in {self.setup.root} does not emulate; rerun `{SETUP_COMMAND}`")
         return {(int(r["artifact"]), r["kleidiai"]): r for r in data.get("runs", [])}
 
     def _judge(self, art: Any, calls: list, job_dir: Path, i: int, cpu: str, setting: str | None,

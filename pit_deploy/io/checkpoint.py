@@ -22,6 +22,7 @@ from transformers import AutoConfig, PreTrainedModel
 from ..errors import PitError
 from ..model.modules import PIT_CONFIG_KEY
 from ..model.pit_model import empty_pit_model
+from .config_sizes import check_config_sizes
 from .fs import atomic_directory
 
 WEIGHTS_NAME = "model.safetensors"
@@ -103,12 +104,14 @@ def read_config_dict(path: str | os.PathLike) -> dict | None:
 
 def load_config(path: str | os.PathLike, trust_remote_code: bool = False, require_adapter: bool = True) -> Any:
     """The ``AutoConfig`` of model directory ``path`` (with ``require_adapter``: of a family
-    pit-deploy supports).
+    pit-deploy supports). The sizes of a supported family's config are checked against the
+    checkpoint's safetensors headers before anything is built (:mod:`.config_sizes`).
 
     Raises:
         PitError: a ``config.json`` that transformers cannot read (an unknown ``model_type``,
             a malformed value) or of a family without an adapter — unusable input, naming the
-            supported families.
+            supported families; a size that is not a positive integer or disagrees with the
+            checkpoint, naming the field.
     """
     from ..model.families import adapter_for, supported_model_types
 
@@ -121,10 +124,12 @@ def load_config(path: str | os.PathLike, trust_remote_code: bool = False, requir
         raise PitError(f"{where}: transformers cannot read this config of model_type {model_type!r} ({said}); "
                        f"pass a model of a family pit-deploy supports: {', '.join(supported_model_types())}") from None
     try:
-        if require_adapter:
-            adapter_for(config)
+        adapter_for(config)
     except KeyError as exc:
-        raise PitError(f"{where}: {exc.args[0]}") from None
+        if require_adapter:
+            raise PitError(f"{where}: {exc.args[0]}") from None
+        return config  # the caller refuses the family with its own message
+    check_config_sizes(config, path)
     return config
 
 

@@ -16,6 +16,7 @@ has pickle files is refused. ``trust_remote_code`` stays off unless the caller a
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .checkpoint import is_pit_directory, load_config, load_pit_model, read_config_dict, save_tokenizer
+from .config_sizes import check_config_sizes
 from .fs import sha256_file
 from .gguf_files import converted_gguf, gguf_tensor_names
 from .hub import is_hub_id
@@ -217,8 +219,8 @@ def _load_directory(
         raise PitError(f"{path} holds an already quantized model ({cfg['quantization_config'].get('quant_method', '?')}); "
                        "pass the full-precision model — pit-deploy quantizes at export (--dtype int8,int4)")
     if is_pit_directory(path):
+        tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code, strict=True)  # before the slow load
         model = load_pit_model(path, dtype)
-        tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code)
         return LoadedModel(model, tokenizer, {"kind": "pit", "path": str(path), **_digest(path)})
     architectures = cfg.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
@@ -237,6 +239,7 @@ def _load_directory(
             else ""
         )
         raise PitError(f"{path} holds no .safetensors weights{hint}")
+    tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code, strict=True)  # before the slow load
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
@@ -244,7 +247,6 @@ def _load_directory(
     except Exception as exc:
         raise PitError(f"cannot load {path} ({_short(exc)})") from None
     model.eval()
-    tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code)
     return LoadedModel(model, tokenizer, {"kind": "directory", "path": str(path), **_digest(path)})
 
 
@@ -259,6 +261,7 @@ def _load_hub(
             "and your network — or, if you meant a local path, it does not exist"
         ) from None
     _check_supported(config, repo_id)
+    check_config_sizes(config, None, f"{repo_id}'s config.json")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             repo_id, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
@@ -291,22 +294,61 @@ def _check_supported(config, where: str) -> None:
 
 
 def directory_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
-    """The tokenizer saved in the model directory ``path``, or ``None`` when it holds none or one
-    transformers cannot read (as loading the model finds it)."""
-    return _maybe_tokenizer(Path(path), True, trust_remote_code)
+    """The tokenizer saved in the model directory ``path``, or ``None`` when it holds none (as
+    loading the model finds it).
+
+    Raises:
+        PitError: tokenizer files that cannot be read (naming the file).
+    """
+    return _maybe_tokenizer(Path(path), True, trust_remote_code, strict=True)
 
 
-def _maybe_tokenizer(path: Path, wanted: bool, trust_remote_code: bool):
+#: the files whose presence means a directory has a tokenizer
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _maybe_tokenizer(path: Path, wanted: bool, trust_remote_code: bool, strict: bool = False):
+    """The tokenizer saved in ``path``; ``None`` when it holds no tokenizer file. With ``strict``
+    (a model source) tokenizer files that cannot be read are an error naming the file; without
+    (an export's reference, whose files verify's digests already cover) a warning, and ``None``.
+    """
     if not wanted:
         return None
-    markers = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any((path / m).exists() for m in markers):
+    present = [m for m in TOKENIZER_MARKERS if (path / m).exists()]
+    if not present:
         return None
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as exc:
+    except Exception as exc:  # transformers and tokenizers raise assorted errors for a damaged file
+        if strict:
+            if "tokenizer.json" in present:
+                _check_tokenizer_json(path / "tokenizer.json")  # says what is wrong with the file, if it can
+            named = path / present[0] if len(present) == 1 or "tokenizer.json" in present else path
+            what = named if named != path else f"the tokenizer files in {path} ({', '.join(present)})"
+            raise PitError(f"{what} cannot be read as a tokenizer ({_short(exc)}); restore the model's own "
+                           "tokenizer files, or remove them all to go on without a tokenizer") from None
         log.warning("tokenizer in %s could not be loaded (%s); continuing without", path, _short(exc))
         return None
+
+
+def _check_tokenizer_json(path: Path) -> None:
+    """Refuse a ``tokenizer.json`` that is not a JSON object (random bytes, text that is not JSON,
+    JSON nested too deep to read) before transformers parses it.
+
+    Raises:
+        PitError: naming the file and what to do.
+    """
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise PitError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested past the parser's depth
+        said = "nested too deep to read" if isinstance(exc, RecursionError) else f"not JSON: {str(exc)[:120]}"
+        raise PitError(f"{path} is not a tokenizer file ({said}); the file is corrupt: restore the model's own "
+                       "tokenizer.json, or remove the tokenizer files to go on without a tokenizer") from None
+    if not isinstance(data, dict):
+        raise PitError(f"{path} is not a tokenizer file (a JSON {type(data).__name__}, not an object); restore the "
+                       "model's own tokenizer.json, or remove the tokenizer files to go on without a tokenizer")
 
 
 def _digest(path: Path) -> dict[str, Any]:

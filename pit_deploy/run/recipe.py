@@ -258,19 +258,48 @@ def available_run_recipes() -> list[str]:
     return sorted({p.stem for d in run_recipe_dirs() if d.is_dir() for p in d.glob("*.toml")})
 
 
+#: what a run recipe file is
+TOML_ONLY = "run recipes are TOML files ending in .toml (docs/run.md)"
+
+
 def find_run_recipe(name: str) -> Path:
+    """The file of run recipe ``name``: a path to a ``.toml`` file, else a shipped recipe or one
+    in ``./runs/`` by its name.
+
+    Raises:
+        PitError: a missing ``.toml`` path; a path to a file or directory that is not a ``.toml``
+            file (naming what it is); an unknown name.
+    """
     path = Path(name).expanduser()
-    if path.suffix == ".toml":
+    if path.suffix.lower() == ".toml":
         if path.is_file():
             return path
+        if path.is_dir():
+            raise PitError(f"run recipe {path} is a directory, not a file; {TOML_ONLY}")
         raise PitError(f"run recipe {path} does not exist")
     for folder in run_recipe_dirs():
         candidate = folder / f"{name}.toml"
         if candidate.is_file():
             return candidate
+    if path.is_file():
+        raise PitError(f"{path} is not a run recipe: {_not_toml(path)}; {TOML_ONLY}")
+    if path.is_dir():
+        raise PitError(f"{path} is a directory, not a run recipe; {TOML_ONLY}")
+    if path.suffix[1:].isalpha():  # a file name (some.json), not a recipe name with a dot in it
+        raise PitError(f"run recipe {path} does not exist, and a {path.suffix} file is not a run recipe: {TOML_ONLY}")
     known = available_run_recipes()
     raise PitError(f"unknown run recipe {name!r}{_closest(name, known)} (shipped: {', '.join(known)}); "
                    "or pass a path to a .toml file")
+
+
+def _not_toml(path: Path) -> str:
+    """What the existing file ``path`` (not named ``.toml``) is, as far as a run recipe goes."""
+    kind = f"a {path.suffix} file" if path.suffix else "a file without the .toml suffix"
+    try:
+        tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return f"{kind} that is not TOML"
+    return f"{kind} (it reads as TOML: rename it to {path.stem}.toml)"
 
 
 def load_run_recipe(name: str = "default", overrides: list[str] | None = None) -> RunRecipe:
@@ -278,8 +307,10 @@ def load_run_recipe(name: str = "default", overrides: list[str] | None = None) -
     path = find_run_recipe(name)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise PitError(f"cannot parse run recipe {path}: {exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise PitError(f"cannot parse run recipe {path}: {exc or 'nested too deep'}; {TOML_ONLY}") from None
+    except OSError as exc:
+        raise PitError(f"cannot read run recipe {path}: {exc.strerror or exc}") from None
     recipe = RunRecipe(name=path.stem, tables=copy.deepcopy(DEFAULTS))
     recipe.tables["bench"].update(_bench_defaults())
     for table, values in data.items():

@@ -101,7 +101,7 @@ def check_verify_isa(recipe: RunRecipe) -> None:
         return
     from ..evaluate.verify import ISAS
     from ..export.recipes import parse_list
-    from ..runtime.emulated import KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, find_setup
+    from ..runtime.emulated import KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, check_emulates, find_setup
     from ..targets import get_target
 
     v = recipe.effective("verify")
@@ -118,7 +118,7 @@ def check_verify_isa(recipe: RunRecipe) -> None:
         raise PitError(f"verify.isa includes aarch64, but none of the export's runtimes ({', '.join(runtimes)}) "
                        "runs emulated here; add onnx, onnx-genai or executorch to export.runtimes")
     try:
-        find_setup()
+        check_emulates(find_setup())
     except PitError as exc:
         raise PitError(f"verify.isa includes aarch64: {exc}") from None
 

@@ -9,7 +9,8 @@ one x86 machine can run the kernels of several phone CPUs (:data:`PROFILES`). Em
 
 ``scripts/setup_aarch64.sh`` installs the emulator, an arm64 Python and the pinned wheels into
 :func:`aarch64_root` and describes them in ``setup.json``; :func:`find_setup` reads it (a missing
-set-up is the user's to install: exit 2 naming the script). :func:`run_job` copies a runner and
+set-up is the user's to install: exit 2 naming the script), and :func:`check_emulates` checks that
+its emulator really runs the arm64 Python as aarch64 (not natively). :func:`run_job` copies a runner and
 :mod:`.standalone` into a job folder and runs the runner there in the emulated Python:
 :mod:`.emulated_runner` (the ONNX graphs; the standard library, numpy and onnxruntime) or
 :mod:`pit_deploy.targets.executorch.emulated_pte_runner` (the ``.pte`` programs; PyTorch's aarch64 wheel, a CUDA build, on the
@@ -117,18 +118,10 @@ def check_cpu(name: str) -> str:
     return name
 
 
-def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None = None,
-            runtime: str = ONNXRUNTIME) -> subprocess.CompletedProcess:
-    """Run the runner of ``runtime`` (:data:`RUNNERS`) on ``job_dir`` (which holds its
-    ``job.json``) in the emulated Python on qemu CPU model ``cpu``; its stdout and stderr are
-    captured, its exit status returned for the caller to judge (what it finished is in
-    ``job_dir/results.json``)."""
-    runner = RUNNERS[runtime]
-    for src in {runner, *RUNNER_FILES}:
-        shutil.copy2(src, job_dir / src.name)
+def _environment(setup: Aarch64Setup, runtime: str = ONNXRUNTIME) -> dict[str, str]:
+    """The environment of the emulated Python: its own home and the set-up's wheels only."""
     site = str(setup.site)
     if runtime == EXECUTORCH:
-        setup.require(runtime)
         site = f"{setup.executorch_site}{os.pathsep}{setup.site}"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -143,10 +136,68 @@ def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None 
     }
     if runtime == EXECUTORCH:
         env["LD_LIBRARY_PATH"] = str(setup.stubs)  # the CUDA stand-ins torch's libraries link
-    cmd = [str(setup.qemu), "-L", str(setup.sysroot), "-cpu", cpu, str(setup.python),
-           str(job_dir / runner.name), str(job_dir)]
+    return env
+
+
+def _command(setup: Aarch64Setup, cpu: str, *args: str) -> list[str]:
+    return [str(setup.qemu), "-L", str(setup.sysroot), "-cpu", cpu, str(setup.python), *args]
+
+
+#: what the emulated Python prints to say which machine it runs on
+_MACHINE_PROBE = "import platform; print(platform.machine())"
+#: set-ups already seen to emulate, by (emulator, Python): the probe runs once per process
+_EMULATING: set[tuple[str, str]] = set()
+
+
+def check_emulates(setup: Aarch64Setup, timeout: float = 300) -> None:
+    """Check that the set-up's emulator runs its Python as aarch64: the child reports
+    ``platform.machine()``. An emulator that runs its argument natively (a ``qemu-aarch64`` that
+    is a wrapper script, a binfmt entry that runs a host Python) would check x86 kernels under
+    the aarch64 name; one whose Python does not start checks nothing. About a second under qemu,
+    once per process.
+
+    Raises:
+        PitError: the child is not aarch64, or does not start (exit 2, naming the set-up script).
+    """
+    key = (str(setup.qemu), str(setup.python))
+    if key in _EMULATING:
+        return
+    fix = f"rerun `{SETUP_COMMAND}` (or point {ROOT_ENV} at a folder it installed)"
     try:
-        return subprocess.run(cmd, env=env, cwd=job_dir, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(_command(setup, "max", "-S", "-c", _MACHINE_PROBE), env=_environment(setup),
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        raise PitError(f"cannot start the aarch64 emulator {setup.qemu}: {exc.strerror or exc}; {fix}") from None
+    except subprocess.TimeoutExpired:
+        raise PitError(f"the emulated aarch64 Python of {setup.root} did not answer within {timeout:.0f} s; {fix}") from None
+    said = (proc.stderr or "").strip().splitlines()
+    if proc.returncode != 0:
+        last = f": {said[-1][:300]}" if said else ""
+        raise PitError(f"the emulated aarch64 Python of {setup.root} does not start ({setup.qemu} exited with status "
+                       f"{proc.returncode}{last}); {fix}")
+    machine = (proc.stdout or "").strip().splitlines()[-1:] or [""]
+    if machine[0] != "aarch64":
+        raise PitError(f"the aarch64 emulation set-up in {setup.root} does not emulate: its Python reports machine "
+                       f"{machine[0]!r}, not 'aarch64' ({setup.qemu} ran it natively, so the kernels checked would be "
+                       f"the host's); {fix}")
+    _EMULATING.add(key)
+
+
+def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None = None,
+            runtime: str = ONNXRUNTIME) -> subprocess.CompletedProcess:
+    """Run the runner of ``runtime`` (:data:`RUNNERS`) on ``job_dir`` (which holds its
+    ``job.json``) in the emulated Python on qemu CPU model ``cpu``; its stdout and stderr are
+    captured, its exit status returned for the caller to judge (what it finished is in
+    ``job_dir/results.json``)."""
+    runner = RUNNERS[runtime]
+    for src in {runner, *RUNNER_FILES}:
+        shutil.copy2(src, job_dir / src.name)
+    if runtime == EXECUTORCH:
+        setup.require(runtime)
+    cmd = _command(setup, cpu, str(job_dir / runner.name), str(job_dir))
+    try:
+        return subprocess.run(cmd, env=_environment(setup, runtime), cwd=job_dir, capture_output=True, text=True,
+                              timeout=timeout)
     except OSError as exc:
         raise PitError(f"cannot start the aarch64 emulator {setup.qemu}: {exc}; "
                        f"{SETUP_COMMAND} reinstalls it") from None

@@ -287,7 +287,8 @@ def read_config(path: str | Path) -> TrainConfig:
     """The config a :func:`write_config` file holds.
 
     Raises:
-        PitError: not a readable JSON object of config fields.
+        PitError: not a readable JSON object of config fields, or a value of the wrong type
+            (naming the key).
     """
     import json
     from dataclasses import fields
@@ -303,6 +304,9 @@ def read_config(path: str | Path) -> TrainConfig:
                        + (f"; unknown: {', '.join(extra)}" if extra else ""))
     if isinstance(data.get("betas"), list):
         data["betas"] = tuple(data["betas"])
+    from ..options import check_types
+
+    check_types(TrainConfig, data, lambda name: f"--config {path}: {name}")
     return TrainConfig(**data)
 
 
