@@ -878,43 +878,89 @@ def pte_table_candidates(prepared: Any, details: dict[str, Any], vocab: int) -> 
     return found
 
 
-def _body_linears(model: Any) -> list[str]:
+def _body_linears(model: Any) -> list[list[str]]:
     """The module paths of ``model``'s linears that a ``.pte`` quantizes (every ``nn.Linear`` but
-    the head: :func:`pit_deploy.targets.executorch.export.quantize_linears`), in module order."""
+    the head: :func:`pit_deploy.targets.executorch.export.quantize_linears`), as the groups a
+    program computes in a fixed order: in the order one forward pass calls them, linears that
+    read the very same input (``q``/``k``/``v``, ``gate``/``up``) one group. A program may compute
+    the members of a group in any order (none depends on another: the partitioner is free to
+    place them), never a later group before an earlier one."""
+    import torch
     from torch import nn
 
     head = model.get_output_embeddings()
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
+    paths = {module: name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and module is not head}
+    calls: list[tuple[str, int]] = []
+    hooks = [module.register_forward_hook(lambda m, args, out: calls.append((paths[m], id(args[0]))))
+             for module in paths]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups: list[list[str]] = []
+    inputs: list[int] = []
+    for path, source in calls:
+        if path in (p for g in groups for p in g):
+            continue
+        if inputs and inputs[-1] == source:
+            groups[-1].append(path)
+        else:
+            groups.append([path])
+            inputs.append(source)
+    missing = [p for p in paths.values() if all(p not in g for g in groups)]
+    return groups + [[p] for p in missing]
 
 
-def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[str],
-                vocab: int) -> Callable[[Stored], Pairing | str]:
+def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[list[str]],
+                vocab: int, details: Any = None) -> Callable[[Stored], Pairing | str]:
     """How a ``.pte``'s tensors find their reference weights. XNNPACK keeps no module names: its
     delegates' weights are named-data entries under the sha256 of their bytes. So the quantized
-    linears of the delegates that are not the head (``V`` rows) are paired by program order, the
-    ``i``-th (:func:`pte_stored`'s order: ``forward``'s delegates, each node by node) with the
-    ``i``-th of ``body`` (the reference's linears in module order, the order the model computes
-    them in), and the two lists must agree in length and shape; the head (the one quantized
-    linear with ``V`` rows) and the gather tables (the program's quantized embedding operators)
-    by their role."""
+    linears of the delegates that are not the head (``V`` rows) are paired by program order
+    (:func:`pte_stored`'s order: ``forward``'s delegates, each node by node) with ``body``'s
+    groups (:func:`_body_linears`): the program's linears, cut into runs of the groups' sizes,
+    must be the groups in order, so a weight moved to another layer or another stage of a layer
+    fails. Within a group of one shape (``gate``/``up``; ``q``/``k``/``v`` without grouped
+    attention) a tensor is the member whose recorded calibrated codes it holds, else the member
+    closest in value; each member is paired once. The head (the one quantized linear with ``V``
+    rows) and the gather tables (the program's quantized embedding operators) by their role."""
     linears = [s for s in stored if not s.gather and s.values.shape[0] != vocab]
-    order = {id(s): i for i, s in enumerate(linears)}
+    flat = [path for group in body for path in group]
+    member_of: dict[int, list[str]] = {}
+    at = 0
+    for group in body:
+        for s in linears[at:at + len(group)]:
+            member_of[id(s)] = group
+        at += len(group)
+    recorded = _recorded(details)
 
     def pair(s: Stored) -> Pairing | str:
         if s.gather:
             return reference.table(True, ("token_table",))
         if s.values.shape[0] == vocab:
             return reference.table(False, ("head",), once=True)
-        i = order[id(s)]
-        if len(linears) != len(body):
+        i = next(k for k, x in enumerate(linears) if x is s)
+        if len(linears) != len(flat):
             return (f"the program holds {len(linears)} quantized linears besides its head, the reference model "
-                    f"{len(body)}; the program's weights cannot be paired with the model's in order")
-        found = reference.linear(body[i])
-        if found is None or found.candidates[0][1].shape != s.values.shape:
-            shape = "" if found is None else f" {tuple(found.candidates[0][1].shape)}"
-            return (f"the program's linear #{i + 1} has shape {tuple(s.values.shape)}, the reference model's linear "
-                    f"#{i + 1} ({body[i]}){shape}: the program does not compute the model's linears in its order")
-        return found
+                    f"{len(flat)}; the program's weights cannot be paired with the model's in order")
+        group = member_of[id(s)]
+        found = [(path, reference.linear(path)) for path in group]
+        fits = [(path, hit) for path, hit in found if hit is not None
+                and hit.candidates[0][1].shape == s.values.shape]
+        if not fits:
+            shapes = ", ".join(str(tuple(hit.candidates[0][1].shape)) for _, hit in found if hit is not None)
+            return (f"the program's linear #{i + 1} has shape {tuple(s.values.shape)}, but the reference model "
+                    f"computes {', '.join(group)} there ({shapes}): the program does not compute the model's "
+                    "linears in its order")
+        if len(fits) == 1:
+            return fits[0][1]
+        held = [hit for _, hit in fits if any(_holds(s, recorded, names) for names in hit.codes)]
+        if held:
+            return held[0]
+        pick = best_candidate(s, [(path, hit.candidates[0][1]) for path, hit in fits])
+        return next(hit for path, hit in fits if pick is not None and path == pick[0])
 
     return pair
 
@@ -952,7 +998,7 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     rotated = _section(details, "scheme").get("rotate_residual") and rotation_blocker(prepared) is None
     body_model = rotate_residual(prepared) if rotated else prepared
     weights = ReferenceWeights(body_model, vocab, pte_table_candidates(prepared, details, vocab))
-    pair = pte_pairing(stored, weights, _body_linears(body_model), vocab)
+    pair = pte_pairing(stored, weights, _body_linears(body_model), vocab, details)
     result = compare(covered, pair, details, torchao_hqq_rounding, complete=not skipped)
     result.note = "; ".join(notes)
     return result
