@@ -185,14 +185,20 @@ def test_an_emulator_that_cannot_start_onnxruntime_is_exit_2(export, tmp_path, m
     (root / "bin" / "qemu-aarch64").write_text("#!/bin/sh\necho 'qemu: cannot run this' >&2\nexit 1\n")
     (root / "bin" / "qemu-aarch64").chmod(0o755)
     (root / "sysroot/usr/bin/python3.11").write_text("")
+    err = _verify_with_setup(export, root, "sysroot/usr/bin/python3.11", monkeypatch, capsys)
+    assert "does not start" in err and "qemu: cannot run this" in err and "setup_aarch64.sh" in err
+
+
+def _verify_with_setup(export: Path, root: Path, python: str, monkeypatch, capsys) -> str:
+    """``verify --isa aarch64`` of ``export``'s float32 artifacts with the set-up at ``root``
+    (its ``qemu-aarch64`` in ``bin/``, the emulated ``python``); it must exit 2: its stderr."""
     (root / "setup.json").write_text(json.dumps({"qemu": "bin/qemu-aarch64", "sysroot": "sysroot",
-                                                 "python": "sysroot/usr/bin/python3.11", "site": "site"}))
+                                                 "python": python, "site": "site"}))
     monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(root))
     capsys.readouterr()
     assert main(["verify", str(export), "--dtype", "float32", "--isa", "aarch64", "--arm-cpu", "max",
                  "--no-record"]) == 2
-    err = capsys.readouterr().err
-    assert "does not start" in err and "qemu: cannot run this" in err and "setup_aarch64.sh" in err
+    return capsys.readouterr().err
 
 
 @pytest.mark.skipif(platform.machine() == "aarch64", reason="a native run is an aarch64 run on this machine")
@@ -215,13 +221,8 @@ def test_an_emulator_that_runs_the_child_natively_is_exit_2(export, tmp_path, mo
     qemu.write_text('#!/bin/sh\nwhile [ "$#" -gt 0 ]; do case "$1" in -L|-cpu) shift 2 ;; *) break ;; esac; done\n'
                     'exec "$@"\n')
     qemu.chmod(0o755)
-    (root / "setup.json").write_text(json.dumps({"qemu": "bin/qemu-aarch64", "sysroot": "sysroot",
-                                                 "python": "bin/python", "site": "site"}))
-    monkeypatch.setenv("PIT_DEPLOY_AARCH64_ROOT", str(root))
-    capsys.readouterr()
-    assert main(["verify", str(export), "--dtype", "float32", "--isa", "aarch64", "--arm-cpu", "max",
-                 "--no-record"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[pit-deploy")]
+    said = _verify_with_setup(export, root, "bin/python", monkeypatch, capsys)
+    err = [line for line in said.splitlines() if not line.startswith("[pit-deploy")]
     assert len(err) == 1 and err[0].startswith("error:"), err
     assert "does not emulate" in err[0] and repr(platform.machine()) in err[0] and "setup_aarch64.sh" in err[0]
 
