@@ -702,8 +702,8 @@ def _identity(directory: Path) -> tuple[Any, ...]:
 
 def _refuse_if_replaced(directory: Path, before: tuple[Any, ...], cause: BaseException | None) -> None:
     if before and _identity(directory) != before:
-        raise PitError(f"{directory} was replaced while it was being verified (another export into it?); nothing "
-                       "was recorded — verify it again once that export has finished") from cause
+        raise PitError(f"{directory} was replaced while it was being verified (another export into it?); the "
+                       "results were not recorded — verify it again once that export has finished") from cause
 
 
 def verify_export(
