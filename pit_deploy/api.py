@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import PitError
 from .evaluate.bench import BenchOptions
-from .options import PARSERS, check_types, describe_value, field_default, flag_name, type_problem
+from .options import PARSERS, check_types, describe_value, field_default, flag_name, is_int, type_problem
 
 if TYPE_CHECKING:  # the result types, imported where they are used (they pull in torch)
     from .evaluate.bench import BenchResult
@@ -108,7 +108,7 @@ def _names_arg(call: str, name: str, value: Any) -> None:
 
 
 def _int_arg(call: str, name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise PitError(f"{call}(): {name} must be an integer, got {describe_value(value)}")
 
 
@@ -178,7 +178,7 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
     say = _sayer(say)
     if t_init is not None and t_init not in CONVERSIONS:
         raise PitError(f"unknown --t-init {t_init!r}; choose one of {', '.join(CONVERSIONS)}")
-    if not isinstance(calib_tokens, int) or isinstance(calib_tokens, bool) or calib_tokens < 1:
+    if calib_tokens < 1:  # its type is checked above
         raise PitError(f"--calib-tokens must be at least 1, got {calib_tokens}")
     if diagonal not in DIAGONAL_MAPS:
         raise PitError(f"unknown --diagonal {diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")

@@ -106,7 +106,8 @@ def dataclass_flags(cls: type, *, defaults: bool = True, required: tuple[str, ..
     return flags
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer, and not a ``bool`` (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -121,14 +122,14 @@ def _all(value: Any, test: Any) -> bool:
 #: annotation (without ``| None``) → (test of a value, what a fitting value is)
 _KINDS: dict[str, tuple[Any, str]] = {
     "bool": (lambda v: isinstance(v, bool), "True or False"),
-    "int": (_is_int, "an integer"),
+    "int": (is_int, "an integer"),
     "float": (_is_number, "a number"),
     "str": (lambda v: isinstance(v, str), "text (a str)"),
     "list[str]": (lambda v: isinstance(v, str) or _all(v, lambda x: isinstance(x, str)),
                   "a list of names or a comma list"),
     "tuple[str, ...]": (lambda v: isinstance(v, str) or _all(v, lambda x: isinstance(x, str)),
                         "a list of names or a comma list"),
-    "tuple[int, ...]": (lambda v: _is_int(v) or isinstance(v, str) or _all(v, _is_int),
+    "tuple[int, ...]": (lambda v: is_int(v) or isinstance(v, str) or _all(v, is_int),
                         "an integer, a list of integers or a comma list"),
     "tuple[float, float]": (lambda v: isinstance(v, str) or (_all(v, _is_number) and len(v) == 2),
                             "two numbers (a pair, or a comma list like '0.9,0.95')"),

@@ -902,15 +902,17 @@ def _body_linears(model: Any) -> list[list[str]]:
             hook.remove()
     groups: list[list[str]] = []
     inputs: list[int] = []
+    grouped: set[str] = set()
     for path, source in calls:
-        if path in (p for g in groups for p in g):
+        if path in grouped:  # a linear called twice is placed where it is first called
             continue
+        grouped.add(path)
         if inputs and inputs[-1] == source:
             groups[-1].append(path)
         else:
             groups.append([path])
             inputs.append(source)
-    missing = [p for p in paths.values() if all(p not in g for g in groups)]
+    missing = [p for p in paths.values() if p not in grouped]
     return groups + [[p] for p in missing]
 
 
@@ -927,6 +929,7 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
     closest in value; each member is paired once. The head (the one quantized linear with ``V``
     rows) and the gather tables (the program's quantized embedding operators) by their role."""
     linears = [s for s in stored if not s.gather and s.values.shape[0] != vocab]
+    order = {id(s): i for i, s in enumerate(linears)}
     flat = [path for group in body for path in group]
     member_of: dict[int, list[str]] = {}
     at = 0
@@ -941,7 +944,7 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
             return reference.table(True, ("token_table",))
         if s.values.shape[0] == vocab:
             return reference.table(False, ("head",), once=True)
-        i = next(k for k, x in enumerate(linears) if x is s)
+        i = order[id(s)]
         if len(linears) != len(flat):
             return (f"the program holds {len(linears)} quantized linears besides its head, the reference model "
                     f"{len(flat)}; the program's weights cannot be paired with the model's in order")
