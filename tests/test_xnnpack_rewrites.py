@@ -77,3 +77,51 @@ def _partition_gaps(model, rewrites: bool):
         elif "executorch_call_delegate" in name and current is not None:
             current += 1
     return nodes, gaps
+
+
+def test_a_pass_runs_where_its_operator_is_and_is_skipped_where_none_is():
+    """The trimming rule: a listed pass is kept when a partition holds an operator it rewrites,
+    skipped when none is there; a pass the table does not list always runs."""
+    from pit_deploy.targets.executorch.idle_passes import TRIGGERS, needed, operator_names
+
+    class Cat(torch.nn.Module):
+        def forward(self, x):
+            return torch.cat([x, x, x], dim=-1) * 2
+
+    operators = operator_names(torch.fx.symbolic_trace(Cat()))
+    assert any("cat" in op for op in operators), operators
+    assert needed("DecomposeConcatenate", {"aten.cat.default", "aten.mul.Tensor"})
+    assert not needed("DecomposeConcatenate", {"aten.mul.Tensor", "aten.linear.default"})
+    assert needed("FuseBatchNormPass", {"aten._native_batch_norm_legit_no_training.default"})
+    assert needed("ConvertToSDPAPass", {"aten._softmax.default"})
+    assert needed("ChannelsLastTaggedReshapePass", set())  # not listed: always runs
+    assert all(not needed(name, {"aten.linear.default"}) for name in TRIGGERS)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.full), "int4"])
+def test_skipping_idle_passes_lowers_the_same_program(dtype):
+    """What :mod:`pit_deploy.targets.executorch.idle_passes` skips changes nothing: a tiny
+    factorized program, fp32 and int4 (its quantized linears and gather), lowers to the very same
+    ``.pte`` bytes with every XNNPACK pass and with the idle ones skipped — and some were skipped."""
+    import collections
+    import contextlib
+    import hashlib
+
+    from pit_deploy.schemes import get_scheme
+    from pit_deploy.targets.executorch.export import quantize_linears
+    from pit_deploy.targets.executorch.idle_passes import skip_idle_passes
+    from pit_deploy.targets.executorch.token_table import quantize_token_table
+
+    model = prepare(tiny_pit_model("llama", num_layers=1), "factorized")
+    if dtype == "int4":
+        scheme = get_scheme("int4")
+        model, _ = quantize_linears(model, scheme.dtype, scheme.group_size, scheme.int4_8bit_layers)
+        quantize_token_table(model, scheme.group_size, scheme.pit_correction, table_bits=scheme.table_bits)
+    digests, skipped = {}, {}
+    for trim in (False, True):
+        with skip_idle_passes() if trim else contextlib.nullcontext([]) as names:
+            edge, _ = lower_to_edge(model, 32, trim_passes=False)
+        digests[trim] = hashlib.sha256(edge.to_executorch().buffer).hexdigest()
+        skipped[trim] = collections.Counter(names)
+    assert digests[True] == digests[False]
+    assert not skipped[False] and {"DecomposeBatchNorm", "Conv1dUnsqueezePass"} <= set(skipped[True]), skipped

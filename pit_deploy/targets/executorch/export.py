@@ -46,6 +46,7 @@ from ...model.families import max_positions
 from ...schemes import Scheme, names_linear
 from . import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 from .head import xnnpack_linear_config
+from .idle_passes import skip_idle_passes
 from .runner_tokenizer import write_runner_tokenizer
 from .token_table import quantize_token_table
 from .xnnpack_rewrites import inferred_view_sizes, xnnpack_friendly
@@ -170,7 +171,7 @@ def metadata_methods(config, max_seq_len: int) -> dict[str, object]:
 
 @torch.no_grad()
 def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interface_methods: bool = True,
-               external_data: bool = False) -> dict:
+               external_data: bool = False, trim_passes: bool = True) -> dict:
     """Lower ``model`` (already materialized or factorized) to ``out_dir/model.pte``.
 
     With ``interface_methods=False`` only ``forward`` and the metadata methods are written
@@ -189,7 +190,8 @@ def export_pte(model: PreTrainedModel, out_dir: Path, max_seq_len: int, interfac
     """
     from executorch.exir import ExecutorchBackendConfig
 
-    edge, use_llm_ops = lower_to_edge(model, max_seq_len, interface_methods, external_data=external_data)
+    edge, use_llm_ops = lower_to_edge(model, max_seq_len, interface_methods, external_data=external_data,
+                                      trim_passes=trim_passes)
     config = ExecutorchBackendConfig(external_constants=(lambda _node: DATA_TAG) if external_data else False)
     lowered = edge.to_executorch(config)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -220,10 +222,11 @@ def tag_external_data(graph_module: torch.fx.GraphModule):
 
 @torch.no_grad()
 def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: bool = True,
-                  rewrites: bool = True, external_data: bool = False):
+                  rewrites: bool = True, external_data: bool = False, trim_passes: bool = True):
     """``torch.export`` the methods of ``model`` and lower them for XNNPACK; ``rewrites=False``
     skips :mod:`.xnnpack_rewrites` (for measuring what they change); ``external_data`` tags the
-    delegate's weights for the named data file (:func:`export_pte`).
+    delegate's weights for the named data file (:func:`export_pte`); ``trim_passes=False`` runs
+    every XNNPACK pass on every partition (:mod:`.idle_passes`; the program is the same).
 
     Returns:
         ``(EdgeProgramManager, whether the LLM custom ops were used)``; the model is unchanged.
@@ -236,7 +239,8 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
     if use_llm_ops:
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
-        return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites, external_data), use_llm_ops
+        with skip_idle_passes() if trim_passes else contextlib.nullcontext():
+            return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites, external_data), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn
 
