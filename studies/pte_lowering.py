@@ -7,6 +7,8 @@ ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of `
 
 * ``--layers N`` keeps the first N decoder layers (both variants, side by side, in one process);
 * the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here);
+* ``--passes``: the cut and the full model each lowered twice, every XNNPACK pass against the
+  idle ones skipped (:mod:`pit_deploy.targets.executorch.idle_passes`), with the ``.pte``'s sha256;
 * ``--dtype int4 --model PIT_DIR``: the program the main job ships instead — a PIT checkpoint
   (the main job's trained model), factorized, its linears quantized as the ``executorch`` target's ``int4`` scheme
   does (torchao ``8da4w``, ``v_proj``/``down_proj`` ``8da8w``, the 8-bit gather table with the PIT
@@ -19,6 +21,8 @@ Usage::
     python studies/pte_lowering.py [--layers 8] [--full-baseline] [--out studies/results/pte_lowering.json]
     python studies/pte_lowering.py --dtype int4 --model runs/default/2-train/pit/model
                                    --out studies/results/pte_lowering_int4.json
+    python studies/pte_lowering.py --passes --dtype int4 --model PIT_DIR --layers 4
+                                   --out studies/results/pte_lowering_passes_int4.json
 """
 
 from __future__ import annotations
