@@ -39,20 +39,27 @@ error). This check does not depend on the model's sensitivity:
     and is not a quantized tensor.
   - ``.pte`` (:func:`pte_pairing`): XNNPACK keeps no module names (each weight is a named-data
     entry under the sha256 of its bytes), so the delegates' linears are paired by program
-    order: the ``i``-th quantized linear of ``forward``'s delegates (delegate by delegate, node
-    by node) with the reference's ``i``-th linear in module order, which is the order the model
-    computes them in; a program whose linears differ from the model's in number or shape at
-    any position fails. Their reference is the model the body was rounded from (after
-    ``rotate_residual`` where the scheme rotates it). The head (the one quantized linear with
-    ``V`` rows) and the gather tables (the program's quantized embedding operators) are paired
-    by role: the token table's forms, and with a quantized head its table
+    order: ``forward``'s quantized linears (delegate by delegate, node by node) cut into runs
+    of the sizes of the model's groups, the linears one forward pass calls in order, those
+    that read one input (``q``/``k``/``v``, ``gate``/``up``) one group; a program whose linears
+    differ from the model's in number or shape at any position fails. Within a group, members
+    of one shape are told apart by their role, what their output flows into before it meets
+    another linear's (:class:`_RoleTrace`: through an activation or a norm; added to a
+    transform of itself, a rotary embedding; neither), followed through the program's
+    delegates and kernels (:func:`_plan_roles`) and through the reference's forward pass
+    (:func:`_body_linears`). Members of one shape and one role (``q`` and ``k`` of one shape),
+    or whose roles in the program are not the model's (named in the check's ``note``), are
+    paired by their recorded GPTQ codes, else by value. Their reference is the model the body
+    was rounded from (after ``rotate_residual`` where the scheme rotates it). The head (the one
+    quantized linear with ``V`` rows) and the gather tables (the program's quantized embedding
+    operators) are paired by role: the token table's forms, and with a quantized head its table
     ``Y = Z T S⁻ᵀ`` (:func:`pte_table_candidates`).
 
   A weight paired with two stored tensors fails the check, and so does a recorded digest that
   no tensor paired with its weight holds. What the pairing trusts: an ONNX graph's node names,
-  and a ``.pte``'s node order. A graph whose nodes were renamed together with their weights, or
-  a program whose computation was reordered with its weights, is beyond the weight level; the
-  KL bounds judge it.
+  and a ``.pte``'s node order and graph. A graph whose nodes were renamed together with their
+  weights, or a program whose computation was reordered with its weights, is beyond the weight
+  level; the KL bounds judge it.
 * **The grid.** Plain rounding (``rtn``): every dequantized element within one grid step of the
   reference weight, the step of a ``b``-bit block being ``2·max|w| / (2^b − 1)`` over the block
   of the reference (the widest step any of the runtimes' quantizers uses for that block; llama.cpp's
@@ -122,6 +129,8 @@ class Stored:
     places: tuple[str, ...] = ()
     #: read by a gather (the embedding side of a token table), not by a matmul
     gather: bool = False
+    #: a ``.pte`` linear's role in its program (:func:`_plan_roles`), ``None`` where none is known
+    role: str | None = None
 
 
 @dataclass
@@ -267,6 +276,81 @@ PTE_TABLE_OPS = {"quantized_decomposed::embedding_byte": 8, "quantized_decompose
 #: ExecuTorch's scalar types of the tables' tensors: numpy dtype by ``ScalarType`` value
 _ET_DTYPES = {0: np.uint8, 1: np.int8, 5: np.float16, 6: np.float32, 15: "bfloat16"}
 
+#: the roles a linear's output may have in the graph that computes with it (:class:`_RoleTrace`):
+#: it goes through an operator that is not linear in it (an activation: ``gate``; a norm: the
+#: ``q``/``k`` of Qwen3) before it meets another linear's output; else it is added to a transform
+#: of itself (a rotary embedding: ``q``, ``k``); else neither (``v``, ``up``)
+NONLINEAR, SELF_SUM, PLAIN = "nonlinear", "added to a transform of itself", "plain"
+#: operators not linear in their input, by name in :func:`_op_kind`'s spelling: XNNPACK's nodes
+#: (``XNNSigmoid`` → ``sigmoid``) and aten's operators (``aten.silu`` → ``silu``)
+_NONLINEAR_OPS = frozenset({
+    "sigmoid", "silu", "tanh", "gelu", "elu", "selu", "celu", "relu", "relu6", "leakyrelu", "prelu", "hardswish",
+    "hardsigmoid", "hardtanh", "mish", "softplus", "softmax", "logsoftmax", "exp", "exp2", "expm1", "log", "log1p",
+    "log2", "rsqrt", "reciprocalsquareroot", "reciprocal", "sqrt", "squareroot", "square", "pow", "abs", "sin",
+    "cos", "erf", "clamp", "clampmin", "clampmax", "floor", "ceil", "ceiling", "round", "sign"})
+#: products (and anything named for attention): not linear in a tensor that both factors come from
+_PRODUCT_OPS = frozenset({"mul", "multiply", "div", "divide", "mm", "bmm", "matmul", "baddbmm", "addmm",
+                          "batchmatrixmultiply", "maximum", "minimum"})
+#: sums and concatenations: a tensor that two of their terms come from is added to a transform of itself
+_SUM_OPS = frozenset({"add", "sub", "rsub", "subtract", "cat", "concatenate", "stack"})
+
+
+def _op_kind(name: str) -> str | None:
+    """How the operator ``name`` (an XNNPACK node type, ``XNNMultiply``; an aten operator,
+    ``add_``) treats the tensors it reads: ``"nonlinear"``, ``"product"``, ``"sum"``, or ``None``
+    (linear in each: a reshape, a transpose, a slice, a type conversion, a mean)."""
+    name = re.sub(r"^xnn|\d+$", "", name.lower()).replace("_", "")
+    if name in _NONLINEAR_OPS:
+        return "nonlinear"
+    if name in _PRODUCT_OPS or "attention" in name:
+        return "product"
+    return "sum" if name in _SUM_OPS else None
+
+
+class _RoleTrace:
+    """The roles of several linears in one graph: each linear's output followed through the
+    operators that read it, in the order they run, until it meets another linear's output (the
+    product of ``gate`` and ``up``, the attention of ``q``, ``k`` and ``v``) or leaves the graph. A
+    product of two tensors that both come from the one linear, or an operator not linear in its
+    input, makes it :data:`NONLINEAR`; else a sum of two such tensors :data:`SELF_SUM`; else it
+    is :data:`PLAIN`. Other operators — and a product or sum with a tensor no linear computes (a
+    norm's gain, a rotary embedding's ``cos``) — pass it on. The same rules for a program's
+    delegates and kernels (:func:`_plan_roles`) and for the reference model's forward pass
+    (:func:`_body_linears`), so that a program's linear and the model's are given one role for
+    one computation, without a table of module names."""
+
+    def __init__(self) -> None:
+        self.source: dict[Any, Any] = {}  # a tensor (its key) -> the linear it comes from; None: several
+        self.kinds: dict[Any, set[str]] = {}
+
+    def linear(self, key: Any, outputs: list[Any]) -> None:
+        self.kinds.setdefault(key, set())
+        for out in outputs:
+            self.source[out] = key
+
+    def op(self, name: str, inputs: list[Any], outputs: list[Any]) -> bool:
+        """Follow one operator; whether it read a tensor that comes from a linear."""
+        found = [self.source[i] for i in inputs if i in self.source]
+        if not found:
+            return False
+        first = found[0]
+        if first is None or any(f != first for f in found):  # met another linear's output
+            for out in outputs:
+                self.source[out] = None
+            return True
+        kind = _op_kind(name)
+        if kind == "nonlinear" or (kind == "product" and len(found) > 1):
+            self.kinds[first].add(NONLINEAR)
+        elif kind == "sum" and len(found) > 1:
+            self.kinds[first].add(SELF_SUM)
+        for out in outputs:
+            self.source[out] = first
+        return True
+
+    def roles(self) -> dict[Any, str]:
+        return {key: NONLINEAR if NONLINEAR in kinds else SELF_SUM if SELF_SUM in kinds else PLAIN
+                for key, kinds in self.kinds.items()}
+
 
 def _bf16(raw: bytes) -> np.ndarray:
     """bfloat16 bytes as float32 values (exact: a bfloat16 is the upper half of a float32)."""
@@ -343,12 +427,80 @@ class _PteData:
         return bytes(self.program.constant_buffer[index].storage)
 
 
+def _quantized_weights(graph: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """An XNNPACK delegate's quantized constant weights: each value's ``xvalue_union`` by its id."""
+    values = {}
+    for value in graph.get("xvalues") or []:
+        if value.get("xvalue_union_type") != "XNNQuantizedTensorValue":
+            continue
+        tensor = value["xvalue_union"]["tensor_value"]
+        if int(tensor.get("constant_buffer_idx") or 0) and tensor.get("datatype") in XNN_WEIGHTS:
+            values[int(tensor.get("id_out", -1))] = value["xvalue_union"]
+    return values
+
+
+def _plan_roles(plan: Any, graphs: dict[int, dict[str, Any]]) -> dict[int, dict[int, str]]:
+    """The role (:class:`_RoleTrace`) of each quantized linear of one method of a program, by
+    delegate index and the index of the linear's node in the delegate's graph (``graphs``: the
+    method's XNNPACK delegates' graphs, by delegate index), in node order. Each linear's output
+    is followed through the method's instructions in order: through each XNNPACK delegate's nodes
+    (``schema.fbs``: a node writes its fields ``output…_id`` and reads its other fields ``…_id``;
+    a delegate call's arguments are the values of the graph's ``input_ids``, then of its
+    ``output_ids``), and through the kernels between delegates (the slices of a rotary
+    embedding, the cache update, an attention outside the delegates: each kernel's last argument
+    is what it writes, ExecuTorch's out-variant convention, its other arguments what it reads)."""
+    trace = _RoleTrace()
+
+    def tensors(index: int) -> list[tuple[str, int]]:
+        value = plan.values[index].val if 0 <= index < len(plan.values) else None
+        listed = "TensorList" in type(value).__name__  # a list of tensors: their value indices
+        indices = [int(i) for i in value.items] if listed else [index]
+        return [("value", i) for i in indices if i >= 0]
+
+    for chain in plan.chains:
+        for instruction in chain.instructions:
+            call = instruction.instr_args
+            kind = type(call).__name__
+            if kind == "DelegateCall" and int(call.delegate_index) in graphs:
+                j = int(call.delegate_index)
+                graph, args = graphs[j], [int(a) for a in call.args]
+                inputs, outputs = ([int(i) for i in graph.get(key) or []] for key in ("input_ids", "output_ids"))
+                called = len(args) == len(inputs) + len(outputs)
+                for i, arg in zip(inputs, args if called else []):
+                    trace.op("", [("value", arg)], [(j, i)])
+                weights = set(_quantized_weights(graph))
+                for index, node in enumerate(graph.get("xnodes") or []):
+                    fields = node.get("xnode_union")
+                    if not isinstance(fields, dict):
+                        continue
+                    ids = {f: int(v) for f, v in fields.items() if f.endswith("_id") and isinstance(v, int)}
+                    written = [(j, v) for f, v in ids.items() if f.startswith("output")]
+                    if ids.get("filter_id") in weights:
+                        trace.linear((j, index), written)
+                    else:
+                        trace.op(str(node.get("xnode_union_type") or ""),
+                                 [(j, v) for f, v in ids.items() if not f.startswith("output")], written)
+                for o, arg in zip(outputs, args[len(inputs):] if called else []):
+                    trace.op("", [(j, o)], [("value", arg)])
+            elif kind == "KernelCall" and len(call.args):
+                args = [int(a) for a in call.args]
+                read = [t for a in args[:-1] if a != args[-1] for t in tensors(a)]
+                trace.op(str(plan.operators[call.op_index].name).split("::")[-1], read, tensors(args[-1]))
+            elif kind == "MoveCall":
+                trace.op("", tensors(int(call.move_from)), tensors(int(call.move_to)))
+    roles: dict[int, dict[int, str]] = {}
+    for (j, index), role in trace.roles().items():
+        roles.setdefault(j, {})[index] = role
+    return roles
+
+
 def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
-                      elsewhere: set[str], skipped: list[str]) -> list[Stored]:
+                      elsewhere: set[str], skipped: list[str], roles: dict[int, str] | None = None) -> list[Stored]:
     """The quantized constant weights of one XNNPACK delegate, in the order of the nodes that read
-    them (a fully-connected node's ``filter_id``: the program's order), then any other; a weight
-    whose named-data entry another method read already (the head, in ``forward`` and ``head``) is
-    skipped, one read twice within a method is read twice."""
+    them (a fully-connected node's ``filter_id``: the program's order), each with its node's role
+    (``roles``, by node index: :func:`_plan_roles`), then any other; a weight whose named-data
+    entry another method read already (the head, in ``forward`` and ``head``) is skipped, one
+    read twice within a method is read twice."""
     constants = graph.get("constant_data") or []
 
     def raw(index: int) -> tuple[str, bytes | None]:
@@ -359,19 +511,17 @@ def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
         offset, size = int(entry["offset"]), int(entry["size"])
         return f"{where}@{offset}", graph["_constants"][offset:offset + size]
 
-    values = {}
-    for value in graph.get("xvalues") or []:
-        if value.get("xvalue_union_type") != "XNNQuantizedTensorValue":
-            continue
-        tensor = value["xvalue_union"]["tensor_value"]
-        if int(tensor.get("constant_buffer_idx") or 0) and tensor.get("datatype") in XNN_WEIGHTS:
-            values[int(tensor.get("id_out", -1))] = value["xvalue_union"]
-    order = [int(node["xnode_union"]["filter_id"]) for node in graph.get("xnodes") or []
-             if isinstance(node.get("xnode_union"), dict) and int(node["xnode_union"].get("filter_id", -1)) in values]
-    order += [i for i in values if i not in order]
+    values = _quantized_weights(graph)
+    nodes = graph.get("xnodes") or []
+    order: list[tuple[int, str | None]] = []
+    for index, node in enumerate(nodes):
+        fields = node.get("xnode_union")
+        if isinstance(fields, dict) and int(fields.get("filter_id", -1)) in values:
+            order.append((int(fields["filter_id"]), (roles or {}).get(index)))
+    order += [(i, None) for i in values if all(i != ident for ident, _ in order)]
 
     out = []
-    for ident in order:
+    for ident, role in order:
         quantized = values[ident]
         tensor, params = quantized["tensor_value"], quantized.get("quant_params") or {}
         key, codes = raw(int(tensor["constant_buffer_idx"]))
@@ -396,7 +546,7 @@ def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
         else:
             q = np.frombuffer(codes, np.int8).astype(np.int32).reshape(rows, cols)
         stored = _from_codes(name, q - zero, scales, bits, block, cols)
-        stored.places = (where, key)
+        stored.places, stored.role = (where, key), role
         out.append(stored)
     return out
 
@@ -472,11 +622,11 @@ def pte_stored(path: Path, skipped: list[str] | None = None, data_files: list[Pa
     out: list[Stored] = []
     for plan in program.execution_plan:
         elsewhere = {key for key, method in read_by.items() if method != plan.name}
-        for j, delegate in enumerate(plan.delegates):
-            if "xnnpack" not in delegate.id.lower():
-                continue
-            blob = bytes(program.backend_delegate_data[delegate.processed.index].data)
-            found = _delegate_weights(_xnn_graph(blob), data, f"{plan.name}/xnnpack{j}", elsewhere, skipped)
+        graphs = {j: _xnn_graph(bytes(program.backend_delegate_data[delegate.processed.index].data))
+                  for j, delegate in enumerate(plan.delegates) if "xnnpack" in delegate.id.lower()}
+        roles = _plan_roles(plan, graphs)
+        for j, graph in graphs.items():
+            found = _delegate_weights(graph, data, f"{plan.name}/xnnpack{j}", elsewhere, skipped, roles.get(j))
             for stored in found:
                 read_by.setdefault(stored.places[1], plan.name)
             out += found
@@ -878,24 +1028,55 @@ def pte_table_candidates(prepared: Any, details: dict[str, Any], vocab: int) -> 
     return found
 
 
-def _body_linears(model: Any) -> list[list[str]]:
+def _body_linears(model: Any) -> tuple[list[list[str]], dict[str, str]]:
     """The module paths of ``model``'s linears that a ``.pte`` quantizes (every ``nn.Linear`` but
     the head: :func:`pit_deploy.targets.executorch.export.quantize_linears`), as the groups a
     program computes in a fixed order: in the order one forward pass calls them, linears that
     read the very same input (``q``/``k``/``v``, ``gate``/``up``) one group. A program may compute
     the members of a group in any order (none depends on another: the partitioner is free to
-    place them), never a later group before an earlier one."""
+    place them), never a later group before an earlier one. And each linear's role in that
+    forward pass (:class:`_RoleTrace`, over the aten operators it runs, a linear's own operators
+    left out), by module path: what a program's node must do with its output to be that linear."""
     import torch
     from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     head = model.get_output_embeddings()
     paths = {module: name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module is not head}
     calls: list[tuple[str, int]] = []
-    hooks = [module.register_forward_hook(lambda m, args, out: calls.append((paths[m], id(args[0]))))
-             for module in paths]
+    trace = _RoleTrace()
+    alive: list[Any] = []  # every tensor the trace follows, held so that no other tensor takes its id
+    inside = [0]  # within a linear's own forward
+
+    def tensors(tree: Any) -> list[Any]:
+        return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+    class Follow(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not inside[0]:
+                written = tensors(out)
+                if trace.op(func.overloadpacket.__name__, [id(t) for t in tensors((args, kwargs))],
+                            [id(t) for t in written]):
+                    alive.extend(written)
+            return out
+
+    def enter(module: Any, args: Any) -> None:
+        inside[0] += 1
+
+    def leave(module: Any, args: Any, out: Any) -> None:
+        inside[0] -= 1
+        calls.append((paths[module], id(args[0])))
+        if paths[module] not in trace.kinds:  # a linear called twice: its first call
+            trace.linear(paths[module], [id(t) for t in tensors(out)])
+            alive.extend(tensors(out))
+
+    hooks = [hook for module in paths for hook in (module.register_forward_pre_hook(enter),
+                                                   module.register_forward_hook(leave))]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), Follow():
             model(input_ids=torch.tensor([[1, 2, 3]]))
     finally:
         for hook in hooks:
@@ -913,30 +1094,62 @@ def _body_linears(model: Any) -> list[list[str]]:
             groups.append([path])
             inputs.append(source)
     missing = [p for p in paths.values() if p not in grouped]
-    return groups + [[p] for p in missing]
+    return groups + [[p] for p in missing], trace.roles()
 
 
 def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[list[str]],
-                vocab: int, details: Any = None) -> Callable[[Stored], Pairing | str]:
+                vocab: int, details: Any = None, roles: dict[str, str] | None = None,
+                by_value: list[str] | None = None) -> Callable[[Stored], Pairing | str]:
     """How a ``.pte``'s tensors find their reference weights. XNNPACK keeps no module names: its
     delegates' weights are named-data entries under the sha256 of their bytes. So the quantized
     linears of the delegates that are not the head (``V`` rows) are paired by program order
     (:func:`pte_stored`'s order: ``forward``'s delegates, each node by node) with ``body``'s
     groups (:func:`_body_linears`): the program's linears, cut into runs of the groups' sizes,
     must be the groups in order, so a weight moved to another layer or another stage of a layer
-    fails. Within a group of one shape (``gate``/``up``; ``q``/``k``/``v`` without grouped
-    attention) a tensor is the member whose recorded calibrated codes it holds, else the member
-    closest in value; each member is paired once. The head (the one quantized linear with ``V``
-    rows) and the gather tables (the program's quantized embedding operators) by their role."""
+    fails. Within a group, members of one shape (``gate``/``up``; ``k``/``v``; ``q``/``k``/``v``
+    without grouped attention) may stand in any order (Gemma's program computes ``k`` before
+    ``q``), so they are told apart by their role: the model's (``roles``, by module path,
+    :func:`_body_linears`) and each stored tensor's in the program (:attr:`Stored.role`,
+    :func:`_plan_roles`). ``gate``'s output goes through the activation, ``up``'s straight into
+    the product; ``k``'s through the rotary embedding (Qwen3's also through its norm), ``v``'s
+    through neither. A tensor is the member of its own role, so ``gate`` and ``up`` swapped, or
+    ``k`` and ``v``, fail. What roles cannot tell apart is paired by value, as before: among
+    members of one shape and one role (``q`` and ``k`` of one shape: both rotated) a tensor is
+    the member whose recorded calibrated codes it holds, else the member closest in value; and
+    so are all the members of one shape when their roles in the program are not the model's (a
+    program computing them through operators the trace does not follow), those members appended
+    to ``by_value`` (``model.layers.0.self_attn.{k_proj,v_proj}``). Each member is paired once.
+    The head (the one quantized linear with ``V`` rows) and the gather tables (the program's
+    quantized embedding operators) are paired by their role in the model."""
+    from collections import Counter
+
     linears = [s for s in stored if not s.gather and s.values.shape[0] != vocab]
     order = {id(s): i for i, s in enumerate(linears)}
     flat = [path for group in body for path in group]
     member_of: dict[int, list[str]] = {}
+    by_role: set[int] = set()  # stored tensors whose roles, among their group's of their shape, are the model's
     at = 0
     for group in body:
-        for s in linears[at:at + len(group)]:
+        run = linears[at:at + len(group)]
+        for s in run:
             member_of[id(s)] = group
         at += len(group)
+        if roles is None:
+            continue
+        shapes = {path: (None if hit is None else hit.candidates[0][1].shape)
+                  for path, hit in ((path, reference.linear(path)) for path in group)}
+        for shape in dict.fromkeys(shapes.values()):
+            members = [path for path in group if shapes[path] == shape]
+            if shape is None or len(members) < 2:
+                continue
+            held = [s for s in run if s.values.shape == shape]
+            if None not in [roles.get(path) for path in members] and \
+                    Counter(roles.get(path) for path in members) == Counter(s.role for s in held):
+                by_role.update(id(s) for s in held)
+            elif by_value is not None:
+                parent = {path.rpartition(".")[0] for path in members}
+                by_value.append(f"{parent.pop()}.{{{','.join(p.rpartition('.')[2] for p in members)}}}"
+                                if len(parent) == 1 else "/".join(members))
     recorded = _recorded(details)
 
     def pair(s: Stored) -> Pairing | str:
@@ -957,6 +1170,8 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
             return (f"the program's linear #{i + 1} has shape {tuple(s.values.shape)}, but the reference model "
                     f"computes {', '.join(group)} there ({shapes}): the program does not compute the model's "
                     "linears in its order")
+        if id(s) in by_role and roles is not None:
+            fits = [(path, hit) for path, hit in fits if roles.get(path) == s.role]
         if len(fits) == 1:
             return fits[0][1]
         held = [hit for _, hit in fits if any(_holds(s, recorded, names) for names in hit.codes)]
@@ -1001,7 +1216,13 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     rotated = _section(details, "scheme").get("rotate_residual") and rotation_blocker(prepared) is None
     body_model = rotate_residual(prepared) if rotated else prepared
     weights = ReferenceWeights(body_model, vocab, pte_table_candidates(prepared, details, vocab))
-    pair = pte_pairing(stored, weights, _body_linears(body_model), vocab, details)
+    groups, roles = _body_linears(body_model)
+    by_value: list[str] = []
+    pair = pte_pairing(stored, weights, groups, vocab, details, roles, by_value)
+    if by_value:
+        notes.append(f"paired by value within {by_value[0]}" + (f" and {len(by_value) - 1} more groups"
+                     if len(by_value) > 1 else "") + " (their roles in the program are not the model's: a swap "
+                     "within such a group is left to the KL bounds)")
     result = compare(covered, pair, details, torchao_hqq_rounding, complete=not skipped)
     result.note = "; ".join(notes)
     return result
