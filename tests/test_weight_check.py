@@ -8,7 +8,8 @@ little the model's output depends on its body; honest exports pass.
 Cost: every quantized scheme of the ``onnx``, ``onnx-genai`` and ``gguf`` targets on Llama (one
 export per target, every scheme at once); every other family on one scheme per target (``onnx``
 int8 on Qwen3, Granite and GPT-2; ``gguf`` q8_0 on Qwen3; ``onnx-genai`` and ``executorch`` int8 on
-Qwen3 and Granite; GPT-2's ``.pte`` keeps its Conv1D body float32, so it has no quantized body).
+Qwen3 and Granite, ``executorch`` int8 also on Gemma; GPT-2's ``.pte`` keeps its Conv1D body
+float32, so it has no quantized body).
 The Qwen3 model's attention and MLP outputs are scaled down 200-fold, so that its logits depend
 little on its body: random bytes in its int8 body then stay within 10× the expected error (the KL
 check alone passed it; the weight-level check does not). GPTQ calibration reads 256 tokens instead
@@ -18,9 +19,12 @@ head's shared 8-bit table): random bytes go into one body weight's named-data en
 (or of its ``model.ptd``), found through ExecuTorch's own reading of the program, and, in the int4
 program, into the GPTQ-rounded head's.
 
-Two tensors of one shape swapped (``q_proj`` of two layers, ``gate_proj`` and ``up_proj`` of one;
-plain rounding and GPTQ) fail on every target, in copies of the Llama exports above; the same
-exports serve the checks of what an ONNX artifact may read and of the scheme a manifest records.
+Two tensors of one shape swapped (``q_proj`` of two layers, ``gate_proj`` and ``up_proj`` of one,
+``k_proj`` and ``v_proj`` of one in a ``.pte``; plain rounding and GPTQ) fail on every target, in
+copies of the Llama exports above (and, in the full tier, of a Gemma ``.pte``, whose program
+computes ``k`` before ``q`` and its rotary embeddings in other delegates than the projections);
+the same exports serve the checks of what an ONNX artifact may read and of the scheme a
+manifest records.
 """
 
 from __future__ import annotations
@@ -62,10 +66,11 @@ EXPORTS = [
     LLAMA_PTE,
     ("qwen3", "executorch", "factorized", "int8"),
     ("granite", "executorch", "materialized", "int8"),
+    ("gemma", "executorch", "factorized", "int8"),
 ]
 #: the ``.pte`` programs of the families after Llama lower in the full tier only (a minute or more
 #: each); the ``.pte`` reader and its checks run on Llama's in the default tier
-FULL_TIER = {("qwen3", "executorch"), ("granite", "executorch")}
+FULL_TIER = {("qwen3", "executorch"), ("granite", "executorch"), ("gemma", "executorch")}
 
 
 def _cases(cases):
@@ -582,11 +587,14 @@ def swap_pte(folder: Path, first: int, second: int) -> str:
     return codes_a[:16]  # the check names a delegate's weight "<method>/xnnpack<j>/<key[:16]>"
 
 
-Q0, Q1 = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"
+Q0, Q1, K0 = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
 GATE0, GATE1, UP0 = "model.layers.0.mlp.gate_proj", "model.layers.1.mlp.gate_proj", "model.layers.0.mlp.up_proj"
 LLAMA_ONNX, LLAMA_GGUF, LLAMA_GENAI = EXPORTS[0], EXPORTS[1], EXPORTS[2]
-#: a .pte's quantized linears in program order: seven a layer, q k v o gate up down (Llama)
-PTE_Q0, PTE_Q1, PTE_GATE0, PTE_UP0 = 0, 7, 4, 5
+GEMMA_PTE = ("gemma", "executorch", "factorized", "int8")
+#: a .pte's quantized linears in program order: seven a layer, q k v o gate up down (Llama; k and v
+#: of one shape, the tiny models' grouped attention); Gemma's program computes k before q
+PTE_Q0, PTE_K0, PTE_V0, PTE_Q1, PTE_GATE0, PTE_UP0 = 0, 1, 2, 7, 4, 5
+GEMMA_PTE_K0, GEMMA_PTE_V0 = 0, 2
 #: (export, artifact folder, the two tensors swapped, the reference weight the first must be
 #: compared with): across layers and within one, plain rounding and GPTQ (its codes match the
 #: digest recorded for the other weight), for every target with a weight-level check
@@ -606,7 +614,11 @@ SWAPS = {
                           "blk.0.ffn_gate.weight"),
     "pte-int8-q_proj-layers": (LLAMA_PTE, "executorch-factorized-int8", (PTE_Q0, PTE_Q1), Q0),
     "pte-int8-gate-up": (LLAMA_PTE, "executorch-factorized-int8", (PTE_GATE0, PTE_UP0), GATE0),
+    "pte-int8-k-v": (LLAMA_PTE, "executorch-factorized-int8", (PTE_K0, PTE_V0), K0),
     "pte-int4-gptq-q_proj-layers": (LLAMA_PTE, "executorch-factorized-int4", (PTE_Q0, PTE_Q1), Q0),
+    "pte-int4-gptq-gate-up": (LLAMA_PTE, "executorch-factorized-int4", (PTE_GATE0, PTE_UP0), GATE0),
+    "pte-gemma-int8-k-v": (GEMMA_PTE, "executorch-factorized-int8", (GEMMA_PTE_K0, GEMMA_PTE_V0), K0),
+    "pte-gemma-int8-gate-up": (GEMMA_PTE, "executorch-factorized-int8", (PTE_GATE0, PTE_UP0), GATE0),
 }
 
 
@@ -638,21 +650,16 @@ def _weight_check(directory: Path, folder: str) -> dict:
     return weight_level_check(directory, art, load_reference(directory)[0])
 
 
-#: a .pte keeps no names, and linears that read one input (gate/up, q/k/v) may stand in any order
-#: in a program (Gemma's puts k before q): within such a group a tensor is paired by its values, so
-#: a swap inside the group is not seen yet (seeing it needs the delegate graph's consumers)
-WITHIN_GROUP = {"pte-int8-gate-up"}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
-    strict=True, reason="a .pte's same-input linears are paired by value within their group")) if c in WITHIN_GROUP
-    else c for c in SWAPS])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if SWAPS[c][0][:2] in FULL_TIER else c
+                                  for c in SWAPS])
 def test_tensors_swapped_between_places_of_one_shape_fail_naming_both(case, sources, cheap_calibration,
                                                                        tmp_path_factory, tmp_path):
     """Two stored tensors of one shape swapped (the same projection of two layers, or gate_proj and
-    up_proj of one layer; GPTQ codes swapped with their digests left as recorded): each is
-    compared with the reference weight of its own name, so the check fails, naming the stored
-    tensor and the weight it was paired with. Pairing by shape passed every one of them."""
+    up_proj of one layer, or a .pte's k_proj and v_proj; GPTQ codes swapped with their digests left
+    as recorded): each is compared with the reference weight of its own name, so the check fails,
+    naming the stored tensor and the weight it was paired with. Pairing by shape passed every one
+    of them; a .pte's members of one group (gate/up, k/v), paired by value, passed theirs: they are
+    paired by their role in the program now."""
     directory, folder, name, weight = _swapped(case, sources, tmp_path_factory, tmp_path)
     failure = _weight_check(directory, folder)["failure"] or ""
     assert failure.startswith("quantized tensor ") and name in failure.split(": ", 1)[0], (name, failure)
@@ -799,3 +806,60 @@ def test_a_weight_is_paired_once_and_every_recorded_digest_is_held():
     assert "recorded for model.layers.0.self_attn.k_proj are held by no quantized tensor" in failure, failure
     unknown = stored(Q0, "/model/layers.9/self_attn/q_proj/MatMul_Q8")
     assert "named for no weight of the reference model" in (compare([unknown], pair, {}).failure or "")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "granite", "gemma"])
+def test_the_roles_of_a_models_linears_come_from_its_forward_pass(family):
+    """The role each linear's output has before it meets another linear's, traced through one
+    forward pass of the model, no table of names: ``gate`` through the activation, ``up``
+    straight into the product; ``q`` and ``k`` through the rotary embedding (Qwen3's through
+    their norm first), ``v`` through neither."""
+    from pit_deploy.evaluate.weight_check import NONLINEAR, PLAIN, SELF_SUM, _body_linears
+    from pit_deploy.export.passes import prepare
+
+    groups, roles = _body_linears(prepare(_model(family), "materialized"))
+    attention = NONLINEAR if family == "qwen3" else SELF_SUM
+    layer = "model.layers.0"
+    assert groups[0] == [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")], groups[:4]
+    assert groups[2] == [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"], groups[:4]
+    assert [roles[p] for p in groups[0] + groups[2]] == [attention, attention, PLAIN, NONLINEAR, PLAIN], roles
+
+
+def test_members_of_one_shape_in_a_pte_group_are_paired_by_their_role():
+    """A program's linears, each with its role in the program (here the model's own weights,
+    stored exactly, in program order): gate_proj's and up_proj's weights swapped, or k_proj's and
+    v_proj's, fail naming the place and the weight of its role; paired by value (no roles) the
+    swap passed. A group whose roles in the program are not the model's is paired by value, and
+    named."""
+    from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, _body_linears, compare, pte_pairing, \
+        table_candidates
+    from pit_deploy.export.passes import prepare
+
+    prepared = prepare(_model("llama"), "materialized")
+    vocab = prepared.config.vocab_size
+    weights = ReferenceWeights(prepared, vocab, table_candidates(prepared, vocab, False))
+    groups, roles = _body_linears(prepared)
+    places = [path for group in groups for path in group]
+
+    def program(swap=(), known=True) -> list[Stored]:
+        held = dict(zip(swap, reversed(swap)))
+        out = []
+        for path in places:
+            s = Stored(path, weights.weight(held.get(path, path)), 8, 32)
+            s.role = roles[path] if known else None
+            out.append(s)
+        return out
+
+    def check(stored, **options):
+        return compare(stored, pte_pairing(stored, weights, groups, vocab, **options), {})
+
+    assert check(program(), roles=roles).failure is None
+    for first, second in ((GATE0, UP0), (K0, "model.layers.0.self_attn.v_proj")):
+        failure = check(program((first, second)), roles=roles).failure or ""
+        assert failure.startswith(f"quantized tensor {first}:") and f"its reference weight {first}.weight" in failure, \
+            failure
+        assert check(program((first, second))).failure is None  # by value: what was paired before
+    by_value: list[str] = []
+    assert check(program((GATE0, UP0), known=False), roles=roles, by_value=by_value).failure is None
+    assert "model.layers.0.mlp.{gate_proj,up_proj}" in by_value and \
+        "model.layers.0.self_attn.{k_proj,v_proj}" in by_value, by_value
