@@ -220,3 +220,79 @@ def test_onnx_table_by_gptq_beats_onnxruntime_rounding():
     errors = {name: float(np.linalg.norm(held @ (t.dequantize().astype(np.float64) - rows).T)) for name, t in tables.items()}
     assert tables["gptq"].packed.shape == tables["ort"].packed.shape
     assert errors["gptq"] < 0.7 * errors["ort"], errors
+
+
+# --------------------------------------------------------------------------------------
+# the codes kept between exports (pit_deploy/export/gptq_cache.py)
+# --------------------------------------------------------------------------------------
+
+
+def test_cached_codes_come_back_exactly_and_a_damaged_entry_is_not_used(tmp_path, monkeypatch):
+    """Codes on every grid (signed 4-bit, unsigned 8-bit with zero points, per-row) read back
+    bit for bit; an entry whose file was changed, or with the cache off, reads as no entry."""
+    from pit_deploy.export import gptq_cache
+    from pit_deploy.io.cache_dir import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    codes = {f"layer{i}": round_to_nearest(w * (i + 1), grid) for i, grid in enumerate(GRIDS)}
+    assert gptq_cache.load_codes("ab" * 32) is None
+    folder = gptq_cache.store_codes("ab" * 32, codes)
+    back = gptq_cache.load_codes("ab" * 32)
+    assert back is not None and set(back) == set(codes)
+    for name, r in codes.items():
+        got = back[name]
+        assert got.grid == r.grid and got.codes.dtype == r.codes.dtype
+        assert torch.equal(got.codes, r.codes) and torch.equal(got.scales, r.scales)
+        assert torch.equal(got.zeros.to(r.zeros.dtype), r.zeros)
+    assert gptq_cache.load_codes("cd" * 32) is None, "another key is another entry"
+    data = bytearray((folder / gptq_cache.CODES).read_bytes())
+    data[-1] ^= 1
+    (folder / gptq_cache.CODES).write_bytes(bytes(data))
+    assert gptq_cache.load_codes("ab" * 32) is None, "a changed file is never used"
+    monkeypatch.setenv(CACHE_ENV, "off")
+    assert gptq_cache.store_codes("ab" * 32, codes) is None and gptq_cache.load_codes("ab" * 32) is None
+
+
+def test_the_cache_key_changes_with_every_input_of_the_rounding():
+    """One weight moved by one float32 step, another calibration token, another grid setting:
+    each is another key; a copy of the same model on the same text is the same key."""
+    import copy
+
+    from pit_deploy.export.gptq_cache import codes_key
+    from pit_deploy.tiny import tiny_model
+
+    model = tiny_model("llama")
+    blocks = [torch.arange(16), torch.arange(16, 32)]
+    key = codes_key(model, blocks, "int4 g32")
+    assert codes_key(copy.deepcopy(model), [b.clone() for b in blocks], "int4 g32") == key
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        w = moved.model.layers[1].mlp.down_proj.weight
+        w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(float("inf")))
+    assert codes_key(moved, blocks, "int4 g32") != key
+    assert codes_key(model, [blocks[0], blocks[1].flip(0)], "int4 g32") != key
+    assert codes_key(model, blocks, "int4 g64") != key
+
+
+def test_a_second_export_reads_the_codes_from_the_cache(tmp_path, monkeypatch, capsys):
+    """The same checkpoint exported twice with GPTQ: the second export reads the codes of the
+    first from the cache instead of calibrating again, and writes the very same artifact."""
+    from pit_deploy.io.cache_dir import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    source = dense_t_pit_dir("llama", tmp_path)
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"exp{i}"
+        capsys.readouterr()
+        assert main(["export", str(source), "--out", str(out), "--runtime", "onnx", "--mode", "factorized",
+                     "--dtype", "int4", "--rounding", "gptq"]) == 0
+        said = capsys.readouterr().err
+        assert ("read from the cache" in said) == (i == 1) and ("GPTQ rounding of the body" in said) == (i == 0), said
+        outs.append(out)
+    arts = [json.loads((o / MANIFEST_NAME).read_text())["artifacts"][0] for o in outs]
+    assert arts[0]["details"]["weight_codes"] == arts[1]["details"]["weight_codes"]
+    first, second = (o / a["path"] for o, a in zip(outs, arts))
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files and all((first / f).read_bytes() == (second / f).read_bytes() for f in files)

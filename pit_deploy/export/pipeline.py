@@ -207,18 +207,30 @@ class _Calibration:
     def model(self, prepared: torch.nn.Module, mode: str, scheme: Scheme, grid: WeightGrid) -> torch.nn.Module:
         from .calibrated_rounding import calibrated_model, rounded_weights
 
+        from .gptq_cache import codes_key, load_codes, store_codes
+
         key = (scheme.dtype, scheme.group_size, scheme.int4_8bit_layers, grid.symmetric, grid.per_channel_8bit,
                scheme.rotate_residual)
         if (mode, *key) in self.models:
             return self.models[(mode, *key)]
+        what = (f"({scheme.dtype}, group {scheme.group_size}, "
+                f"{'symmetric' if grid.symmetric else 'asymmetric'})")
+        start = time.perf_counter()
+        cache_key = None
         if key not in self.codes:
             self._read_text()
-        start = time.perf_counter()
+            # the grid's own fields with the scheme's (the grid decides the rounding, the key which body)
+            cache_key = codes_key(prepared, self.blocks or [], repr((key, grid)))
+            cached = load_codes(cache_key)
+            if cached is not None:
+                self.codes[key] = cached
+                self.say(f"  GPTQ codes of the body {what} read from the cache ({cache_key[:12]}) "
+                         f"in {time.perf_counter() - start:.1f} s")
         model = calibrated_model(prepared, scheme, grid, self.blocks or [], self.codes.get(key))
         if key not in self.codes:
             self.codes[key] = rounded_weights(model)
-            self.say(f"  GPTQ rounding of the body ({scheme.dtype}, group {scheme.group_size}, "
-                     f"{'symmetric' if grid.symmetric else 'asymmetric'}) in {time.perf_counter() - start:.0f} s")
+            self.say(f"  GPTQ rounding of the body {what} in {time.perf_counter() - start:.0f} s")
+            store_codes(cache_key, self.codes[key])
         self.models[(mode, *key)] = model
         return model
 

@@ -11,26 +11,20 @@ and tokenizer parsed it five times (before this module; timings: ``studies/gguf-
 * :func:`converted_gguf` converts a GGUF file once — config, de-quantized weights as
   safetensors, the fast tokenizer — into a cache directory keyed by the file's SHA-256 and the
   ``transformers`` version, with every file's digest recorded; later loads read that directory.
-  A cache entry whose files do not match their digests is rebuilt, never trusted. The cache is
-  ``$PIT_DEPLOY_CACHE`` (``off`` disables it), else ``$XDG_CACHE_HOME/pit_deploy``, else
-  ``~/.cache/pit_deploy``; a cache that cannot be written is skipped with a warning.
+  A cache entry whose files do not match their digests is rebuilt, never trusted; where the
+  cache lives and how it is written: :mod:`.cache_dir`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import mmap
 import os
 import struct
 from pathlib import Path
 from typing import Any, Callable
 
-from .fs import atomic_directory, sha256_file, write_json_atomic
+from .cache_dir import CACHE_ENV, cache_root, cached_folder  # noqa: F401 — CACHE_ENV: the cache's switch
 
-log = logging.getLogger(__name__)
-
-CACHE_ENV = "PIT_DEPLOY_CACHE"
 CACHE_META = "pit_gguf_cache.json"
 
 # GGUF metadata value types (the GGUF specification, ``gguf_metadata_value_type``): fixed sizes in
@@ -150,34 +144,10 @@ def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
         return out
 
 
-def cache_root() -> Path | None:
-    """Where converted files are kept, or ``None`` when ``$PIT_DEPLOY_CACHE`` is ``off``."""
-    value = os.environ.get(CACHE_ENV)
-    if value:
-        return None if value.lower() == "off" else Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pit_deploy"
-
-
 def _entry(root: Path, sha256: str) -> Path:
     import transformers
 
     return root / "gguf" / f"{sha256[:24]}-transformers-{transformers.__version__}"
-
-
-def _valid(folder: Path, sha256: str) -> bool:
-    """The entry is complete and every file still has the digest recorded when it was written."""
-    try:
-        meta = json.loads((folder / CACHE_META).read_text())
-        files = meta["files"]
-        return meta.get("gguf_sha256") == sha256 and bool(files) and all(
-            sha256_file(folder / name) == digest for name, digest in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-class _BuiltMeanwhile(Exception):
-    """Raised inside the cache entry's write when a concurrent process completed it first."""
 
 
 def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Path | None:
@@ -187,31 +157,8 @@ def converted_gguf(path: Path, sha256: str, build: Callable[[Path], None]) -> Pa
     root = cache_root()
     if root is None:
         return None
-    folder = _entry(root, sha256)
-    if folder.is_dir():
-        if _valid(folder, sha256):
-            return folder
-        log.warning("the cached conversion of %s in %s does not match its recorded digests; rebuilding it",
-                    path.name, folder)
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder.parent, os.W_OK | os.X_OK):
-            raise PermissionError(f"{folder.parent} is not writable")
-        with atomic_directory(folder, force=True) as tmp:
-            build(tmp)  # a PitError (say, an unsupported architecture) propagates
-            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            write_json_atomic(tmp / CACHE_META, {"gguf": path.name, "gguf_sha256": sha256, "files": files})
-            if _valid(folder, sha256):
-                # another process converted the same file meanwhile and may be reading its entry:
-                # keep that one (replacing it would pull the files from under that reader)
-                raise _BuiltMeanwhile
-    except _BuiltMeanwhile:
-        return folder
-    except OSError as exc:
-        log.warning("cannot write the GGUF cache under %s (%s); loading %s directly (set %s to a writable "
-                    "directory to speed up later loads)", root, exc, path.name, CACHE_ENV)
-        return None
-    return folder
+    return cached_folder(_entry(root, sha256), CACHE_META, {"gguf": path.name, "gguf_sha256": sha256},
+                         {"gguf_sha256": sha256}, build, f"conversion of {path.name}")
 
 
 def read_gguf_tensors(path: str | Path, names: tuple[str, ...]) -> dict[str, Any]:
