@@ -8,6 +8,9 @@ child process, and reads the time of every part from what the run itself records
 * ``stages``: each stage's seconds and status from its ``stage.json``;
 * ``parts``: the progress lines that carry a time of their own (GPTQ rounding of a grid, each
   artifact's export, each training step line), with the run's wall clock when they were printed;
+* ``gptq_cache``: ``cold`` (the default: the run computes its GPTQ codes, with a cache of its
+  own that shares only the converted default model) or ``warm`` (``--warm-gptq``: the user's
+  cache, as a second export of the same checkpoint sees it);
 * ``cli``: the wall time of ``pit-deploy --help`` and ``pit-deploy list`` (median of five runs
   each), which read no model.
 
@@ -17,7 +20,7 @@ each run records its own code version.
 
 Usage::
 
-    python benchmarks/pipeline_time.py [--recipe default] [--label after] [--merge]
+    python benchmarks/pipeline_time.py [--recipe default] [--label after] [--merge] [--warm-gptq]
         [--model DIR] [--set TABLE.KEY=VALUE ...] [--out benchmarks/results/pipeline_time.json]
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -40,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: progress lines that carry a duration of their own: (kind, pattern with a ``seconds`` group)
 TIMED_LINES: tuple[tuple[str, str], ...] = (
     ("gptq", r"GPTQ rounding of the body \((?P<what>[^)]*)\) in (?P<seconds>[0-9.]+) s"),
+    ("gptq-cached", r"GPTQ codes of the body \((?P<what>[^)]*)\) read from the cache \(\w+\) in (?P<seconds>[0-9.]+) s"),
     ("artifact", r"^\s*(?P<what>[\w.-]+): [0-9.]+ MiB in (?P<seconds>[0-9.]+) s"),
     ("stage", r"^(?P<what>\w+): (?:done|skipped) in (?P<seconds>[0-9.]+) s"),
 )
@@ -69,7 +74,22 @@ def timed_parts(lines: list[tuple[float, str]]) -> list[dict]:
     return parts
 
 
-def run_pipeline(recipe: str, run_dir: Path, model: str | None, overrides: list[str]) -> dict:
+def cold_gptq_cache(scratch: Path) -> dict[str, str]:
+    """The environment of a run whose GPTQ codes are computed, not read from the cache: a cache
+    root of its own under ``scratch``, sharing only the user's converted GGUF files (``gguf/``),
+    so the default model loads as it always does after its first use."""
+    from pit_deploy.io.cache_dir import CACHE_ENV, cache_root
+
+    root = scratch / "cache"
+    root.mkdir(parents=True)
+    user = cache_root()
+    if user is not None and (user / "gguf").is_dir():
+        (root / "gguf").symlink_to((user / "gguf").resolve(), target_is_directory=True)
+    return {**os.environ, CACHE_ENV: str(root)}
+
+
+def run_pipeline(recipe: str, run_dir: Path, model: str | None, overrides: list[str],
+                 env: dict[str, str] | None = None) -> dict:
     """``pit-deploy run`` in a child process; its progress lines with their times, its stages."""
     cmd = [sys.executable, "-m", "pit_deploy", "run", recipe, "--out", str(run_dir)]
     if model:
@@ -77,7 +97,7 @@ def run_pipeline(recipe: str, run_dir: Path, model: str | None, overrides: list[
     for item in overrides:
         cmd += ["--set", item]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[tuple[float, str]] = []
     for line in proc.stdout:
         lines.append((time.perf_counter() - start, line.rstrip("\n")))
@@ -100,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="current", help="name of this run in the result file")
     parser.add_argument("--merge", action="store_true", help="keep the other labels already in --out")
     parser.add_argument("--run-dir", default=None, help="run directory (default: a temporary one, removed)")
+    parser.add_argument("--warm-gptq", action="store_true",
+                        help="let the run read GPTQ codes from the user's cache (default: compute them, "
+                             "as a first export of a checkpoint does)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline_time.json"))
     args = parser.parse_args(argv)
 
@@ -107,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.merge and out.is_file():
         runs = json.loads(out.read_text(encoding="utf-8")).get("runs", {})
-    scratch = None if args.run_dir else Path(tempfile.mkdtemp(prefix="pipeline-time-"))
+    scratch = Path(tempfile.mkdtemp(prefix="pipeline-time-"))
     run_dir = Path(args.run_dir) if args.run_dir else scratch / "run"
     try:
         result = {"cli": {"help_s": cli_seconds(["--help"]), "list_s": cli_seconds(["list"])}}
-        result.update(run_pipeline(args.recipe, run_dir, args.model, args.overrides))
+        env = None if args.warm_gptq else cold_gptq_cache(scratch)
+        result.update(run_pipeline(args.recipe, run_dir, args.model, args.overrides, env))
+        result["gptq_cache"] = "warm" if args.warm_gptq else "cold"
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     result["provenance"] = provenance(__file__, argv)
     runs[args.label] = result
     write_result(out, {"benchmark": "pipeline_time", "runs": runs}, __file__, argv)
