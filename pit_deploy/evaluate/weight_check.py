@@ -624,7 +624,12 @@ def pte_stored(path: Path, skipped: list[str] | None = None, data_files: list[Pa
         elsewhere = {key for key, method in read_by.items() if method != plan.name}
         graphs = {j: _xnn_graph(bytes(program.backend_delegate_data[delegate.processed.index].data))
                   for j, delegate in enumerate(plan.delegates) if "xnnpack" in delegate.id.lower()}
-        roles = _plan_roles(plan, graphs)
+        try:
+            roles = _plan_roles(plan, graphs)
+        except (IndexError, AttributeError, TypeError, ValueError):
+            # a program laid out in a way this reader does not follow: its linears get no role and
+            # are paired by value within their groups, as pte_pairing does for unknown roles
+            roles = {}
         for j, graph in graphs.items():
             found = _delegate_weights(graph, data, f"{plan.name}/xnnpack{j}", elsewhere, skipped, roles.get(j))
             for stored in found:
