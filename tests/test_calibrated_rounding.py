@@ -246,6 +246,11 @@ def test_cached_codes_come_back_exactly_and_a_damaged_entry_is_not_used(tmp_path
         assert torch.equal(got.codes, r.codes) and torch.equal(got.scales, r.scales)
         assert torch.equal(got.zeros.to(r.zeros.dtype), r.zeros)
     assert gptq_cache.load_codes("cd" * 32) is None, "another key is another entry"
+    record = json.loads((folder / gptq_cache.META).read_text())
+    (folder / gptq_cache.META).write_text(json.dumps({**record, "grids": {"layer0": {"bits": 4}}}))
+    assert gptq_cache.load_codes("ab" * 32) is None, "a record that does not describe its file is not used"
+    (folder / gptq_cache.META).write_text(json.dumps(record))
+    assert gptq_cache.load_codes("ab" * 32) is not None
     data = bytearray((folder / gptq_cache.CODES).read_bytes())
     data[-1] ^= 1
     (folder / gptq_cache.CODES).write_bytes(bytes(data))

@@ -71,15 +71,18 @@ def load_codes(key: str) -> dict[str, RoundedWeight] | None:
     folder = _folder(root, key)
     if not folder.is_dir() or not entry_valid(folder, META, {"key": key}):
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    meta = json.loads((folder / META).read_text())
     codes = {}
-    with safe_open(str(folder / CODES), framework="pt") as f:
-        for name, grid in meta["grids"].items():
-            codes[name] = RoundedWeight(
-                codes=f.get_tensor(f"{name}.codes").to(torch.int16), scales=f.get_tensor(f"{name}.scales"),
-                zeros=f.get_tensor(f"{name}.zeros"), grid=RoundingGrid(**grid))
+    try:
+        meta = json.loads((folder / META).read_text())
+        with safe_open(str(folder / CODES), framework="pt") as f:
+            for name, grid in meta["grids"].items():
+                codes[name] = RoundedWeight(
+                    codes=f.get_tensor(f"{name}.codes").to(torch.int16), scales=f.get_tensor(f"{name}.scales"),
+                    zeros=f.get_tensor(f"{name}.zeros"), grid=RoundingGrid(**grid))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError):
+        return None  # a record that does not describe its file: computed again, never used
     return codes
 
 

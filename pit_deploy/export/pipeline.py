@@ -206,7 +206,6 @@ class _Calibration:
 
     def model(self, prepared: torch.nn.Module, mode: str, scheme: Scheme, grid: WeightGrid) -> torch.nn.Module:
         from .calibrated_rounding import calibrated_model, rounded_weights
-
         from .gptq_cache import codes_key, load_codes, store_codes
 
         key = (scheme.dtype, scheme.group_size, scheme.int4_8bit_layers, grid.symmetric, grid.per_channel_8bit,
