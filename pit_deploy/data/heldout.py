@@ -69,14 +69,23 @@ class KLFigures:
 @torch.no_grad()
 def kl_parity(driver: Any, reference: Any, blocks: list[list[int]]) -> KLFigures:
     """Prefill each block on ``driver`` and in ``reference``; compare the distributions."""
+    rows = []
+    for row in blocks:
+        ids = torch.tensor(row, dtype=torch.long)
+        rows.append((ids, reference(input_ids=ids[None]).logits[0], driver.prefill(ids)))
+    return kl_figures(rows)
+
+
+@torch.no_grad()
+def kl_figures(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> KLFigures:
+    """The figures of ``(ids, P's logits, Q's logits)`` per sequence (logits ``(len(ids), V)``,
+    row ``t`` predicting ``ids[t + 1]``), as the module docstring defines them."""
     kls: list[torch.Tensor] = []
     agree = positions = nonfinite = 0
     nll_q = nll_p = 0.0
     targets_n = 0
-    for row in blocks:
-        ids = torch.tensor(row, dtype=torch.long)
-        ref = reference(input_ids=ids[None]).logits[0].double()
-        got = driver.prefill(ids).double()
+    for ids, ref, got in rows:
+        ref, got = ref.double(), got.double()
         bad = ~torch.isfinite(got)
         nonfinite += int(bad.sum())
         logp = torch.log_softmax(ref, -1)
