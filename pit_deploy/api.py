@@ -363,16 +363,17 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
            dtype: str | Sequence[str] | None = None, record: bool = True, expect_sha256: str | None = None,
            web: str | Sequence[str] | None = None, isa: str | Sequence[str] | None = None,
            arm_cpu: str | Sequence[str] | None = None, kleidiai: str | Sequence[str] | None = None,
-           say: Say | None = print_progress) -> VerifyReport:
+           full: bool = False, say: Say | None = print_progress) -> VerifyReport:
     """Run every artifact of an export directory on its runtime against the PyTorch reference,
     as ``pit-deploy verify`` does (docs/verify.md).
 
     ``runtime``, ``mode``, ``dtype`` select artifacts (a list or a comma list; default: all);
     ``record=False`` is ``--no-record`` (the manifest is left as it is); ``expect_sha256`` pins
     the manifest; ``web`` also runs the onnx folders through transformers.js (``"node"``,
-    ``"chromium"``); ``isa`` ``"aarch64"`` (or ``"x86_64,aarch64"``) runs the ONNX artifacts on
-    onnxruntime's aarch64 kernels under emulation, on each ``arm_cpu`` profile and ``kleidiai``
-    setting (``--isa``, ``--arm-cpu``, ``--kleidiai``).
+    ``"chromium"``); ``isa`` ``"aarch64"`` (or ``"x86_64,aarch64"``) runs the ONNX and ``.pte``
+    artifacts on their runtimes' aarch64 kernels under emulation, on each ``arm_cpu`` profile and
+    ``kleidiai`` setting (``--isa``, ``--arm-cpu``, ``--kleidiai``): the compact cross-ISA check,
+    or with ``full=True`` the whole verification (``--full``).
 
     Returns:
         :class:`~pit_deploy.evaluate.verify.VerifyReport`: ``passed`` (every selected artifact
@@ -389,7 +390,7 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
     from .evaluate.verify import verify_directory
 
     directory = _path_arg("verify", "directory", directory)
-    _bool_args("verify", record=record)
+    _bool_args("verify", record=record, full=full)
     _text_arg("verify", "expect_sha256", expect_sha256, optional=True)
     for name, value in (("runtime", runtime), ("mode", mode), ("dtype", dtype), ("web", web), ("isa", isa),
                         ("arm_cpu", arm_cpu), ("kleidiai", kleidiai)):
@@ -397,7 +398,8 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
     _say_arg("verify", say)
     say = _sayer(say)
     say(f"verifying {directory}")
-    isas = {k: v for k, v in (("isa", isa), ("arm_cpu", arm_cpu), ("kleidiai", kleidiai)) if v is not None}
+    isas = {k: v for k, v in (("isa", isa), ("arm_cpu", arm_cpu), ("kleidiai", kleidiai), ("full", full or None))
+            if v is not None}
     return verify_directory(directory, runtime, mode, record=record, expect_sha256=expect_sha256, dtypes=dtype,
                             web=web, **isas)
 

@@ -237,6 +237,10 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
                    "plain NEON, dotprod, dotprod + i8mm)")
     p.add_argument("--kleidiai", default=None, metavar="SETTINGS",
                    help="with --isa aarch64: on (default), off, or on,off: onnxruntime's KleidiAI kernels (ONNX artifacts)")
+    p.add_argument("--full", action="store_true",
+                   help="with --isa aarch64: run the whole verification emulated (about an hour of a core per "
+                   "artifact and profile for a 135M model) instead of the compact check that the artifact computes "
+                   "on aarch64 what it computes on x86 (minutes; docs/verify.md)")
     p.set_defaults(handler=run_verify)
 
 
@@ -245,7 +249,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     report = verify(args.directory, runtime=args.runtime, mode=args.mode, dtype=args.dtype, record=not args.no_record,
                     expect_sha256=args.expect_sha256, web=args.web, isa=args.isa, arm_cpu=args.arm_cpu,
-                    kleidiai=args.kleidiai, say=stage)
+                    kleidiai=args.kleidiai, full=args.full, say=stage)
     print(report.to_json() if args.json else report)
     return 0 if report.passed else 1
 

@@ -56,6 +56,7 @@ from ..model.quantized_interface import identity_defect
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, SCHEMES, ParityBounds, QuantizedBounds, bounds_for, scheme_names
 from ..targets import VerifyContext, get_target, target_names
+from .bound_checks import agreement_failures, kl_failures, logit_failures
 
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
@@ -133,6 +134,8 @@ class ArtifactResult:
     checked: bool = True
     #: aarch64 only: wall seconds of the emulated runtime (not a latency: emulation is 50-100x slower)
     emulated_s: float | None = None
+    #: aarch64 compact rows: the cross-ISA figures and failures (:mod:`.cross_isa`); ``None`` otherwise
+    cross_isa: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -151,6 +154,10 @@ class ArtifactResult:
         is true for NaN, and a non-finite figure is named as such (``docs/definitions.md``)."""
         bounds = bounds or bounds_for(self.scheme or self.dtype)
         self.bounds = bounds.to_dict()
+        if self.cross_isa is not None:  # a compact aarch64 row: judged by its own bounds (.cross_isa)
+            self.failures = list(self.cross_isa.get("failures", []))
+            self.passed = not self.failures
+            return self
         fails = []
         if self.nonfinite_outputs:
             fails.append(f"the runtime produced {self.nonfinite_outputs} non-finite logit(s)")
@@ -211,6 +218,15 @@ class ArtifactResult:
         return fails
 
 
+def _cross_isa_line(c: dict[str, Any]) -> str:
+    """The compact aarch64 row's own figures (:mod:`.cross_isa`): the same artifact on x86."""
+    if c.get("kl_bound") is None:
+        first = f"logits rel L2 {c['rel_l2']:.2e}, greedy {'identical' if c['greedy_identical'] else 'DIFFERENT'}"
+    else:
+        first = f"KL {c['kl_mean']:.3g} (bound {c['kl_bound']:.3g}, max {c['kl_max']:.3g}), top-1 same {c['same_top1']:.1%}"
+    return f"vs x86 on {c['positions']} positions: {first}, interface rel L2 {c['interface_rel_l2']:.2e}"
+
+
 def _web_row(client: str, w: dict[str, Any], width: int = 30) -> str:
     """One transformers.js client's line under its artifact's row of the table."""
     label = f"  + transformers.js {client}"
@@ -222,36 +238,6 @@ def _web_row(client: str, w: dict[str, Any], width: int = 30) -> str:
             f"{'-':>7}{_fmt(w.get('kl_mean'), '.4f'):>9}{'-':>7}{_fmt(w.get('kl_p99'), '.3f'):>8}"
             f"{_fmt(w.get('same_top1'), '.1%'):>7}{_fmt(w.get('ppl_ratio'), '.3f'):>7}{'-':>10}  "
             + ("pass" if w.get("passed") else "FAIL") + ("" if rate is None else f" (decode {rate:.1f} ms/token)"))
-
-
-def logit_failures(b: ParityBounds, rel_l2: float, top1: float) -> list[str]:
-    """The fp32 logit bounds a figure set misses (NaN misses every bound)."""
-    fails = []
-    if not rel_l2 <= b.logits_rel_l2:
-        fails.append(f"logits_rel_l2 {rel_l2:.3e} > {b.logits_rel_l2:g}")
-    if not top1 >= b.top1_agreement:
-        fails.append(f"top1_agreement {top1:.4%} < {b.top1_agreement:.0%}")
-    return fails
-
-
-def kl_failures(b: QuantizedBounds, kl_mean: float, kl_p99: float) -> list[str]:
-    """The absolute KL bounds a quantized artifact's figures miss."""
-    fails = []
-    if not kl_mean <= b.kl_mean:
-        fails.append(f"kl_mean {kl_mean:.4g} > {b.kl_mean:g}")
-    if not kl_p99 <= b.kl_p99:
-        fails.append(f"kl_p99 {kl_p99:.4g} > {b.kl_p99:g}")
-    return fails
-
-
-def agreement_failures(b: QuantizedBounds, same_top1: float, ppl_ratio: float) -> list[str]:
-    """The top-1 and perplexity-ratio bounds a quantized artifact's figures miss."""
-    fails = []
-    if not same_top1 >= b.same_top1:
-        fails.append(f"same_top1 {same_top1:.2%} < {b.same_top1:.0%}")
-    if not ppl_ratio <= b.ppl_ratio:
-        fails.append(f"ppl_ratio {ppl_ratio:.4f} > {b.ppl_ratio:g}")
-    return fails
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -316,17 +302,20 @@ class VerifyReport:
                 rows.append(f"{a.label:<{width}}not checked on {a.isa}: " + "; ".join(a.notes))
                 continue
             greedy = "-" if a.greedy_match is None else ("yes" if a.greedy_match else "NO")
+            delta = "-" if a.cross_isa is not None and math.isnan(a.delta_ti) else f"{a.delta_ti:.2e}"
             same = (a.stock_runner or {}).get("identical")
             runner = "-" if same is None else ("yes" if same else "NO")
             rows.append(
                 f"{a.label:<{width}}{_fmt(a.logits_rel_l2, '.2e'):>9}{_fmt(a.top1_agreement, '.2%'):>8}{greedy:>7}{runner:>7}"
                 f"{_fmt(a.kl_mean, '.4f'):>9}{_fmt(_ratio(a.kl_mean, a.expected_kl_mean), '.1f'):>7}"
                 f"{_fmt(a.kl_p99, '.3f'):>8}{_fmt(a.same_top1, '.1%'):>7}"
-                f"{_fmt(a.ppl_ratio, '.3f'):>7}{a.delta_ti:>10.2e}  "
+                f"{_fmt(a.ppl_ratio, '.3f'):>7}{delta:>10}  "
                 + ("pass" if a.passed else "FAIL: " + "; ".join(a.failures))
             )
             if a.weight_check is not None and not a.weight_check.get("checked"):
                 rows.append(f"  {a.weight_check.get('note') or 'not checked at the weight level'}")
+            if a.cross_isa is not None:
+                rows.append("  " + _cross_isa_line(a.cross_isa))
             for client, w in (a.web or {}).items():
                 rows.append(_web_row(client, w, width))
         skipped = sum(not a.checked for a in self.artifacts)
@@ -717,12 +706,14 @@ def verify_export(
     isa: Sequence[str] | str | None = None,
     arm_cpu: Sequence[str] | str | None = None,
     kleidiai: Sequence[str] | str | None = None,
+    full: bool = False,
 ) -> VerifyReport:
     """Check digests, then verify every (selected) artifact; optionally record the results.
 
     ``isa`` (default ``x86_64``; ``aarch64``, or both) picks whose runtime kernels run the
     artifacts: ``aarch64`` runs them emulated on each ``arm_cpu`` profile and ``kleidiai`` setting
-    (:mod:`.verify_aarch64`); only x86-64 results are recorded in the manifest.
+    (:mod:`.verify_aarch64`): the compact cross-ISA check (:mod:`.cross_isa`), or with ``full``
+    the whole verification; only x86-64 results are recorded in the manifest.
 
     Raises:
         PitError: not an export directory, a digest mismatch or a missing file, an unknown
@@ -731,8 +722,8 @@ def verify_export(
     """
     directory = Path(directory)
     isas = parse_list(isa or "x86_64", ISAS, "ISA")
-    if "aarch64" not in isas and (arm_cpu is not None or kleidiai is not None):
-        raise PitError("--arm-cpu and --kleidiai apply to --isa aarch64 only")
+    if "aarch64" not in isas and (arm_cpu is not None or kleidiai is not None or full):
+        raise PitError("--arm-cpu, --kleidiai and --full apply to --isa aarch64 only")
     record = record and "x86_64" in isas
     manifest = Manifest.read(directory)
     pin = pin_sha256(directory)
@@ -781,7 +772,8 @@ def verify_export(
     if "aarch64" in isas:
         from .verify_aarch64 import EmulatedVerify
 
-        emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai, ArtifactResult)  # set-up and selection checked here
+        emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai, ArtifactResult,  # set-up and selection
+                                   full=full)                                             # checked here
     reference, tokenizer = load_reference(directory)
     ref_runs: dict = {}
     overrides = (manifest.recipe or {}).get("bounds") or {}
@@ -806,8 +798,17 @@ def verify_export(
             get_target(art.runtime).verify_extras(ctx, art, result, quantized)
             result.judge(bounds)
             results.append(result)
+    def compact(art) -> Any:  # the aarch64 compact check's x86 side (verify_aarch64 runs cross_isa.prepare)
+        bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
+        quantized = isinstance(bounds, QuantizedBounds)
+        max_seq = art.shapes.get("max_seq_len")
+        return {"art": art, "reference": reference, "tokenizer": tokenizer, "heldout": manifest.heldout,
+                "bounds": bounds, "quantized": quantized,
+                "prompts": make_prompts(tokenizer, int(art.shapes["vocab_size"]), (max_seq or 10**9)),
+                "expected": expected_figures(directory, art) if quantized else None}
+
     if emulation is not None:
-        results += emulation.run(check)
+        results += emulation.run(check, compact)
     report = VerifyReport(str(directory), results, pin)
     results = [r for r in results if r.isa == "x86_64"]  # the manifest records the x86-64 results
     if record:

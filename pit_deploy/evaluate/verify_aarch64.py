@@ -5,20 +5,22 @@ A phone runs onnxruntime's aarch64 build, whose MLAS picks its kernels by the CP
 arithmetic than the x86 kernels ``verify`` runs by default, so an int4 artifact's logits on a
 phone need not be the ones checked on x86. Here each artifact runs in an emulated aarch64 Python
 (:mod:`pit_deploy.runtime.emulated`) on each CPU profile (and, for onnxruntime, each KleidiAI
-setting), and is judged by the very code and bounds of :mod:`.verify`:
+setting). By default each artifact runs the compact set of :mod:`.cross_isa` and is judged
+against the same artifact on x86 and against the reference; with ``full``, it runs every call
+x86 ``verify`` makes and is judged by the very code and bounds of :mod:`.verify`:
 
-1. **record** — :func:`~.verify.verify_artifact` / :func:`~.verify.verify_quantized_artifact` run
-   on x86 against a :class:`RecordingDriver`, which answers zeros and notes every call (prompt
-   prefills, greedy steps, held-out blocks, the interface's ``(V, d)``); the PyTorch references
-   are computed here, on x86, as always;
+1. **record** — the compact set runs on the x86 runtime (:func:`.cross_isa.prepare`), or
+   :func:`~.verify.verify_artifact` / :func:`~.verify.verify_quantized_artifact` run on x86 against
+   a :class:`RecordingDriver`, which answers zeros and notes every call (prompt prefills, greedy
+   steps, held-out blocks, the interface); the PyTorch references are computed here, on x86;
 2. **run** — the emulated Python makes the same calls on the artifact
    (:mod:`pit_deploy.runtime.emulated_runner` for the ONNX graphs,
    :mod:`pit_deploy.targets.executorch.emulated_pte_runner` for the ``.pte`` programs: one process per CPU
-   profile and runtime, for all its artifacts) and writes the outputs as ``.npz`` files into a
-   temporary folder;
-3. **judge** — the same functions run again against a :class:`ReplayDriver` serving those outputs,
-   so the figures, bounds and failures are computed exactly as on x86; each row names its ISA,
-   CPU profile and KleidiAI setting (none for a ``.pte``).
+   profile and runtime, for all its artifacts, as many at once as there are cores) and writes the
+   outputs as ``.npz`` files into a temporary folder;
+3. **judge** — a :class:`ReplayDriver` serves those outputs to :func:`.cross_isa.judge`, or to the
+   same functions again, so the figures, bounds and failures are computed exactly as on x86; each
+   row names its ISA, CPU profile and KleidiAI setting (none for a ``.pte``).
 
 Artifacts whose target has no ``aarch64_layout`` (``.gguf``), and ``.pte`` programs on the ARMv8.0
 profiles (ExecuTorch's aarch64 wheel needs ARMv8.1+ instructions), are reported "not checked on
@@ -33,7 +35,9 @@ weight-sharing check is a file check and runs in both.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -45,7 +49,7 @@ from ..errors import PitError
 from ..export.recipes import parse_list
 from ..runtime.base import Driver
 from ..runtime.emulated import (ARMV8_0_CPUS, EXECUTORCH, KLEIDIAI_SETTINGS, ONNXRUNTIME, OTHER_CPUS, PROFILES,
-                                SETUP_COMMAND, Aarch64Setup, check_emulates, find_setup, run_job)
+                                SETUP_COMMAND, Aarch64Setup, check_emulates, find_setup, kleidiai_applies, run_job)
 from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
 from ..targets import get_target
 
@@ -59,9 +63,9 @@ class RecordingDriver(Driver):
     """Answers every call with zeros of the right shape and records it: the calls verification
     makes depend on the reference and the prompts only, never on what the runtime answers."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, dim: int = 0) -> None:
         super().__init__(".")
-        self.vocab, self.calls = vocab, []
+        self.vocab, self.dim, self.calls = vocab, dim, []
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls.append(["prefill", [int(i) for i in ids.tolist()]])
@@ -75,6 +79,11 @@ class RecordingDriver(Driver):
         self.calls.append(["interface", int(vocab), int(dim)])
         return torch.zeros(vocab, dim), torch.zeros(dim, vocab)
 
+    def interface_rows(self, ids: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The interface graph on the token ids ``ids`` and the head's basis rows ``rows``."""
+        self.calls.append(["interface_rows", [int(i) for i in ids], [int(r) for r in rows], self.dim])
+        return torch.zeros(len(ids), self.dim), torch.zeros(len(rows), self.vocab)
+
 
 class ReplayDriver(Driver):
     """Serves the emulated runtime's outputs for the recorded calls, in their order.
@@ -87,9 +96,10 @@ class ReplayDriver(Driver):
         super().__init__(".")
         self.calls, self.outputs, self.n = calls, outputs, 0
 
-    def _next(self, call: list[Any]) -> int:
+    def _next(self, call: list[Any], prefix: bool = False) -> int:
+        """The index of the next recorded call, which must be ``call`` (or start with it)."""
         n, self.n = self.n, self.n + 1
-        if n >= len(self.calls) or self.calls[n] != call:
+        if n >= len(self.calls) or (self.calls[n][:len(call)] if prefix else self.calls[n]) != call:
             raise RuntimeError(f"aarch64 replay: call {n} is {call[:1]}, the recorded one "
                                f"{self.calls[n][:1] if n < len(self.calls) else 'none'}")
         return n
@@ -102,6 +112,10 @@ class ReplayDriver(Driver):
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._next(["interface", int(vocab), int(dim)])
+        return torch.from_numpy(self.outputs[f"{n}.emb"]), torch.from_numpy(self.outputs[f"{n}.head"])
+
+    def interface_rows(self, ids: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._next(["interface_rows", [int(i) for i in ids], [int(r) for r in rows]], prefix=True)
         return torch.from_numpy(self.outputs[f"{n}.emb"]), torch.from_numpy(self.outputs[f"{n}.head"])
 
 
@@ -134,11 +148,15 @@ class EmulatedVerify:
     selection and the set-up before any work (both the user's to fix: exit 2)."""
 
     def __init__(self, directory: Path, selected: Sequence[Any], arm_cpu: Sequence[str] | str | None,
-                 kleidiai: Sequence[str] | str | None, row: Callable[..., Any]) -> None:
+                 kleidiai: Sequence[str] | str | None, row: Callable[..., Any], full: bool = False,
+                 jobs: int | None = None) -> None:
         """``row(**fields)`` makes one result row (verify's ``ArtifactResult``, passed in so that
-        this module does not import :mod:`.verify`, which imports it)."""
+        this module does not import :mod:`.verify`, which imports it); ``full``: the whole
+        verification emulated instead of the compact cross-ISA check (:mod:`.cross_isa`);
+        ``jobs``: emulated processes at once (default: one per core)."""
         self.directory = Path(directory).resolve()  # the emulated process runs in a folder of its own
-        self.row = row
+        self.row, self.full = row, full
+        self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.cpus = parse_list(arm_cpu, PROFILES + OTHER_CPUS, "aarch64 CPU profile") if arm_cpu else list(PROFILES)
         self.kleidiai = parse_list(kleidiai, KLEIDIAI_SETTINGS, "KleidiAI setting") if kleidiai else ["on"]
         self.runnable = [a for a in selected if _emulated(a)]
@@ -161,18 +179,31 @@ class EmulatedVerify:
     def reason(art: Any) -> str:
         return get_target(art.runtime).aarch64_blocker
 
-    def settings(self, art: Any) -> list[str | None]:
-        """The KleidiAI settings ``art`` runs under (an onnxruntime session setting; ``None``: one run)."""
-        return list(self.kleidiai) if _runtime(art) == ONNXRUNTIME else [None]
+    def settings(self, art: Any, cpu: str) -> list[str | None]:
+        """The KleidiAI settings ``art`` runs under on ``cpu`` (an onnxruntime session setting;
+        ``None``: one run): one where KleidiAI has no kernels for it there (both would run the
+        same kernels)."""
+        if _runtime(art) != ONNXRUNTIME:
+            return [None]
+        return list(self.kleidiai) if kleidiai_applies(cpu, art.dtype != "float32") else list(self.kleidiai[:1])
 
-    def run(self, check: Callable[..., tuple[Any, Any, bool]]) -> list[Any]:
+    def run(self, check: Callable[..., tuple[Any, Any, bool]], compact: Callable[[Any], Any] | None = None
+            ) -> list[Any]:
         """Rows for every runnable artifact × CPU profile × KleidiAI setting (one per profile for a
         ``.pte``), then the not-checked ones. ``check(art, driver)`` is verify's own
-        ``(result, bounds, quantized)`` of one artifact."""
+        ``(result, bounds, quantized)`` of one artifact (``full``); ``compact(art)`` gives what its
+        compact check needs of verify, which :func:`.cross_isa.prepare` runs on x86."""
+        from .cross_isa import execute, prepare
+
         jobs = []
-        for art in self.runnable:
-            recorder = RecordingDriver(int(art.shapes["vocab_size"]))
-            check(art, recorder)
+        self.cases: dict[int, Any] = {}
+        for n, art in enumerate(self.runnable):
+            recorder = RecordingDriver(int(art.shapes["vocab_size"]), int(art.shapes["hidden_size"]))
+            if self.full or compact is None:
+                check(art, recorder)
+            else:
+                self.cases[n] = case = prepare(self.directory, **compact(art))
+                execute(case.plan, recorder, recorder.interface_rows)
             target = get_target(art.runtime)
             decoder, interface = target.aarch64_graphs(self.directory / art.path)
             job = {"name": art.key, "decoder": str(decoder), "interface": str(interface),
@@ -182,6 +213,7 @@ class EmulatedVerify:
             jobs.append(job)
         rows: dict[tuple[int, str, str | None], Any] = {}
         with tempfile.TemporaryDirectory(prefix="pit-aarch64-") as tmp:
+            work = []
             for cpu in self.cpus:
                 for runtime in (ONNXRUNTIME, EXECUTORCH):
                     mine = [i for i, a in enumerate(self.runnable) if _runtime(a) == runtime]
@@ -189,11 +221,20 @@ class EmulatedVerify:
                         rows[i, cpu, None] = self._not_checked(self.runnable[i], cpu, self.reason(self.runnable[i]))
                     mine = [i for i in mine if _runs_on(self.runnable[i], cpu)]
                     if mine:
-                        rows.update(self._run_job(Path(tmp), cpu, runtime, mine, jobs, check))
+                        work.append((cpu, runtime, mine))
+            # one emulated process per CPU profile and runtime, as many at once as there are cores
+            # (each runs single-threaded), the ExecuTorch ones (the longest) first; judged in the
+            # order they were listed
+            work.sort(key=lambda w: w[1] != EXECUTORCH)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.jobs, max(1, len(work)))) as pool:
+                futures = [pool.submit(self._run_job, Path(tmp), cpu, runtime, mine, jobs, check)
+                           for cpu, runtime, mine in work]
+                for future in futures:
+                    rows.update(future.result())
         ordered = []
         for i, art in enumerate(self.runnable):
             for cpu in self.cpus:
-                keys = self.settings(art)
+                keys = self.settings(art, cpu)
                 keys += [None] if None not in keys else []  # a not-checked row of a KleidiAI-run artifact
                 ordered += [rows[i, cpu, k] for k in keys if (i, cpu, k) in rows]
         return ordered + [self._row(a, arm_cpu=None, checked=False, notes=[self.reason(a)]) for a in self.skipped]
@@ -203,9 +244,9 @@ class EmulatedVerify:
         """One emulated process on ``cpu`` for the artifacts ``indices`` of one runtime; their rows."""
         job_dir = tmp / f"{cpu}-{runtime}"
         job_dir.mkdir()
-        settings = self.kleidiai if runtime == ONNXRUNTIME else [None]
-        (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "kleidiai": settings,
-                                                    "artifacts": [jobs[i] for i in indices]}))
+        settings = {i: self.settings(self.runnable[i], cpu) for i in indices}
+        (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "artifacts": [
+            {**jobs[i], "kleidiai": settings[i]} for i in indices]}))
         proc = run_job(self.setup, cpu, job_dir, runtime=runtime)
         rows: dict[tuple[int, str, str | None], Any] = {}
         if not (job_dir / RESULTS_NAME).is_file():  # written once the runtime imports
@@ -220,7 +261,7 @@ class EmulatedVerify:
         finished = self._finished(job_dir, cpu)
         for n, i in enumerate(indices):
             art = self.runnable[i]
-            for setting in settings:
+            for setting in settings[i]:
                 run = finished.get((n, setting))
                 if run is None and _illegal_instruction(proc):
                     rows[i, cpu, None] = self._not_checked(art, cpu, f"{self.reason(art)} ({_last_line(proc)})")
@@ -263,9 +304,24 @@ class EmulatedVerify:
         npz = f"{i}-{setting}.npz" if setting is not None else f"{i}.npz"
         with np.load(job_dir / npz) as data:
             outputs = {key: data[key] for key in data.files}
-        result, bounds, _ = check(art, ReplayDriver(calls, outputs))
+        replay = ReplayDriver(calls, outputs)
+        case = self.cases.get(next(k for k, a in enumerate(self.runnable) if a is art))
+        if case is None:
+            result, bounds, _ = check(art, replay)
+        else:
+            from .cross_isa import execute, judge
+
+            result = self._row(art, **where, expected_kl_mean=case.expected.get("kl_mean") if case.expected else None,
+                               expected_kl_p99=case.expected.get("kl_p99") if case.expected else None)
+            judge(result, case.plan, case.x86, execute(case.plan, replay, replay.interface_rows), case.reference,
+                  case.bounds, case.quantized)
+            bounds = case.bounds
         result.isa, result.arm_cpu, result.kleidiai, result.emulated_s = "aarch64", cpu, setting, run["seconds"]
         kernels = f"{name}'s aarch64 kernels on qemu's {cpu} CPU" + (f", KleidiAI {setting}" if setting else "")
+        if setting is not None and len(self.kleidiai) > 1 and not kleidiai_applies(cpu, art.dtype != "float32"):
+            result.notes.append(f"one KleidiAI setting on {cpu}: KleidiAI has no kernels for this artifact there "
+                                f"(it needs {'dot products' if art.dtype != 'float32' else 'SME'}), so on and off "
+                                "run the same kernels")
         result.notes.append(f"{kernels} ({self.setup.describe(runtime)}); emulated wall {run['seconds']:.1f} s, "
                             "not a latency")
         return result.judge(bounds)

@@ -41,6 +41,22 @@ OTHER_CPUS = ("cortex-a55", "cortex-a72", "cortex-a710", "neoverse-n1", "neovers
 #: the profiles above of ARMv8.0 cores (no LSE atomics, no dot products)
 ARMV8_0_CPUS = ("cortex-a53", "cortex-a72")
 KLEIDIAI_SETTINGS = ("on", "off")
+#: what each qemu CPU model reports of the instructions Arm's KleidiAI kernels in onnxruntime's
+#: MLAS are written for: dot products (``dotprod``, its integer kernels; ``i8mm`` the faster ones)
+#: and the Scalable Matrix Extension (``sme``, its fp32 GEMM)
+CPU_FEATURES: dict[str, frozenset[str]] = {
+    "cortex-a53": frozenset(), "cortex-a72": frozenset(),
+    "cortex-a55": frozenset({"dotprod"}), "cortex-a76": frozenset({"dotprod"}), "neoverse-n1": frozenset({"dotprod"}),
+    "cortex-a710": frozenset({"dotprod", "i8mm"}), "neoverse-n2": frozenset({"dotprod", "i8mm"}),
+    "neoverse-v1": frozenset({"dotprod", "i8mm"}), "max": frozenset({"dotprod", "i8mm", "sme"}),
+}
+
+
+def kleidiai_applies(cpu: str, quantized: bool) -> bool:
+    """Whether KleidiAI has kernels for an artifact on CPU profile ``cpu``: an fp32 graph's GEMMs
+    only with SME, a quantized graph's integer matrix products with dot products. Where it has
+    none, ``--kleidiai on`` and ``off`` run the same kernels."""
+    return ("dotprod" if quantized else "sme") in CPU_FEATURES.get(cpu, frozenset())
 _HERE = Path(__file__).resolve().parent
 RUNNER_FILES = (_HERE / "emulated_runner.py", _HERE / "standalone.py")
 #: the runtimes a job runs on, and the runner of each (``RUNNER_FILES`` are copied beside it)

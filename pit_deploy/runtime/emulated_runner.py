@@ -12,7 +12,8 @@ The x86 side does everything else. It records the calls its own verification mak
 ``prefill`` of ids, ``step`` of a token at a position, ``interface`` of ``(vocab, dim)`` — into
 ``job.json``; this runner makes the same calls, in the same order, on the same graphs, once per
 KleidiAI setting, and saves every output to ``<artifact>-<kleidiai>.npz`` (key ``n`` for call
-``n``; ``n.emb`` / ``n.head`` for the interface). ``results.json`` says, per artifact and setting,
+``n``; ``n.emb`` / ``n.head`` for the interface: ``interface`` of every id and basis row,
+``interface_rows`` of a sample of each, the compact check's). ``results.json`` says, per artifact and setting,
 how long it took and the runtime's error if it failed; it is rewritten after each one so that a
 crashed emulator leaves the finished ones readable.
 """
@@ -55,22 +56,32 @@ def session_config(kleidiai: str) -> dict[str, str]:
     return {} if kleidiai == "on" else dict(KLEIDIAI_OFF)
 
 
-def interface_outputs(path: str, layout: str, vocab: int, dim: int, threads: int,
+def interface_outputs(path: str, layout: str, ids: list[int], rows: list[int], dim: int, threads: int,
                       config: dict[str, str]) -> tuple[np.ndarray, np.ndarray]:
-    """The interface graph's embedding of every id ``(V, d)`` and head of ``I_d`` ``(d, V)``;
-    ``layout`` ``"batched"`` is the onnx-genai folder's (a batch axis, named outputs, the
-    decoder's float type), ``"plain"`` the onnx target's."""
+    """The interface graph's embedding of the token ids ``ids`` ``(len(ids), d)`` and head of the
+    basis vectors ``rows`` of ``I_d`` ``(len(rows), V)``; ``layout`` ``"batched"`` is the
+    onnx-genai folder's (a batch axis, named outputs, the decoder's float type), ``"plain"`` the
+    onnx target's."""
     import onnxruntime as ort
 
     sess = ort.InferenceSession(path, sess_options=standalone().ort_session_options(threads, config),
                                 providers=["CPUExecutionProvider"])
-    ids = np.arange(vocab, dtype=np.int64)
+    tokens = np.asarray(ids, dtype=np.int64)
     if layout == "batched":
-        hidden = np.eye(dim, dtype=_INTERFACE_DTYPES[sess.get_inputs()[1].type])
-        emb, head = sess.run(["embeddings", "head_logits"], {"input_ids": ids[None], "hidden": hidden[None]})
+        hidden = np.eye(dim, dtype=_INTERFACE_DTYPES[sess.get_inputs()[1].type])[rows]
+        emb, head = sess.run(["embeddings", "head_logits"], {"input_ids": tokens[None], "hidden": hidden[None]})
         return emb[0].astype(np.float32), head[0].astype(np.float32)
-    emb, head = sess.run(None, {"input_ids": ids, "hidden": np.eye(dim, dtype=np.float32)})
+    emb, head = sess.run(None, {"input_ids": tokens, "hidden": np.eye(dim, dtype=np.float32)[rows]})
     return np.asarray(emb, np.float32), np.asarray(head, np.float32)
+
+
+def interface_call(call: list[Any]) -> tuple[list[int], list[int], int]:
+    """``(ids, rows, dim)`` of an ``interface`` call (every id, every row) or an
+    ``interface_rows`` one (a sample of each), as the x86 side recorded them."""
+    if call[0] == "interface":
+        vocab, dim = int(call[1]), int(call[2])
+        return list(range(vocab)), list(range(dim)), dim
+    return [int(i) for i in call[1]], [int(r) for r in call[2]], int(call[3])
 
 
 def replay(artifact: dict[str, Any], kleidiai: str, threads: int) -> dict[str, np.ndarray]:
@@ -80,9 +91,9 @@ def replay(artifact: dict[str, Any], kleidiai: str, threads: int) -> dict[str, n
     out: dict[str, np.ndarray] = {}
     for n, call in enumerate(artifact["calls"]):
         kind = call[0]
-        if kind == "interface":
+        if kind in ("interface", "interface_rows"):
             out[f"{n}.emb"], out[f"{n}.head"] = interface_outputs(
-                artifact["interface"], artifact["layout"], int(call[1]), int(call[2]), threads, config)
+                artifact["interface"], artifact["layout"], *interface_call(call), threads, config)
             continue
         if decoder is None:
             decoder = standalone().OrtDecoder(artifact["decoder"], threads, config)
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                "numpy": np.__version__, "runs": []}
     write_json(job_dir / RESULTS_NAME, results)
     for i, artifact in enumerate(job["artifacts"]):
-        for kleidiai in job["kleidiai"]:
+        for kleidiai in artifact.get("kleidiai", job.get("kleidiai", ["on"])):
             start, error = time.perf_counter(), None
             try:
                 np.savez(job_dir / f"{i}-{kleidiai}.npz", **replay(artifact, kleidiai, int(job["threads"])))

@@ -86,15 +86,16 @@ def _numpy(tensor: Any) -> np.ndarray:
     return tensor.detach().clone().float().numpy()
 
 
-def interface_outputs(decoder: Any, vocab: int, dim: int, ids_chunk: int,
+def interface_outputs(decoder: Any, ids: list[int], rows: list[int], dim: int, ids_chunk: int,
                       rows_chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """The program's embedding of every id ``(V, d)`` and head of ``I_d`` ``(d, V)``, through its
-    ``embed`` and ``head`` methods in chunks of at most ``ids_chunk`` ids / ``rows_chunk`` rows."""
+    """The program's embedding of the token ids ``ids`` ``(len(ids), d)`` and head of the basis
+    vectors ``rows`` of ``I_d`` ``(len(rows), V)``, through its ``embed`` and ``head`` methods in
+    chunks of at most ``ids_chunk`` ids / ``rows_chunk`` rows."""
     import torch  # the executorch runtime's tensor type
 
     embed, head = decoder.program.load_method("embed"), decoder.program.load_method("head")
-    ids, basis = torch.arange(vocab, dtype=torch.long), torch.eye(dim, dtype=torch.float32)
-    emb = [_numpy(embed.execute([chunk])[0]) for chunk in ids.split(ids_chunk)]
+    tokens, basis = torch.tensor(ids, dtype=torch.long), torch.eye(dim, dtype=torch.float32)[rows]
+    emb = [_numpy(embed.execute([chunk])[0]) for chunk in tokens.split(ids_chunk)]
     out = [_numpy(head.execute([chunk])[0]) for chunk in basis.split(rows_chunk)]
     return np.concatenate(emb), np.concatenate(out)
 
@@ -107,9 +108,9 @@ def replay(artifact: dict[str, Any], threads: int) -> dict[str, np.ndarray]:
     try:
         for n, call in enumerate(artifact["calls"]):
             kind = call[0]
-            if kind == "interface":
-                out[f"{n}.emb"], out[f"{n}.head"] = interface_outputs(decoder, int(call[1]), int(call[2]),
-                                                                      ids_chunk, rows_chunk)
+            if kind in ("interface", "interface_rows"):
+                out[f"{n}.emb"], out[f"{n}.head"] = interface_outputs(
+                    decoder, *onnx_runner().interface_call(call), ids_chunk, rows_chunk)
             elif kind == "prefill":
                 out[str(n)] = _numpy(decoder.prefill([int(i) for i in call[1]]))
             elif kind == "step":

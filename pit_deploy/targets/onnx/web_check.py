@@ -80,7 +80,8 @@ def check_web_client(client: str, folder: Path, reference: Any, prompts: list[to
     """
     from ...data.heldout import kl_parity
     from ...runtime.web_clients import WebClientFailed, run_web_client
-    from ...evaluate.verify import _rel_l2, agreement_failures, kl_failures, logit_failures, reference_run
+    from ...evaluate.bound_checks import agreement_failures, kl_failures, logit_failures
+    from ...evaluate.verify import _rel_l2, reference_run
 
     quantized = isinstance(bounds, QuantizedBounds)
     check = WebCheck(client=client)

@@ -1,0 +1,37 @@
+"""The bounds a set of verification figures misses, as one line each (NaN misses every bound:
+every comparison is written ``not x <= b``). Shared by x86 ``verify`` (:mod:`.verify`), its
+compact aarch64 check (:mod:`.cross_isa`) and the transformers.js check."""
+
+from __future__ import annotations
+
+from ..schemes import ParityBounds, QuantizedBounds
+
+
+def logit_failures(b: ParityBounds, rel_l2: float, top1: float) -> list[str]:
+    """The fp32 logit bounds a figure set misses (NaN misses every bound)."""
+    fails = []
+    if not rel_l2 <= b.logits_rel_l2:
+        fails.append(f"logits_rel_l2 {rel_l2:.3e} > {b.logits_rel_l2:g}")
+    if not top1 >= b.top1_agreement:
+        fails.append(f"top1_agreement {top1:.4%} < {b.top1_agreement:.0%}")
+    return fails
+
+
+def kl_failures(b: QuantizedBounds, kl_mean: float, kl_p99: float) -> list[str]:
+    """The absolute KL bounds a quantized artifact's figures miss."""
+    fails = []
+    if not kl_mean <= b.kl_mean:
+        fails.append(f"kl_mean {kl_mean:.4g} > {b.kl_mean:g}")
+    if not kl_p99 <= b.kl_p99:
+        fails.append(f"kl_p99 {kl_p99:.4g} > {b.kl_p99:g}")
+    return fails
+
+
+def agreement_failures(b: QuantizedBounds, same_top1: float, ppl_ratio: float) -> list[str]:
+    """The top-1 and perplexity-ratio bounds a quantized artifact's figures miss."""
+    fails = []
+    if not same_top1 >= b.same_top1:
+        fails.append(f"same_top1 {same_top1:.2%} < {b.same_top1:.0%}")
+    if not ppl_ratio <= b.ppl_ratio:
+        fails.append(f"ppl_ratio {ppl_ratio:.4f} > {b.ppl_ratio:g}")
+    return fails
