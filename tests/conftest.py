@@ -67,10 +67,9 @@ def tiny(family):
     return tiny_model(family)
 
 
-@pytest.fixture(scope="module")
-def arm_setup() -> None:
-    """The aarch64 emulation set-up for ``verify --isa aarch64``, installed by its script (a no-op
-    once installed). Skipped only where the script itself says the platform cannot run it."""
+def _install_arm_setup() -> None:
+    """Run ``scripts/setup_aarch64.sh`` (a no-op once installed); skip only where the script
+    itself says the platform cannot run the emulation."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "setup_aarch64.sh"
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -78,3 +77,17 @@ def arm_setup() -> None:
         if "unsupported platform" in said:
             pytest.skip(f"scripts/setup_aarch64.sh reports that this platform cannot run the emulation: {said}")
         pytest.fail(f"scripts/setup_aarch64.sh failed: {said}")
+
+
+@pytest.fixture(scope="module")
+def arm_setup() -> None:
+    """The aarch64 emulation set-up for ``verify --isa aarch64`` (full tier: the emulated runs
+    of the whole verification)."""
+    _install_arm_setup()
+
+
+@pytest.fixture(scope="module")
+def arm_compact() -> None:
+    """The same set-up for the default tier's compact cross-ISA checks on a tiny model (seconds
+    under emulation)."""
+    _install_arm_setup()

@@ -1,5 +1,6 @@
-"""``verify --isa aarch64``: a tiny model's fp32 and int4 ONNX artifacts run on onnxruntime's
-aarch64 kernels under qemu (``scripts/setup_aarch64.sh``), judged by verify's own bounds; a
+"""``verify --isa aarch64 --full``: a tiny model's fp32 and int4 ONNX artifacts run on onnxruntime's
+aarch64 kernels under qemu (``scripts/setup_aarch64.sh``), judged by verify's own bounds (the
+default compact check is ``test_cross_isa.py``'s); a
 corrupted weight fails there as on x86; the same model's fp32 and int4 ``.pte`` programs run on the
 ExecuTorch runtime's aarch64 wheel and pass, and are not checked (never passed) on ARMv8.0; a
 ``.gguf`` is listed as not checked, never passed; a missing set-up is exit 2 naming the script;
@@ -65,7 +66,7 @@ def _verify_json(capsys, *argv: str) -> tuple[int, dict]:
 def test_fp32_and_int4_pass_on_two_cpu_profiles(arm_setup, export, capsys):
     before = json.loads((export / MANIFEST_NAME).read_text()).get("verification")
     capsys.readouterr()
-    assert main(["verify", str(export), "--isa", "aarch64", "--arm-cpu", "cortex-a53,max", "--json"]) == 0
+    assert main(["verify", str(export), "--isa", "aarch64", "--arm-cpu", "cortex-a53,max", "--full", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["artifacts"]
     assert [(r["scheme"], r["arm_cpu"]) for r in rows] == [
         ("float32", "cortex-a53"), ("float32", "max"), ("int4", "cortex-a53"), ("int4", "max")]
@@ -146,7 +147,7 @@ def test_pte_fp32_and_int4_pass_on_max_and_are_not_checked_on_a53(arm_setup, pte
     ``delta_ti`` measured through the program's own ``embed``/``head``; on ARMv8.0 (cortex-a53)
     the wheel cannot run, so those rows are not checked, never passed, and exit 0 still needs the
     checked ones to pass. Only ARMv8.0 profiles selected: nothing would be checked, exit 2."""
-    code, report = _verify_json(capsys, str(pte_export), "--isa", "aarch64", "--arm-cpu", "cortex-a53,max")
+    code, report = _verify_json(capsys, str(pte_export), "--isa", "aarch64", "--arm-cpu", "cortex-a53,max", "--full")
     assert code == 0, report
     rows = report["artifacts"]
     assert [(r["scheme"], r["arm_cpu"]) for r in rows] == [
@@ -245,6 +246,7 @@ def test_a_setup_without_the_executorch_runtime_is_exit_2_for_a_pte(pte_export, 
 
 
 @pytest.mark.parametrize("argv, said", [(["--arm-cpu", "max"], "apply to --isa aarch64 only"),
+                                        (["--full"], "apply to --isa aarch64 only"),
                                         (["--isa", "riscv64"], "unknown ISA 'riscv64'"),
                                         (["--isa", "aarch64", "--arm-cpu", "pentium"], "unknown aarch64 CPU profile"),
                                         (["--isa", "aarch64", "--kleidiai", "maybe"], "unknown KleidiAI setting")])

@@ -431,7 +431,7 @@ def stage_verify(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bo
     reports = []
     for directory in ctx["export"]["exports"]:
         report = verify_directory(directory, isa=v["isa"], arm_cpu=v["arm_cpu"] if aarch64 else None,
-                                  kleidiai=v["kleidiai"] if aarch64 else None)
+                                  kleidiai=v["kleidiai"] if aarch64 else None, full=aarch64 and v["full"])
         say(str(report))
         reports.append(report.to_dict())
     write_json_atomic(folder / "verify.json", {"reports": reports})

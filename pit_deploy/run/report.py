@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import platform
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,17 @@ REPORT_NAME = "report.md"  #: the report a run writes (and ``report.html`` besid
 Block = tuple  # ("h2", text) | ("p", text) | ("table", headers, rows) | ("img", path, alt) | ("pre", text)
 
 
+def _vs_x86(cross: dict[str, Any] | None) -> str:
+    """A compact aarch64 row's comparison with the same artifact on x86 (docs/verify.md)."""
+    if not cross:
+        return "—"
+    if cross.get("kl_bound") is None:
+        return f"rel L2 {cross['rel_l2']:.1e}, greedy {'same' if cross['greedy_identical'] else 'DIFFERS'}"
+    return f"KL {cross['kl_mean']:.2g} (≤ {cross['kl_bound']:.2g})"
+
+
 def _fmt(value: Any, spec: str = ".4g") -> str:
-    if value is None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # NaN: not measured (compact aarch64 rows)
         return "—"
     if isinstance(value, bool):
         return "yes" if value else "NO"
@@ -150,12 +160,12 @@ def build(out: Path, recipe: RunRecipe) -> list[Block]:
                              _fmt(a.get("greedy_match")), _fmt(a.get("kl_mean"), ".4f"),
                              _fmt(a.get("kl_p99"), ".3f"), _fmt(a.get("same_top1"), ".1%"),
                              _fmt(a.get("ppl_ratio"), ".3f"), _fmt(a.get("delta_ti"), ".2e"),
-                             _verdict(a)])
+                             _vs_x86(a.get("cross_isa")), _verdict(a)])
         blocks.append(("p", "fp32 artifacts are held to logit bounds (rel L2, top-1, greedy); quantized ones to KL "
                             "divergence from the fp32 reference on the held-out tokens (mean, p99, same top-1, "
                             "perplexity ratio)."))
         blocks.append(("table", ["export", "runtime", "mode", "dtype", "rel L2", "top-1", "greedy", "KL mean",
-                                 "KL p99", "same top-1", "ppl ratio", "delta_ti", "result"], rows))
+                                 "KL p99", "same top-1", "ppl ratio", "delta_ti", "vs x86", "result"], rows))
         runner_rows = _stock_runner_rows(reports)
         if runner_rows:
             blocks.append(("p", "ExecuTorch's stock LLM runner (`TextLLMRunner`, the runner behind `llama_main`) on each "
