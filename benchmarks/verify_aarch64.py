@@ -1,29 +1,31 @@
-"""Parity of the ONNX artifacts on onnxruntime's aarch64 kernels: each artifact × ISA × CPU profile
-× KleidiAI setting, judged by ``pit-deploy verify``'s bounds (docs/verify.md, "On aarch64 kernels").
+"""The default model's shipped artifacts on the runtimes' aarch64 kernels: each artifact × CPU
+profile × KleidiAI setting, checked by ``pit-deploy verify --isa aarch64`` (docs/verify.md, "On
+aarch64 kernels").
 
-Why: phones run onnxruntime's aarch64 build, whose int4 ``MatMulNBits`` goes through other kernels
-(dotprod, i8mm, KleidiAI) than the x86 ones verify uses by default; this measures whether the
-artifacts stay within their bounds there, and by how much their figures move.
+Why: phones run onnxruntime's and ExecuTorch's aarch64 builds, whose kernels (NEON, dotprod,
+i8mm, Arm's KleidiAI; XNNPACK's ARM micro-kernels) are not the x86 ones ``verify`` runs by
+default. This measures whether what ``pit-deploy run default`` ships computes on them what it
+computes on x86, within the compact check's bounds (or, with ``--full``, the whole verification).
 
-For the default model (or ``--model``) this script
+For the default model this script
 
-1. exports the ``onnx`` and ``onnx-genai`` targets' factorized fp32 and int4 artifacts (or reads
-   an existing export directory given with ``--export``);
-2. runs ``verify --isa x86_64,aarch64`` over them (aarch64 under qemu emulation: run
-   ``bash scripts/setup_aarch64.sh`` once), on every ``--arm-cpu`` profile and ``--kleidiai`` setting;
-3. writes ``benchmarks/results/verify_aarch64.json``: per row the figures (logits rel L2 and top-1
-   for fp32, KL mean / p99, same top-1 and perplexity ratio for int4), ``delta_ti``, pass/fail with
-   the failures, and the emulation's wall seconds (planning only: emulation is 50-100x slower
-   than native code and says nothing about a phone's speed).
+1. runs ``pit-deploy run default`` into ``--run`` (its stages are reused when already done there;
+   verify and bench are left to that command) and takes the export folders it wrote, or reads
+   the export folders given with ``--export``;
+2. runs ``verify --isa aarch64`` over each folder's ONNX and ``.pte`` artifacts under qemu
+   (``bash scripts/setup_aarch64.sh`` once), with as many emulated processes at once as there
+   are cores, on every ``--arm-cpu`` profile with each ``--kleidiai`` setting where KleidiAI has
+   kernels for the artifact (verify runs one setting where it has none: docs/verify.md);
+3. writes ``benchmarks/results/verify_aarch64.json``: per row the figures (the x86 comparison,
+   the reference figures), pass/fail with the failures and the emulated wall seconds (planning
+   only: emulation is 50-100x slower than native code and says nothing about a phone's speed),
+   the whole wall time, the versions.
 
 Usage::
 
-    python benchmarks/verify_aarch64.py [--model default] [--export DIR] [--work DIR]
-        [--runtime onnx,onnx-genai] [--dtype float32,int4] [--arm-cpu cortex-a53,cortex-a76,max]
-        [--kleidiai on,off] [--out benchmarks/results/verify_aarch64.json]
-
-Emulating the default model takes hours on two cores (each held-out pass and each interface
-graph runs under qemu once per profile and setting); ``--arm-cpu`` and ``--dtype`` narrow it.
+    python benchmarks/verify_aarch64.py [--run work-arm/run] [--export DIR ...]
+        [--arm-cpu cortex-a53,cortex-a76,max] [--kleidiai on,off] [--full]
+        [--out benchmarks/results/verify_aarch64.json]
 """
 
 from __future__ import annotations
@@ -36,56 +38,52 @@ from pathlib import Path
 from pit_deploy.io.result_file import write_result
 
 FIGURES = ("logits_rel_l2", "top1_agreement", "greedy_match", "kl_mean", "kl_p99", "same_top1", "ppl_ratio",
-           "expected_kl_mean", "delta_ti", "emulated_s")
+           "expected_kl_mean", "delta_ti", "emulated_s", "cross_isa")
+
+
+def export_folders(run: Path) -> list[Path]:
+    """The export folders of a ``pit-deploy run`` folder (running it first where needed)."""
+    from pit_deploy.cli import main as cli
+
+    code = cli(["run", "default", "--out", str(run), "--set", "verify.enabled=false", "--set", "bench.enabled=false"])
+    if code:
+        raise SystemExit(code)
+    return sorted(p.parent for p in (run / "3-export").glob("*/manifest.json"))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--export", help="verify this export directory instead of exporting the model")
-    parser.add_argument("--work", default="work-arm/export", help="where to write the export (kept)")
-    parser.add_argument("--runtime", default="onnx,onnx-genai")
-    parser.add_argument("--dtype", default="float32,int4")
-    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--run", default="work-arm/run", help="the `pit-deploy run default` folder (kept)")
+    parser.add_argument("--export", nargs="+", help="verify these export folders instead")
     parser.add_argument("--arm-cpu", default="cortex-a53,cortex-a76,max")
     parser.add_argument("--kleidiai", default="on,off")
+    parser.add_argument("--full", action="store_true", help="the whole verification emulated (hours)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "verify_aarch64.json"))
     args = parser.parse_args(argv)
 
     from pit_deploy.evaluate.verify import verify_directory
-    from pit_deploy.runtime.emulated import find_setup
+    from pit_deploy.runtime.emulated import EXECUTORCH, ONNXRUNTIME, find_setup
 
-    setup = find_setup()  # before an export that would be wasted without it
-    export = Path(args.export) if args.export else Path(args.work)
-    if not args.export:
-        from pit_deploy.cli import main as cli
-
-        code = cli(["export", args.model, "--out", str(export), "--runtime", args.runtime, "--mode", "factorized",
-                    "--dtype", args.dtype, "--max-seq-len", str(args.max_seq_len), "--force"])
-        if code:
-            return code
-    # one verify pass per artifact and (ISA, KleidiAI setting, CPU profile), in the order the
-    # options list them, the result file rewritten after each: a run of hours that stops keeps
-    # what it measured ("complete": false until the last pass)
-    passes = [(dtype, runtime, isa, cpu, kleidiai)
-              for dtype in args.dtype.split(",") for runtime in args.runtime.split(",")
-              for isa, cpu, kleidiai in [("x86_64", None, None)] + [
-                  ("aarch64", cpu, k) for k in args.kleidiai.split(",") for cpu in args.arm_cpu.split(",")]]
+    setup = find_setup()  # before a run that would be wasted without it
+    folders = [Path(p) for p in args.export] if args.export else export_folders(Path(args.run))
+    cpus = args.arm_cpu.split(",")
+    passes = [(folder, cpus, args.kleidiai) for folder in folders]  # the result file rewritten after each
     start = time.perf_counter()
     rows: list[dict] = []
-    passed = True
-    code = 0
-    for number, (dtype, runtime, isa, cpu, kleidiai) in enumerate(passes, 1):
-        report = verify_directory(export, runtimes=runtime, modes="factorized", dtypes=dtype,
-                                  record=False, isa=isa, arm_cpu=cpu, kleidiai=kleidiai)
+    passed, code = True, 0
+    for number, (folder, profiles, kleidiai) in enumerate(passes, 1):
+        report = verify_directory(folder, runtimes="onnx,onnx-genai,executorch", record=False, isa="aarch64",
+                                  arm_cpu=profiles, kleidiai=kleidiai, full=args.full)
         print(report, flush=True)
         for r in report.artifacts:
-            rows.append({"artifact": r.key, "isa": r.isa, "arm_cpu": r.arm_cpu, "kleidiai": r.kleidiai,
+            rows.append({"export": folder.name, "artifact": r.key, "arm_cpu": r.arm_cpu, "kleidiai": r.kleidiai,
                          "checked": r.checked, **{name: getattr(r, name) for name in FIGURES},
-                         "passed": r.passed, "failures": r.failures})
+                         "passed": r.passed, "failures": r.failures, "notes": r.notes})
         passed = passed and report.passed
-        result = {"model": args.model, "export": str(export), "setup": setup.describe(),
-                  "arm_cpu": args.arm_cpu.split(","), "kleidiai": args.kleidiai.split(","),
+        result = {"model": "default", "check": "full" if args.full else "compact",
+                  "exports": [str(f) for f in folders], "setup": {"onnxruntime": setup.describe(ONNXRUNTIME),
+                                                                  "executorch": setup.describe(EXECUTORCH)},
+                  "arm_cpu": cpus, "kleidiai": args.kleidiai.split(","),
                   "complete": number == len(passes), "passes_done": number, "passes": len(passes),
                   "seconds": round(time.perf_counter() - start, 1), "passed": passed, "rows": rows}
         code = write_result(args.out, result, __file__, argv)

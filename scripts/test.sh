@@ -5,9 +5,9 @@
 #                                 tiny models, every command and API call, the exit codes, the
 #                                 reliability cases, the README blocks on one family, the docs
 #   bash scripts/test.sh --full   everything: adds the bundled default model's runtime parity, the
-#                                 README block on every family, the notebooks and the emulated
-#                                 aarch64 runs (run it before changing export, quantization or a
-#                                 runtime)
+#                                 README block on every family, the notebooks and the whole
+#                                 emulated aarch64 verification, --isa aarch64 --full (run it
+#                                 before changing export, quantization or a runtime)
 #
 # Other arguments go to pytest (e.g. bash scripts/test.sh tests/test_cli.py -k help).
 set -euo pipefail
@@ -23,7 +23,7 @@ bash scripts/setup_web.sh
 # llama-cpp-python for the gguf target, built once from its sdist into a wheel cache (minutes on 2 cores)
 bash scripts/setup_llama_cpp.sh
 # qemu 10.x, an arm64 Python and the aarch64 onnxruntime wheels, cached, for verify --isa aarch64
-# (its emulated runs are in the full tier; the default tier checks its set-up and its errors)
+# (the default tier runs the compact check on a tiny model; the whole emulated verification is in the full tier)
 bash scripts/setup_aarch64.sh
 export HF_HUB_OFFLINE=1
 # Two workers (pytest-xdist), one per core of the CI machine; a test file, and the runtime suite as
