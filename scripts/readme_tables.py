@@ -43,7 +43,8 @@ def support_matrix() -> str:
 
     adapters = {adapter.name: adapter.model_types for adapter in registered_families()}
     families = [name for name in adapters if name in ALL_FAMILIES]
-    header = ["target", "runtime", *families, "modes", "schemes"]
+    header = ["target", "runtime", *families, "modes", "schemes", "ARM64 verified (emulated)"]
+    arm = _arm_verified()
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in target_names():
         target = get_target(name)
@@ -51,7 +52,7 @@ def support_matrix() -> str:
         schemes = [s for s in scheme_names() if target.supports_scheme(get_scheme(s))]
         default = "" if target.default_export else " (opt-in)"
         lines.append(f"| `{name}`{default} | {target.title} | " + " | ".join(cells)
-                     + f" | {', '.join(target.modes)} | {', '.join(f'`{s}`' for s in schemes)} |")
+                     + f" | {', '.join(target.modes)} | {', '.join(f'`{s}`' for s in schemes)} | {arm(name, target)} |")
     untested = [f"{name} ({', '.join(adapters[name])})" for name in adapters if name not in ALL_FAMILIES]
     family_types = "; ".join(f"{name}: {', '.join(adapters[name])}" for name in families)
     note = (f"\nModel types per family: {family_types}. Every family also exports as the transpose-tied "
@@ -59,6 +60,31 @@ def support_matrix() -> str:
     if untested:
         note += (f" Also registered for conversion and training, without export tests: {', '.join(untested)}.")
     return "\n".join(lines) + "\n" + note
+
+
+def _arm_verified() -> Any:
+    """The "ARM64 verified" cell of a target: the default model's rows that pass in
+    ``benchmarks/results/verify_aarch64.json`` (dtype and CPU profiles), else what the test suite
+    checks on aarch64 for it, else why it cannot run emulated."""
+    path = RESULTS / "verify_aarch64.json"
+    rows = _load(path.name)["rows"] if path.is_file() else []
+
+    def cell(name: str, target: Any) -> str:
+        if target.aarch64_layout is None:
+            return "—"
+        passed: dict[str, list[str]] = {}
+        for r in rows:
+            key = re.fullmatch(rf"{re.escape(name)}-(?:factorized|materialized|tied)-?(.*)", r["artifact"])
+            if key and r["checked"] and r["passed"]:
+                cpus = passed.setdefault(key.group(1) or "fp32", [])
+                if r["arm_cpu"] not in cpus:
+                    cpus.append(r["arm_cpu"])
+        parts = [f"default model {d} on {', '.join(f'`{c}`' for c in cpus)}"
+                 for d, cpus in passed.items()]
+        if parts:
+            return "; ".join(parts) + f" ([table]({_rel(path)}))"
+        return "tiny models in the test suite"
+    return cell
 
 
 # ------------------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ runtime; the PyTorch reference runs the same sequences. A row passes when (:func
   one is at most :data:`KL_FRACTION` of the artifact's expected quantization KL (the error its
   weight rounding alone costs, measured at export): what the phone adds must be small against
   what quantization already costs; the sampled interface is within the fp32 logits bound of x86's;
-  and the ARM logits meet the quantized bounds of the reference (KL mean and p99, scaled by the
-  expected error, top-1 agreement, perplexity ratio) on the held-out sequence.
+  and the ARM logits meet the reference's KL bounds (mean and p99, absolute and scaled by the
+  expected error) on the held-out sequence. Top-1 agreement and the perplexity ratio of one short
+  sequence say as much about the text as about the artifact (the x86 artifact's own are reported
+  beside them); x86 ``verify`` bounds them on the whole held-out set.
 
 The comparison with the reference is what makes a damaged artifact fail here too: a scrambled body
 computes the same garbage on both ISAs. ``delta_ti`` needs the interface over the whole
@@ -183,6 +185,9 @@ class CrossIsa:
     interface_rel_l2: float
     #: the quantized bound (``KL_FRACTION`` × expected KL); ``None`` for fp32
     kl_bound: float | None = None
+    #: quantized: the x86 artifact's own top-1 agreement and perplexity ratio on the held-out sequence
+    x86_same_top1: float | None = None
+    x86_ppl_ratio: float | None = None
     failures: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,7 +216,7 @@ def judge(result: Any, plan: Plan, x86: Outputs, arm: Outputs, reference: list[t
     """Fill ``result`` (verify's ``ArtifactResult`` of an aarch64 row) with the compact figures
     and judge them (module docstring); returns it."""
     from ..data.heldout import kl_figures
-    from .bound_checks import agreement_failures, kl_failures, logit_failures
+    from .bound_checks import kl_failures, logit_failures
 
     cross = compare(plan, x86, arm)
     fails: list[str] = []
@@ -243,7 +248,10 @@ def judge(result: Any, plan: Plan, x86: Outputs, arm: Outputs, reference: list[t
                     fails.append(f"kl_mean {fig.kl_mean:.4g} > {mean:.4g}, the error its weight rounding explains")
                 if not fig.kl_p99 <= p99:
                     fails.append(f"kl_p99 {fig.kl_p99:.4g} > {p99:.4g}, the error its weight rounding explains")
-            fails += agreement_failures(bounds, fig.same_top1, fig.ppl_ratio)
+            # top-1 agreement and the perplexity ratio of one short sequence measure the text as much
+            # as the artifact: reported beside the x86 artifact's own on it, bounded by x86 verify
+            x86_fig = kl_figures([(torch.tensor(ids), reference[-1], x86.logits[-1])])
+            cross.x86_same_top1, cross.x86_ppl_ratio = x86_fig.same_top1, x86_fig.ppl_ratio
     else:
         if not cross.rel_l2 <= bounds.logits_rel_l2:
             fails.append(f"logits differ from x86's: rel L2 {cross.rel_l2:.3e} > {bounds.logits_rel_l2:g}")

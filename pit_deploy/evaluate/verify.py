@@ -224,6 +224,8 @@ def _cross_isa_line(c: dict[str, Any]) -> str:
         first = f"logits rel L2 {c['rel_l2']:.2e}, greedy {'identical' if c['greedy_identical'] else 'DIFFERENT'}"
     else:
         first = f"KL {c['kl_mean']:.3g} (bound {c['kl_bound']:.3g}, max {c['kl_max']:.3g}), top-1 same {c['same_top1']:.1%}"
+        if c.get("x86_ppl_ratio") is not None:
+            first += f", x86's own ppl_x {c['x86_ppl_ratio']:.3f}"
     return f"vs x86 on {c['positions']} positions: {first}, interface rel L2 {c['interface_rel_l2']:.2e}"
 
 
