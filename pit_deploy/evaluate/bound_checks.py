@@ -4,7 +4,20 @@ compact aarch64 check (:mod:`.cross_isa`) and the transformers.js check."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..schemes import ParityBounds, QuantizedBounds
+
+if TYPE_CHECKING:
+    import torch
+
+
+def rel_l2(a: "torch.Tensor", b: "torch.Tensor") -> float:
+    """``‖a − b‖ / ‖b‖`` in float64 (the logits figure every fp32 bound is written for)."""
+    import torch
+
+    a, b = a.double(), b.double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300))
 
 
 def logit_failures(b: ParityBounds, rel_l2: float, top1: float) -> list[str]:

@@ -45,6 +45,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .bound_checks import rel_l2
+
 #: greedy tokens per verify prompt (decode steps fed the x86 artifact's choices)
 PROMPT_STEPS = 8
 #: the held-out sequence: at most this many tokens, of which the last ``HELDOUT_STEPS`` are decode steps
@@ -158,9 +160,6 @@ def reference_logits(reference: Any, plan: Plan) -> list[torch.Tensor]:
             for ids, _ in plan.sequences]
 
 
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300))
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -204,8 +203,8 @@ def compare(plan: Plan, x86: Outputs, arm: Outputs) -> CrossIsa:
         ids, prefill = plan.sequences[i]
         picked = arm.logits[i][prefill - 1:].argmax(-1).tolist()
         greedy_ok &= picked == plan.greedy[i] and bool(torch.isfinite(arm.logits[i][prefill - 1:]).all())
-    iface = max(_rel_l2(arm.emb, x86.emb), _rel_l2(arm.head, x86.head))
-    return CrossIsa(positions=int(a.shape[0]), rel_l2=_rel_l2(a, x),
+    iface = max(rel_l2(arm.emb, x86.emb), rel_l2(arm.head, x86.head))
+    return CrossIsa(positions=int(a.shape[0]), rel_l2=rel_l2(a, x),
                     kl_mean=float(kl.mean()) if finite else math.inf, kl_max=float(kl.max()) if finite else math.inf,
                     same_top1=float((a.argmax(-1) == x.argmax(-1)).double().mean()),
                     greedy_identical=greedy_ok, interface_rel_l2=iface)
@@ -224,7 +223,7 @@ def judge(result: Any, plan: Plan, x86: Outputs, arm: Outputs, reference: list[t
     result.nonfinite_outputs = int((~torch.isfinite(got)).sum())
     if result.nonfinite_outputs:
         fails.append(f"the runtime produced {result.nonfinite_outputs} non-finite logit(s)")
-    fp32_bound = bounds_fp32_rel_l2()
+    fp32_bound = bounds_fp32rel_l2()
     if not cross.interface_rel_l2 <= fp32_bound:
         fails.append(f"interface sample differs from x86's: rel L2 {cross.interface_rel_l2:.3e} > {fp32_bound:g}")
     if quantized:
@@ -258,7 +257,7 @@ def judge(result: Any, plan: Plan, x86: Outputs, arm: Outputs, reference: list[t
         if not cross.greedy_identical:
             fails.append(f"greedy tokens differ from x86's ({PROMPT_STEPS} per prompt)")
         ref = torch.cat(reference)
-        result.logits_rel_l2 = _rel_l2(got, ref)
+        result.logits_rel_l2 = rel_l2(got, ref)
         result.logits_max_abs = float((got.double() - ref.double()).abs().max())
         result.top1_agreement = float((got.argmax(-1) == ref.argmax(-1)).double().mean())
         result.greedy_match = cross.greedy_identical
@@ -273,7 +272,7 @@ def judge(result: Any, plan: Plan, x86: Outputs, arm: Outputs, reference: list[t
     return result.judge(bounds)
 
 
-def bounds_fp32_rel_l2() -> float:
+def bounds_fp32rel_l2() -> float:
     """The fp32 logits bound (the interface sample's bound for every dtype: its graph computes in fp32)."""
     from ..schemes import bounds_for
 

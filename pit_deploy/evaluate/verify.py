@@ -56,7 +56,7 @@ from ..model.quantized_interface import identity_defect
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, SCHEMES, ParityBounds, QuantizedBounds, bounds_for, scheme_names
 from ..targets import VerifyContext, get_target, target_names
-from .bound_checks import agreement_failures, kl_failures, logit_failures
+from .bound_checks import agreement_failures, kl_failures, logit_failures, rel_l2
 
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
@@ -376,9 +376,6 @@ def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.T
     return torch.tensor(greedy, dtype=torch.long), logits
 
 
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-300))
 
 
 def worst(values: Sequence[float]) -> float:
@@ -635,9 +632,9 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
         finite_rows = torch.isfinite(got).all(-1)
         nonfinite += int((~torch.isfinite(got)).sum())
         abs_errs.append(float((got.double() - ref_logits.double()).abs().max()))
-        pre_errs.append(_rel_l2(pre, ref_logits[:p]))
+        pre_errs.append(rel_l2(pre, ref_logits[:p]))
         if steps:
-            dec_errs.append(_rel_l2(dec, ref_logits[p:]))
+            dec_errs.append(rel_l2(dec, ref_logits[p:]))
         # a row with a NaN never agrees (argmax of an all-NaN row would agree with itself)
         agree += int(((got.argmax(-1) == ref_logits.argmax(-1)) & finite_rows).sum())
         total += got.shape[0]

@@ -80,8 +80,8 @@ def check_web_client(client: str, folder: Path, reference: Any, prompts: list[to
     """
     from ...data.heldout import kl_parity
     from ...runtime.web_clients import WebClientFailed, run_web_client
-    from ...evaluate.bound_checks import agreement_failures, kl_failures, logit_failures
-    from ...evaluate.verify import _rel_l2, reference_run
+    from ...evaluate.bound_checks import agreement_failures, kl_failures, logit_failures, rel_l2
+    from ...evaluate.verify import reference_run
 
     quantized = isinstance(bounds, QuantizedBounds)
     check = WebCheck(client=client)
@@ -119,7 +119,7 @@ def check_web_client(client: str, folder: Path, reference: Any, prompts: list[to
             greedy, ref_logits = ref_runs[key]
             got = torch.from_numpy(run.logits[i])
             ref = ref_logits[: len(prompt)]
-            errs.append(_rel_l2(got, ref))
+            errs.append(rel_l2(got, ref))
             agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
             total += len(prompt)
             same &= run.greedy[i] == [int(t) for t in greedy]
