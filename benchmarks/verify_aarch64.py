@@ -24,7 +24,7 @@ For the default model this script
 Usage::
 
     python benchmarks/verify_aarch64.py [--run work-arm/run] [--export DIR ...]
-        [--arm-cpu cortex-a53,cortex-a76,max] [--kleidiai on,off] [--full]
+        [--runtime onnx,onnx-genai,executorch] [--arm-cpu cortex-a53,cortex-a76,max] [--kleidiai on,off] [--full]
         [--out benchmarks/results/verify_aarch64.json]
 """
 
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", default="work-arm/run", help="the `pit-deploy run default` folder (kept)")
     parser.add_argument("--export", nargs="+", help="verify these export folders instead")
+    parser.add_argument("--runtime", default="onnx,onnx-genai,executorch",
+                        help="comma list of the runtimes whose artifacts are checked")
     parser.add_argument("--arm-cpu", default="cortex-a53,cortex-a76,max")
     parser.add_argument("--kleidiai", default="on,off")
     parser.add_argument("--full", action="store_true", help="the whole verification emulated (hours)")
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     passed, code = True, 0
     for number, (folder, profiles, kleidiai) in enumerate(passes, 1):
-        report = verify_directory(folder, runtimes="onnx,onnx-genai,executorch", record=False, isa="aarch64",
+        report = verify_directory(folder, runtimes=args.runtime, record=False, isa="aarch64",
                                   arm_cpu=profiles, kleidiai=kleidiai, full=args.full)
         print(report, flush=True)
         for r in report.artifacts:
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
         result = {"model": "default", "check": "full" if args.full else "compact",
                   "exports": [str(f) for f in folders], "setup": {"onnxruntime": setup.describe(ONNXRUNTIME),
                                                                   "executorch": setup.describe(EXECUTORCH)},
-                  "arm_cpu": cpus, "kleidiai": args.kleidiai.split(","),
+                  "runtimes": args.runtime.split(","), "arm_cpu": cpus, "kleidiai": args.kleidiai.split(","),
                   "complete": number == len(passes), "passes_done": number, "passes": len(passes),
                   "seconds": round(time.perf_counter() - start, 1), "passed": passed, "rows": rows}
         code = write_result(args.out, result, __file__, argv)

@@ -248,10 +248,11 @@ def test_verify_aarch64(work, tmp_path):
     command, ``bash scripts/setup_aarch64.sh``)."""
     out = tmp_path / "verify_aarch64.json"
     assert run_benchmark("verify_aarch64", ["--export", str(work / "bench" / "pit"), "--runtime", "onnx",
-                                            "--dtype", "float32", "--arm-cpu", "max", "--kleidiai", "on",
+                                            "--arm-cpu", "max", "--kleidiai", "on",
                                             "--out", str(out)]) == 0
     data = well_formed(out, "verify_aarch64", "rows")
-    assert any(row.get("isa") == "aarch64" for row in data["rows"]) and data["passed"] is True
+    assert [row["arm_cpu"] for row in data["rows"]] == ["max"] and data["passed"] is True
+    assert data["rows"][0]["cross_isa"]["greedy_identical"] is True
 
 
 def test_onnx_head_kernels_as_a_script(tmp_path):
