@@ -22,12 +22,17 @@ from transformers import (
 
 #: the families the export suites run on every runtime (ONNX, ExecuTorch, quantized ONNX)
 FAMILIES: tuple[str, ...] = ("llama", "qwen3", "granite", "gpt2")
+#: the families of the compact models people deploy on phones, with the structure that sets each
+#: apart: SmolLM3 (a layer without rotary embeddings in every four), Phi-3/Phi-4-mini (fused
+#: ``qkv_proj`` and ``gate_up_proj``, rotary on three quarters of each head, ``longrope``
+#: scaling), Llama 3.2 (``llama`` with ``rope_type: llama3``)
+DEPLOYED_FAMILIES: tuple[str, ...] = ("smollm3", "phi3", "llama3")
 #: every family :func:`tiny_config` builds. Gemma is tested by conversion (``--t-init
 #: preserve`` included) but kept out of :data:`FAMILIES`: exporting it to ONNX and then to
 #: ExecuTorch in one process fails (optimum's ONNX export leaves an instance ``forward`` on the
 #: model, and torch.export then cannot resolve the constant Gemma builds in its forward, the
 #: ``√d`` normalizer).
-ALL_FAMILIES: tuple[str, ...] = FAMILIES + ("gemma",)
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + ("gemma",) + DEPLOYED_FAMILIES
 
 
 def tiny_config(
@@ -61,12 +66,45 @@ def tiny_config(
             embedding_multiplier=12.0, logits_scaling=4.0, residual_multiplier=0.22,
             attention_multiplier=0.0625, **llama_like,
         )
+    if family in DEPLOYED_FAMILIES:
+        return _deployed_config(family, vocab_size, hidden_size, num_layers, max_positions, common)
     if family == "gpt2":
         return GPT2Config(
             n_embd=hidden_size, n_layer=num_layers, n_head=4, n_positions=max_positions,
             **common,
         )
     raise ValueError(f"unknown tiny family {family!r}; choose one of {ALL_FAMILIES}")
+
+
+def _deployed_config(family: str, vocab_size: int, hidden_size: int, num_layers: int, max_positions: int,
+                     common: dict) -> PretrainedConfig:
+    """The tiny configs of :data:`DEPLOYED_FAMILIES` (at least four layers, so that SmolLM3 has a
+    layer without rotary embeddings where llama.cpp expects it, the fourth)."""
+    from transformers import Phi3Config, SmolLM3Config
+
+    layers = max(num_layers, 4)
+    llama_like = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, **common)
+    if family == "smollm3":
+        return SmolLM3Config(no_rope_layer_interval=4, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)],
+                             **llama_like)
+    if family == "llama3":  # Llama 3.2 1B's rotary scaling, with an original context the prompts pass
+        return LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                           **llama_like)
+    # Phi-4-mini's shape in small: head size 64 (onnxruntime's GroupQueryAttention needs the rotary
+    # half, 24, to be a multiple of 8), rotary on 3/4 of each head, longrope whose original context
+    # is longer than what llama.cpp's default context and the tests use (below it, every runtime
+    # takes the short factors, as transformers does), an MLP width whose fused gate_up rows differ
+    # from the vocabulary (the onnxruntime-genai builder finds the head as the linear with V rows)
+    rotary_half = 24
+    return Phi3Config(
+        **{**llama_like, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "intermediate_size": 192, "max_position_embeddings": 8192},
+        partial_rotary_factor=0.75, original_max_position_embeddings=2048,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(rotary_half)],
+                      "long_factor": [1.0 + 0.5 * i for i in range(rotary_half)]},
+    )
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> PreTrainedModel:

@@ -40,14 +40,15 @@ from ..model.inspect import effective_interface
 log = logging.getLogger(__name__)
 
 #: Pre-norm RMSNorm blocks read the residual stream only through their norms: each norm's
-#: reading linears, and the linears that write into the stream. Qwen3's per-head q/k norms act
-#: after the projections: a residual rotation leaves them untouched.
-_READERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
-_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+#: reading linears (by Llama-layout role), and the linears that write into the stream. Qwen3's
+#: per-head q/k norms act after the projections: a residual rotation leaves them untouched.
+_READERS = {"input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+            "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj"))}
+_WRITERS = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 #: the covered families and their norms' gain offset: the effective gain is ``w + offset``
 #: (Gemma's RMSNorm multiplies by ``1 + w``, so a gain ``g`` is stored as ``w = g − 1``).
-PRESERVE_FAMILIES = {"llama": 0.0, "mistral": 0.0, "qwen2": 0.0, "qwen3": 0.0, "granite": 0.0, "gemma": 1.0}
+PRESERVE_FAMILIES = {"llama": 0.0, "mistral": 0.0, "qwen2": 0.0, "qwen3": 0.0, "granite": 0.0, "gemma": 1.0,
+                     "smollm3": 0.0, "phi3": 0.0}
 #: why families outside :data:`PRESERVE_FAMILIES` are refused. Gemma 2/3 normalize each block's
 #: *output* before it is added to the residual stream: that norm's gain sits after the
 #: normalization with no linear layer to fold it into, so a residual rotation is no symmetry.
@@ -489,16 +490,19 @@ def fold_and_rotate(model: PreTrainedModel, r: torch.Tensor, gain_offset: float)
     The folded gain is the effective one, ``w + gain_offset``; the norm is then left at
     effective gain 1 (``w = 1 − gain_offset``: 0 for Gemma's ``1 + w``)."""
     adapter = adapter_for(model.config)
+    readers = {norm: tuple(f"{parent}.{name}" for name in adapter.linear_names(roles))
+               for norm, (parent, roles) in _READERS.items()}  # Phi-3: self_attn.qkv_proj, mlp.gate_up_proj
+    writers = tuple(f"{parent}.{name}" for parent, role in _WRITERS for name in adapter.linear_names((role,)))
     for layer in adapter.layers(model):
-        for norm_name, readers in _READERS.items():
+        for norm_name, names in readers.items():
             norm = _sub(layer, norm_name)
             gain = norm.weight.detach().to(torch.float64) + gain_offset
-            for name in readers:
+            for name in names:
                 lin = _sub(layer, name)
                 w = lin.weight.detach().to(torch.float64) * gain[None, :]
                 lin.weight.copy_((w @ r).to(lin.weight.dtype))
             norm.weight.fill_(1.0 - gain_offset)
-        for name in _WRITERS:
+        for name in writers:
             lin = _sub(layer, name)
             lin.weight.copy_((r.T @ lin.weight.detach().to(torch.float64)).to(lin.weight.dtype))
             if getattr(lin, "bias", None) is not None:

@@ -92,6 +92,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..io.weight_codes import CODES_FIELD, code_digest, table_codes, unpack_codes
+from ..model.families import FUSED_PROJECTIONS, split_part
 
 #: what a dequantized element may exceed one grid step by (float32 rounding of scale × code)
 STEP_SLACK = 1e-3
@@ -102,8 +103,6 @@ GGUF_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "
              "Q6_K": 6, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8}
 #: relative unit in the last place of the float types a GGUF file may hold
 GGUF_FLOAT_ULP = {"F16": 2.0 ** -10, "BF16": 2.0 ** -7}
-#: the builder's fused projections and the linears whose output rows each stacks, in order
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -770,8 +769,11 @@ class ReferenceWeights:
         return array.T if type(self.modules.get(path)).__name__ == "Conv1D" else array
 
     def linear(self, path: str) -> Pairing | None:
-        """The weight a node named for ``path`` holds: the module's own, or a builder's fused
-        projection (``qkv_proj``, ``gate_up_proj``): its parts' weights stacked in order."""
+        """The weight a node named for ``path`` holds: the module's own; a builder's fused
+        projection (``qkv_proj``, ``gate_up_proj``): its parts' weights stacked in order; one part
+        of a fused linear the builder splits (Phi-3's ``gate_up_proj`` into ``gate_proj`` and
+        ``up_proj``): its share of the fused weight's rows (recorded codes under the part's name,
+        :func:`~pit_deploy.model.families.split_part`)."""
         for name in _aliases(path):
             array = self.weight(name)
             if array is not None:  # a materialized token table also holds the table's calibrated codes
@@ -779,12 +781,18 @@ class ReferenceWeights:
                 return Pairing(f"{name}.weight", [(f"{name}.weight", array)], (name,),
                                codes=((name,), ("token_table",)) if table else ())
             parent, _, leaf = name.rpartition(".")
-            if leaf in FUSED:
-                paths = tuple(f"{parent}.{part}" for part in FUSED[leaf])
+            if leaf in FUSED_PROJECTIONS:
+                paths = tuple(f"{parent}.{part}" for part in FUSED_PROJECTIONS[leaf])
                 arrays = [self.weight(q) for q in paths]
                 if all(a is not None for a in arrays) and len({a.shape[1] for a in arrays}) == 1:
-                    label = f"{parent}.{{{','.join(FUSED[leaf])}}}.weight stacked"
+                    label = f"{parent}.{{{','.join(FUSED_PROJECTIONS[leaf])}}}.weight stacked"
                     return Pairing(label, [(label, np.concatenate(arrays))], paths)
+            part = split_part(name)
+            fused = self.weight(part[0]) if part else None
+            if fused is not None:
+                rows = fused.shape[0] // part[2]
+                label = f"{part[0]}.weight rows {part[1] * rows}:{(part[1] + 1) * rows}"
+                return Pairing(label, [(label, fused[part[1] * rows:(part[1] + 1) * rows])], (name,))
         return None
 
     def table(self, gather: bool, names: tuple[str, ...] = ("token_table",), once: bool = False) -> Pairing:

@@ -82,6 +82,11 @@ class RoundedWeight:
         q = self.codes.to(torch.float32).reshape(out, -1, per) - self.zeros.to(torch.float32)[..., None]
         return (q * self.scales[..., None]).reshape(out, cols)
 
+    def rows(self, start: int, stop: int) -> "RoundedWeight":
+        """Output rows ``start:stop`` (one part of a fused linear, such as Phi-3's gate of
+        ``gate_up_proj``), on the same grid."""
+        return RoundedWeight(self.codes[start:stop], self.scales[start:stop], self.zeros[start:stop], self.grid)
+
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
@@ -411,12 +416,33 @@ def head_moments_array(model: nn.Module):
     return None if moments is None else moments.numpy()
 
 
-def calibrated_codes_field(model: Any) -> dict[str, Any] | None:
+def split_fused(codes: dict[str, RoundedWeight]) -> dict[str, RoundedWeight]:
+    """``codes`` with each equal-split fused linear (Phi-3's ``…mlp.gate_up_proj``) replaced by its
+    parts under their own names (``…mlp.gate_proj``, ``…mlp.up_proj``): what a runtime that holds
+    the parts as tensors of their own stores (onnxruntime-genai's builder)."""
+    from ..model.families import EQUAL_SPLITS, FUSED_PROJECTIONS
+
+    out: dict[str, RoundedWeight] = {}
+    for name, rounded in codes.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf not in EQUAL_SPLITS:
+            out[name] = rounded
+            continue
+        parts = FUSED_PROJECTIONS[leaf]
+        rows = rounded.codes.shape[0] // len(parts)
+        for j, part in enumerate(parts):
+            out[f"{parent}.{part}" if parent else part] = rounded.rows(j * rows, (j + 1) * rows)
+    return out
+
+
+def calibrated_codes_field(model: Any, split: bool = False) -> dict[str, Any] | None:
     """``details.weight_codes`` of an artifact exported from the calibrated ``model``: one entry
-    per calibrated linear, by module name (``None``: the model carries no calibrated codes)."""
+    per calibrated linear, by module name, the parts of an equal-split fused linear by their own
+    names when ``split`` (:func:`split_fused`; ``None``: the model carries no calibrated codes)."""
     from ..io.weight_codes import CODES_DIGEST, rounded_entry
 
     codes = rounded_weights(model)
     if not codes:
         return None
+    codes = split_fused(codes) if split else codes
     return {"digest": CODES_DIGEST, "tensors": {name: rounded_entry(r) for name, r in codes.items()}}

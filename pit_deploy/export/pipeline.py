@@ -149,7 +149,7 @@ def export_model(
                         details["scheme"] = scheme.settings()
                         if scheme.rounding == "gptq":
                             details["calibration"] = calibration.source
-                            codes = calibrated_codes_field(source)  # what verify's weight-level check compares
+                            codes = calibrated_codes_field(source, target.splits_fused)  # what verify's weight-level check compares
                             if codes is not None:
                                 details[CODES_FIELD] = codes
                     seconds = time.perf_counter() - start

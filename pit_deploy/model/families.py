@@ -28,6 +28,25 @@ if TYPE_CHECKING:  # the registry itself loads no torch: `pit-deploy list` reads
 
 #: the body linears of a Llama-layout block, by name (what the quantization schemes name)
 LLAMA_ROLES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: fused projections (Phi-3's own linears; onnxruntime-genai's builder packs ``qkv_proj`` for
+#: Llama-layout models too) and the Llama-layout linears whose output rows each stacks, in order
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                                 "gate_up_proj": ("gate_proj", "up_proj")}
+#: the fused projections whose parts are equal shares of their rows (``qkv_proj``'s are not under
+#: grouped-query attention), so a runtime may hold each part as a tensor of its own
+EQUAL_SPLITS: tuple[str, ...] = ("gate_up_proj",)
+
+
+def split_part(name: str) -> tuple[str, int, int] | None:
+    """``(fused linear path, index, parts)`` when ``name`` names one part of an equal-split fused
+    projection (``model.layers.0.mlp.gate_proj`` → ``("model.layers.0.mlp.gate_up_proj", 0, 2)``),
+    else ``None``."""
+    parent, _, leaf = name.rpartition(".")
+    for fused in EQUAL_SPLITS:
+        parts = FUSED_PROJECTIONS[fused]
+        if leaf in parts:
+            return (f"{parent}.{fused}" if parent else fused), parts.index(leaf), len(parts)
+    return None
 
 
 def _one(_: PretrainedConfig) -> float:
@@ -79,6 +98,14 @@ GRANITE = FamilyAdapter(
 GEMMA = FamilyAdapter(
     "gemma", ("gemma",), embedding_multiplier=lambda c: math.sqrt(c.hidden_size)
 )
+SMOLLM3 = FamilyAdapter("smollm3", ("smollm3",))
+#: Phi-3 and Phi-4-mini: a Llama-layout block with query, key and value in one ``qkv_proj`` and the
+#: MLP's gate and up projections in one ``gate_up_proj`` (``Phi3MLP``: gate rows first)
+PHI3 = FamilyAdapter(
+    "phi3", ("phi3",),
+    projections={"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+)
 GPT2 = FamilyAdapter(
     "gpt2",
     ("gpt2",),
@@ -106,7 +133,7 @@ def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
     return adapter
 
 
-for _adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GPT2, COHERE):
+for _adapter in (LLAMA, QWEN3, GRANITE, GEMMA, SMOLLM3, PHI3, GPT2, COHERE):
     register_family(_adapter)
 
 

@@ -116,6 +116,10 @@ class Target:
     #: the modes of a PIT model it writes, the schemes it takes (``None``: every scheme of its
     #: dtypes); what ``pit-deploy list`` shows, :meth:`precheck` enforces
     model_types: tuple[str, ...] | None = None
+    #: whether the artifact holds each part of an equal-split fused linear (Phi-3's
+    #: ``gate_up_proj``) as a tensor of its own, so its recorded codes are by part
+    #: (:func:`~pit_deploy.export.calibrated_rounding.split_fused`)
+    splits_fused: bool = False
     modes: tuple[str, ...] = ("materialized", "factorized")
     schemes: tuple[str, ...] | None = None
     #: ``"module:function"`` ``(model, out_dir, *, tokenizer, recipe, scheme, opset) -> details``

@@ -62,7 +62,10 @@ def _kv_geometry(config) -> tuple[int, int]:
 
 
 def check_max_seq_len(config, max_seq_len: int) -> None:
-    """Raise :class:`PitError` if a static cache of ``max_seq_len`` cannot fit the model."""
+    """Raise :class:`PitError` if a static cache of ``max_seq_len`` cannot fit the model, or
+    passes the length where its rotary frequencies change (:mod:`pit_deploy.model.rotary`)."""
+    from ...model.rotary import fixed_length, rope_type
+
     if max_seq_len < 2:
         raise PitError(f"max_seq_len {max_seq_len} is too small; use at least 2 (prompt + 1 token)")
     limit = max_positions(config)
@@ -72,6 +75,11 @@ def check_max_seq_len(config, max_seq_len: int) -> None:
             f"({limit} positions, config max_position_embeddings/n_positions); pass "
             f"--max-seq-len {limit} or less"
         )
+    fixed = fixed_length(config)
+    if fixed is not None and max_seq_len > fixed:
+        raise PitError(f"a static KV cache of {max_seq_len} positions passes the {fixed} positions up to which this "
+                       f"model's {rope_type(config)!r} rotary embedding keeps its frequencies (past them it changes "
+                       f"them, which a .pte cannot follow); pass --max-seq-len {fixed} or less")
 
 
 class StaticKVDecoder(nn.Module):
@@ -231,6 +239,7 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
     Returns:
         ``(EdgeProgramManager, whether the LLM custom ops were used)``; the model is unchanged.
     """
+    from ...model.rotary import fixed_frequencies
     from . import llm_ops
 
     model.eval()
@@ -239,7 +248,7 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
     if use_llm_ops:
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
-        with skip_idle_passes() if trim_passes else contextlib.nullcontext():
+        with skip_idle_passes() if trim_passes else contextlib.nullcontext(), fixed_frequencies(model, max_seq_len):
             return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites, external_data), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn

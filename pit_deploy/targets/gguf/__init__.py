@@ -2,7 +2,7 @@
 verified and benchmarked in llama.cpp itself through llama-cpp-python.
 
 A materialized PIT model is an ordinary Llama-family model whose output head is untied from its
-input embedding, which llama.cpp's ``llama`` and ``qwen3`` architectures support as they are
+input embedding, which llama.cpp's ``llama``, ``qwen3``, ``smollm3`` and ``phi3`` architectures support as they are
 (``output.weight`` beside ``token_embd.weight``). A factorized model (``Zᵀ`` read by both ends
 through ``T`` and ``T⁻¹``) has no llama.cpp architecture, so it is refused; the transpose-tied
 baseline (``--keep-tying``) is written without ``output.weight``, which is how llama.cpp ties.
@@ -34,7 +34,7 @@ from ..base import Target, plain_relative, resolve
 SPEC_NAME = "llama_cpp.json"
 
 #: ``config.model_type`` → the llama.cpp architecture written in ``general.architecture``
-ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
+ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3", "smollm3": "smollm3", "phi3": "phi3"}
 
 #: scheme name → llama.cpp's name of the file type (``general.file_type``'s meaning)
 FILE_TYPES: dict[str, str] = {"float32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}

@@ -78,8 +78,17 @@ _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # Phi-3's fused linears: llama.cpp's phi3 reads q, k, v from one tensor and gate, up from one
+    # tensor of twice the feed-forward rows (gate first, as Phi3MLP splits it)
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 EMBED, HEAD = "token_embd.weight", "output.weight"
+#: the architectures whose llama.cpp rotary rotates adjacent pairs (``LLAMA_ROPE_TYPE_NORM``), so
+#: the Hugging Face q/k rows are reordered (:func:`rotary_pairs`); the others rotate halves as HF does
+ADJACENT_PAIR_ROTARY = ("llama", "smollm3")
+#: llama.cpp's smollm3 leaves the rotary embedding out of every fourth layer, a step it does not
+#: read from the file (``n_no_rope_layer_step = 4``)
+SMOLLM3_NO_ROPE_STEP = 4
 
 
 # --------------------------------------------------------------------------------------
@@ -118,8 +127,12 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
         raise PitError(f"the gguf runtime writes {', '.join(ARCHITECTURES)} models, not {config.model_type!r}")
-    if (config.rope_scaling or {}).get("rope_type", "default") != "default":
-        raise PitError(f"rope_scaling {config.rope_scaling} is not written to GGUF here; only the default rotary")
+    if arch == "smollm3":
+        expected = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config.num_hidden_layers)]
+        if list(getattr(config, "no_rope_layers", expected)) != expected:
+            raise PitError(f"no_rope_layers {config.no_rope_layers}: llama.cpp's smollm3 leaves the rotary embedding "
+                           f"out of every {SMOLLM3_NO_ROPE_STEP}th layer only ({expected}); export it with "
+                           "--runtime onnx or onnx-genai")
     tied = is_tied(model)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, np.ndarray] = {}
@@ -139,9 +152,9 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
             if module not in _LAYER_NAMES or kind != "weight":
                 unplaced.append(name)
                 continue
-            if arch == "llama" and module == "self_attn.q_proj":
+            if arch in ADJACENT_PAIR_ROTARY and module == "self_attn.q_proj":
                 array = rotary_pairs(array, heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
+            elif arch in ADJACENT_PAIR_ROTARY and module == "self_attn.k_proj":
                 array = rotary_pairs(array, kv_heads)
             out[f"blk.{index}.{_LAYER_NAMES[module]}.weight"] = array
         else:
@@ -149,7 +162,49 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
     if unplaced:
         raise PitError(f"the {arch} GGUF architecture has no place for {', '.join(unplaced[:4])}"
                        f"{' …' if len(unplaced) > 4 else ''}")
+    out.update(rotary_tensors(model, arch))
     return out
+
+
+def rotary_dims(config: Any) -> int:
+    """The dimensions of a head the rotary embedding turns (``partial_rotary_factor`` of it)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * float(getattr(config, "partial_rotary_factor", 1.0) or 1.0))
+
+
+def rotary_tensors(model: PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
+    """The frequency-factor tensors llama.cpp reads for a rotary scaling (none for the default).
+
+    * ``llama3`` (Llama 3.1/3.2) on the ``llama`` architecture: ``rope_freqs.weight``, one factor
+      per frequency by which llama.cpp divides it (``ggml_rope_ext``'s ``freq_factors``): the
+      default frequencies over those of the model's own rotary module.
+    * ``longrope`` (Phi-3 long context, Phi-4-mini) on ``phi3``: ``rope_factors_short`` and
+      ``rope_factors_long`` from the config; llama.cpp takes the long ones when the context is
+      longer than the original one (:func:`write_gguf` writes that length and the attention
+      factor).
+
+    Raises:
+        PitError: any other rotary scaling, or one on an architecture that does not read it.
+    """
+    from ...model.rotary import rope_type
+
+    config = model.config
+    kind = rope_type(config)
+    if kind == "default":
+        return {}
+    if kind == "llama3" and arch == "llama":
+        dims = rotary_dims(config)
+        base = float(getattr(config, "rope_theta", 10000.0))
+        default = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+        actual = next(m.inv_freq for m in model.modules() if hasattr(m, "inv_freq")).to(torch.float64)
+        return {"rope_freqs.weight": (default / actual).to(torch.float32).numpy()}
+    if kind == "longrope" and arch == "phi3":
+        scaling = config.rope_scaling
+        return {f"rope_factors_{which}.weight": np.asarray(scaling[f"{which}_factor"], dtype=np.float32)
+                for which in ("short", "long")}
+    raise PitError(f"rope_scaling {config.rope_scaling} is not written to GGUF here (the {arch} architecture takes "
+                   "the default rotary" + (", llama3 scaling" if arch == "llama" else "")
+                   + (", longrope" if arch == "phi3" else "") + "); export it with --runtime onnx")
 
 
 # --------------------------------------------------------------------------------------
@@ -229,6 +284,37 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_size: int) -> None:
         gguf.SpecialVocab(tmp, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
 
 
+#: llama.cpp (``llama-vocab.cpp``) sets strip attributes on these tokens of any file whose
+#: ``general.name`` contains ``phi3`` or ``phi-3``, and fails to load it when one is missing
+_PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def general_name(name: str, tokenizer: Any) -> str:
+    """``general.name``: the model's name, with ``phi3``/``phi-3`` spelled ``phi_3`` when the
+    tokenizer lacks a token llama.cpp looks up for names that contain them (a model saved under
+    a folder called ``phi3-…`` would otherwise not load)."""
+    import re
+
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    if all(token in vocab for token in _PHI3_NAME_TOKENS):
+        return name
+    return re.sub(r"(?i)phi(-?)3", lambda m: m.group(0)[:3] + "_3", name)
+
+
+def longrope_attention_factor(config: Any) -> float:
+    """The factor ``longrope`` scales the rotary cos/sin by (transformers'
+    ``_compute_longrope_parameters``): the config's ``attention_factor``, else
+    ``sqrt(1 + ln(s) / ln(original))`` for ``s = max_position_embeddings / original`` > 1."""
+    import math
+
+    given = (config.rope_scaling or {}).get("attention_factor")
+    if given is not None:
+        return float(given)
+    original = float(config.original_max_position_embeddings)
+    scale = float(config.max_position_embeddings) / original
+    return 1.0 if scale <= 1.0 else math.sqrt(1.0 + math.log(scale) / math.log(original))
+
+
 def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray],
                quantized: dict[str, tuple[np.ndarray, Any]] | None = None, file_type: int = 0) -> None:
     """Write ``tensors`` (float32, llama.cpp names) and the model's metadata to ``path``;
@@ -239,7 +325,7 @@ def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict
     arch = ARCHITECTURES[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(str(getattr(config, "_name_or_path", "") or "pit-model"))
+    writer.add_name(general_name(str(getattr(config, "_name_or_path", "") or "pit-model"), tokenizer))
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
     writer.add_block_count(int(config.num_hidden_layers))
@@ -248,8 +334,12 @@ def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict
     writer.add_head_count_kv(int(config.num_key_value_heads))
     writer.add_key_length(int(head_dim))
     writer.add_value_length(int(head_dim))
-    writer.add_rope_dimension_count(int(head_dim))
+    writer.add_rope_dimension_count(rotary_dims(config))
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0)))
+    if "rope_factors_long.weight" in tensors:  # longrope: where llama.cpp switches, and the cos/sin scale
+        original = int(config.original_max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(longrope_attention_factor(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     writer.add_file_type(file_type)

@@ -34,14 +34,22 @@ BUILDER_FAMILIES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
 #: onnxruntime's GroupQueryAttention (the builder's attention) takes head sizes in multiples of this
 HEAD_SIZE_MULTIPLE = 16
-#: the builder's node path of each projection (``/model/layers.{i}/<path>/MatMul``): the linears
-#: ``int4_8bit_layers`` can keep at 8 bits through its int8 overrides
-BUILDER_PROJECTIONS: dict[str, str] = {**{p: f"attn/{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-                                       **{p: f"mlp/{p}" for p in ("gate_proj", "up_proj", "down_proj")}}
+#: the body linears the builder writes a node for, by their Hugging Face name, and the builder
+#: node path(s) computing each (``/model/layers.{i}/<path>/MatMul``): the linears
+#: ``int4_8bit_layers`` can keep at 8 bits through its int8 overrides. Phi-3 fuses its query, key
+#: and value into ``qkv_proj`` (the builder keeps that node) and its gate and up projections into
+#: ``gate_up_proj`` (the builder splits it into ``gate_proj`` and ``up_proj``)
+BUILDER_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    **{p: (f"attn/{p}",) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")},
+    **{p: (f"mlp/{p}",) for p in ("gate_proj", "up_proj", "down_proj")},
+    "gate_up_proj": ("mlp/gate_proj", "mlp/up_proj"),
+}
 
 
 def unknown_projections(names: tuple[str, ...] | list[str]) -> list[str]:
@@ -94,6 +102,7 @@ class OnnxGenaiTarget(Target):
     package = "onnxruntime-genai"
     dtypes = ("float32", "int8", "int4")
     model_types = tuple(BUILDER_FAMILIES)
+    splits_fused = True
     exporter = "pit_deploy.targets.onnx_genai.export:export_artifact"
     driver = "pit_deploy.targets.onnx_genai.driver:GenaiDriver"
     primary_file = DECODER_NAME

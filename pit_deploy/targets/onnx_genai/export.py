@@ -21,10 +21,9 @@ norm, and between the final norm and ``logits``, copied with their initializers 
 into the decoder's external data file — the runtime's own ``W_out E`` by construction.
 
 The builder is run in a child process: importing it appends its own directory to ``sys.path``
-(top-level modules named ``builders`` and ``quantization``), and builder 0.18.0 imports two
-classes that transformers 4.57 does not have (``Qwen3_5ForConditionalGeneration``,
-``Qwen3_5MoeForConditionalGeneration``; used only for those architectures), which the child
-stubs before importing it.
+(top-level modules named ``builders`` and ``quantization``), and builder 0.18.0 needs three
+corrections under transformers 4.57, which the child makes before running it
+(:mod:`pit_deploy.targets.onnx_genai.builder_child`).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from transformers import PreTrainedModel
 
 from ...errors import PitError
 from ...io.checkpoint import save_model
+from ...model.families import FUSED_PROJECTIONS
 from ...schemes import Scheme, names_linear
 from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME,
                                   DECODER_NAME, INTERFACE_NAME, unknown_projections)
@@ -52,16 +52,8 @@ from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_
 #: builder ``-p`` value of each dtype the target exports
 PRECISIONS = {"float32": "fp32", "int8": "int8", "int4": "int4"}
 
-#: run in the child: stub the transformers names builder 0.18.0 imports but 4.57 lacks, then
-#: run the builder's ``__main__`` with our arguments
-_LAUNCHER = """
-import runpy, sys, transformers
-for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
-    if not hasattr(transformers, name):
-        setattr(transformers, name, type(name, (), {}))
-sys.argv = ["onnxruntime_genai.models.builder", *sys.argv[1:]]
-runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
-"""
+#: the child's script: the builder's ``__main__`` after three corrections (read its docstring)
+_CHILD = Path(__file__).with_name("builder_child.py")
 
 
 def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Path:
@@ -115,7 +107,7 @@ def run_builder(hf_dir: Path, out_dir: Path, precision: str, cache_dir: Path,
     Raises:
         PitError: the builder failed (its last lines of output are in the message).
     """
-    cmd = [sys.executable, "-c", _LAUNCHER, "-i", str(hf_dir), "-o", str(out_dir), "-p", precision,
+    cmd = [sys.executable, "-c", _CHILD.read_text(), "-i", str(hf_dir), "-o", str(out_dir), "-p", precision,
            "-e", "cpu", "-c", str(cache_dir)]
     if extra_options:
         cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra_options.items())]
@@ -148,9 +140,9 @@ def int8_overrides(layers: tuple[str, ...] | list[str], num_layers: int) -> tupl
     names, hf_parent = tuple(layers), {"attn": "self_attn", "mlp": "mlp"}
     overrides, projections = [], set()
     for i in range(num_layers):
-        for proj, node in BUILDER_PROJECTIONS.items():
-            if names_linear(f"model.layers.{i}.{hf_parent[node.split('/')[0]]}.{proj}", names):
-                overrides.append({"match": {"name": f"/model/layers.{i}/{node}/MatMul"}, "type": "int8"})
+        for proj, nodes in BUILDER_PROJECTIONS.items():
+            if names_linear(f"model.layers.{i}.{hf_parent[nodes[0].split('/')[0]]}.{proj}", names):
+                overrides += [{"match": {"name": f"/model/layers.{i}/{node}/MatMul"}, "type": "int8"} for node in nodes]
                 projections.add(proj)
     extra = {"fuse_qkv": "false"} if projections & {"q_proj", "k_proj", "v_proj"} else {}
     return extra, ({"quant_config": {"weights": {"overrides": overrides}}} if overrides else {})
@@ -287,8 +279,6 @@ def write_interface_graph(folder: Path) -> dict[str, Any]:
 # calibrated codes in the builder's body
 # --------------------------------------------------------------------------------------
 
-#: the builder's fused projections and the linears whose output rows each one stacks, in order
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 #: a body ``MatMulNBits`` of the builder: ``/model/layers.{i}/{attn|mlp}/{projection}/MatMul_Q{bits}``
 _BODY_NODE = re.compile(r"/model/layers\.(\d+)/(?:attn|mlp)/(\w+)/MatMul_Q\d+")
 #: the module path of a body linear of a Hugging Face decoder (``…layers.{i}.self_attn.q_proj``)
@@ -352,7 +342,8 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
         if node.op_type != "MatMulNBits" or match is None:
             continue
         layer, projection = int(match.group(1)), match.group(2)
-        parts = [(layer, p) for p in _FUSED.get(projection, (projection,))]
+        packed_parts = () if (layer, projection) in by_linear else FUSED_PROJECTIONS.get(projection, ())
+        parts = [(layer, p) for p in packed_parts or (projection,)]
         missing = [p for p in parts if p not in by_linear]
         if missing:
             raise RuntimeError(f"{node.name}: no calibrated codes for {missing}")
@@ -395,7 +386,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     linears kept at 8 bits (:func:`int8_overrides`)."""
     import onnx
 
-    from ...export.calibrated_rounding import rounded_weights
+    from ...export.calibrated_rounding import rounded_weights, split_fused
     from ...export.passes import FACTORS_ATTR
 
     if dtype not in PRECISIONS:
@@ -417,7 +408,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     with tempfile.TemporaryDirectory(prefix=".pit-genai-", dir=out_dir.parent) as tmp:
         hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
-    calibrated = rounded_weights(model) if dtype != "float32" else {}
+    # the builder splits Phi-3's gate_up_proj into gate_proj and up_proj nodes
+    calibrated = split_fused(rounded_weights(model)) if dtype != "float32" else {}
     if factorized:  # the codes go in while the interface is rewritten: the decoder is read and written once
         rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size,
                                   table_bits, pit_correction, head_moments, calibrated)
