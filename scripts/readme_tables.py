@@ -54,7 +54,8 @@ def support_matrix() -> str:
         lines.append(f"| `{name}`{default} | {target.title} | " + " | ".join(cells)
                      + f" | {', '.join(target.modes)} | {', '.join(f'`{s}`' for s in schemes)} | {arm(name, target)} |")
     untested = [f"{name} ({', '.join(adapters[name])})" for name in adapters if name not in ALL_FAMILIES]
-    family_types = "; ".join(f"{name}: {', '.join(adapters[name])}" for name in families)
+    covers = {adapter.name: adapter.covers for adapter in registered_families()}
+    family_types = " · ".join(f"`{name}` ({', '.join(adapters[name])}): {covers[name]}" for name in families)
     note = (f"\nModel types per family: {family_types}. Every family also exports as the transpose-tied "
             "baseline (`--keep-tying`, mode `tied`).")
     if untested:

@@ -76,6 +76,8 @@ class FamilyAdapter:
     #: differs (a last name or a dotted suffix of the module path, as ``int4_8bit_layers`` takes
     #: them); a role missing from a family that renames its linears has no linear of its own there
     projections: dict[str, str] = field(default_factory=dict)
+    #: the models a user would bring, in words (``pit-deploy list families``, the README)
+    covers: str = ""
 
     def linear_names(self, roles: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         """``roles`` (the quantization schemes' Llama-layout names, ``("v_proj", "down_proj")``) as
@@ -87,24 +89,28 @@ class FamilyAdapter:
         return tuple(dict.fromkeys(name for name in out if name))
 
 
-LLAMA = FamilyAdapter("llama", ("llama", "mistral", "qwen2"))
-QWEN3 = FamilyAdapter("qwen3", ("qwen3",))
+LLAMA = FamilyAdapter("llama", ("llama", "mistral", "qwen2"),
+                      covers="Llama 2 to 3.2 with Llama 3's llama3 rotary scaling, Mistral, Qwen2 and 2.5, SmolLM2")
+QWEN3 = FamilyAdapter("qwen3", ("qwen3",), covers="Qwen3, dense")
 GRANITE = FamilyAdapter(
     "granite",
     ("granite",),
     embedding_multiplier=lambda c: float(getattr(c, "embedding_multiplier", 1.0)),
     logits_multiplier=lambda c: 1.0 / float(getattr(c, "logits_scaling", 1.0)),
+    covers="Granite 3, dense",
 )
 GEMMA = FamilyAdapter(
-    "gemma", ("gemma",), embedding_multiplier=lambda c: math.sqrt(c.hidden_size)
+    "gemma", ("gemma",), embedding_multiplier=lambda c: math.sqrt(c.hidden_size),
+    covers="the first Gemma only; Gemma 2 and 3 (gemma2, gemma3_text) are not covered",
 )
-SMOLLM3 = FamilyAdapter("smollm3", ("smollm3",))
+SMOLLM3 = FamilyAdapter("smollm3", ("smollm3",), covers="SmolLM3")
 #: Phi-3 and Phi-4-mini: a Llama-layout block with query, key and value in one ``qkv_proj`` and the
 #: MLP's gate and up projections in one ``gate_up_proj`` (``Phi3MLP``: gate rows first)
 PHI3 = FamilyAdapter(
     "phi3", ("phi3",),
     projections={"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+    covers="Phi-3-mini and -medium, Phi-3.5-mini, Phi-4-mini, with longrope",
 )
 GPT2 = FamilyAdapter(
     "gpt2",
@@ -115,12 +121,14 @@ GPT2 = FamilyAdapter(
     # ``attn.c_proj``, the MLP ``mlp.c_fc`` (no gate) and ``mlp.c_proj``
     projections={"q_proj": "attn.c_attn", "k_proj": "attn.c_attn", "v_proj": "attn.c_attn",
                  "o_proj": "attn.c_proj", "up_proj": "mlp.c_fc", "down_proj": "mlp.c_proj"},
+    covers="GPT-2",
 )
 
 # Cohere multiplies logits by ``config.logit_scale`` (CohereForCausalLM.forward); it is the
 # base of the paper's parallel-block Llama-like models (pit_deploy.train.architectures).
 COHERE = FamilyAdapter(
-    "cohere", ("cohere",), logits_multiplier=lambda c: float(getattr(c, "logit_scale", 1.0))
+    "cohere", ("cohere",), logits_multiplier=lambda c: float(getattr(c, "logit_scale", 1.0)),
+    covers="Cohere-layout parallel blocks, the training studies' from-scratch models",
 )
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
@@ -158,8 +166,8 @@ def adapter_for(config: PretrainedConfig) -> FamilyAdapter:
         return _REGISTRY[model_type]
     except KeyError:
         raise KeyError(
-            f"unsupported architecture {model_type!r}: pit_deploy supports "
-            f"{', '.join(supported_model_types())}"
+            f"unsupported architecture {model_type!r}: pit_deploy supports the model types "
+            f"{', '.join(supported_model_types())} (`pit-deploy list families` says which models each covers)"
         ) from None
 
 

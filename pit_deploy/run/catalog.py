@@ -87,8 +87,8 @@ def list_families() -> str:
     rows = []
     for adapter in families():
         targets = [n for n in target_names() if any(get_target(n).supports_family(t) for t in adapter.model_types)]
-        rows.append((adapter.name, ",".join(adapter.model_types), ",".join(targets)))
-    return _table(("family", "model types", "targets"), rows)
+        rows.append((adapter.name, ",".join(adapter.model_types), ",".join(targets), adapter.covers))
+    return _table(("family", "model types", "targets", "models"), rows)
 
 
 def listing(kinds: list[str] | tuple[str, ...] = KINDS) -> str:

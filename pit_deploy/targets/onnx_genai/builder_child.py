@@ -1,6 +1,10 @@
 """Run in a child process by :func:`pit_deploy.targets.onnx_genai.export.run_builder`: correct
-three gaps of onnxruntime-genai's model builder 0.18.0 under transformers 4.57, then run the
+four gaps of onnxruntime-genai's model builder 0.18.0 under transformers 4.57, then run the
 builder's ``__main__`` with the arguments given.
+
+* The builder iterates ``config.rope_scaling``, which is ``None`` for the default rotary
+  embedding: the builder's copy of the config is given ``{"rope_type": "default"}``, the same
+  rotary embedding (written into ``config.json`` instead, Phi-3's config class would refuse it).
 
 * The builder imports ``Qwen3_5ForConditionalGeneration`` and
   ``Qwen3_5MoeForConditionalGeneration``, which transformers 4.57 does not have (they are used
@@ -27,8 +31,18 @@ for _name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGenera
         setattr(transformers, _name, type(_name, (), {}))
 
 import onnxruntime_genai.models  # noqa: E402,F401 — puts the builder's own folder on sys.path
-import builders.phi as phi  # noqa: E402 — the builder's module, as the builder imports it
+import builders.base as base  # noqa: E402 — the builder's modules, as the builder imports them
+import builders.phi as phi  # noqa: E402
 import builders.smollm as smollm  # noqa: E402
+
+_config_init = base.Model.make_config_init
+
+
+def _default_rope_config_init(self, config):
+    if getattr(config, "rope_scaling", {}) is None:
+        config.rope_scaling = {"rope_type": "default"}
+    _config_init(self, config)
+
 
 _smollm3_attention = smollm.SmolLM3Model.make_attention
 _longrope_init = phi.Phi3MiniLongRoPEModel.make_rope_init
@@ -50,6 +64,7 @@ def _longrope_rope_init(self, config):
     _longrope_init(self, config)
 
 
+base.Model.make_config_init = _default_rope_config_init
 smollm.SmolLM3Model.make_attention = _nope_attention
 phi.Phi3MiniLongRoPEModel.make_rope_init = _longrope_rope_init
 sys.argv = ["onnxruntime_genai.models.builder", *sys.argv[1:]]

@@ -21,7 +21,7 @@ norm, and between the final norm and ``logits``, copied with their initializers 
 into the decoder's external data file — the runtime's own ``W_out E`` by construction.
 
 The builder is run in a child process: importing it appends its own directory to ``sys.path``
-(top-level modules named ``builders`` and ``quantization``), and builder 0.18.0 needs three
+(top-level modules named ``builders`` and ``quantization``), and builder 0.18.0 needs four
 corrections under transformers 4.57, which the child makes before running it
 (:mod:`pit_deploy.targets.onnx_genai.builder_child`).
 """
@@ -52,17 +52,15 @@ from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_
 #: builder ``-p`` value of each dtype the target exports
 PRECISIONS = {"float32": "fp32", "int8": "int8", "int4": "int4"}
 
-#: the child's script: the builder's ``__main__`` after three corrections (read its docstring)
+#: the child's script: the builder's ``__main__`` after four corrections (read its docstring)
 _CHILD = Path(__file__).with_name("builder_child.py")
 
 
 def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Path:
     """Save ``model`` (a plain HF model) as the checkpoint the builder reads.
 
-    Two edits the builder needs and transformers' ``save_pretrained`` of a model built from a
-    config does not give: ``architectures`` (the builder dispatches on its first entry) and a
-    ``rope_scaling`` dict (builder 0.18.0 iterates it unconditionally; ``{"rope_type":
-    "default"}`` means the same rotary embedding as ``null``).
+    ``architectures`` is set (the builder dispatches on its first entry; transformers'
+    ``save_pretrained`` of a model built from a config leaves it out).
     """
     arch = type(model).__name__
     if arch not in BUILDER_ARCHITECTURES:
@@ -71,8 +69,6 @@ def builder_checkpoint(model: PreTrainedModel, tokenizer: Any, out: Path) -> Pat
     path = out / "config.json"
     config = json.loads(path.read_text())
     config["architectures"] = [arch]
-    if "rope_scaling" in config and not config["rope_scaling"]:
-        config["rope_scaling"] = {"rope_type": "default"}
     path.write_text(json.dumps(config, indent=2))
     return out
 
