@@ -301,3 +301,11 @@ def test_a_second_export_reads_the_codes_from_the_cache(tmp_path, monkeypatch, c
     first, second = (o / a["path"] for o, a in zip(outs, arts))
     files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
     assert files and all((first / f).read_bytes() == (second / f).read_bytes() for f in files)
+
+
+def test_progress_line_says_the_layer_and_the_time_left():
+    """GPTQ prints one line a layer with the time left (the mean layer time × the layers left)."""
+    from pit_deploy.export.calibrated_rounding import progress_line
+
+    assert progress_line("gptq", 3, 30, 7, 12.0) == "GPTQ: layer 3/30 (7 linears), 12 s, about 1 min 48 s left"
+    assert progress_line("gptq", 30, 30, 7, 120.0).endswith("120 s, done")

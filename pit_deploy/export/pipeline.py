@@ -225,7 +225,8 @@ class _Calibration:
                 self.codes[key] = cached
                 self.say(f"  GPTQ codes of the body {what} read from the cache ({cache_key[:12]}) "
                          f"in {time.perf_counter() - start:.1f} s")
-        model = calibrated_model(prepared, scheme, grid, self.blocks or [], self.codes.get(key))
+        model = calibrated_model(prepared, scheme, grid, self.blocks or [], self.codes.get(key),
+                                 log=lambda line: self.say(f"    {line}"))
         if key not in self.codes:
             self.codes[key] = rounded_weights(model)
             self.say(f"  GPTQ rounding of the body {what} in {time.perf_counter() - start:.0f} s")
