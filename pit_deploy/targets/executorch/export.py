@@ -34,6 +34,7 @@ written here on top of ``transformers.StaticCache`` (its
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ from .head import xnnpack_linear_config
 from .idle_passes import skip_idle_passes
 from .runner_tokenizer import write_runner_tokenizer
 from .token_table import quantize_token_table
-from .xnnpack_rewrites import inferred_view_sizes, xnnpack_friendly
+from .xnnpack_rewrites import inferred_view_sizes, tanh_gelu_spelled_out, xnnpack_friendly
 
 
 def _kv_geometry(config) -> tuple[int, int]:
@@ -82,6 +83,23 @@ def check_max_seq_len(config, max_seq_len: int) -> None:
                        f"them, which a .pte cannot follow); pass --max-seq-len {fixed} or less")
 
 
+def full_length_layers(config):
+    """``config``, or for a model with sliding-window layers (Gemma 2 and 3) a copy whose layers
+    all say full attention, to lay out the static cache with: transformers' sliding-window cache
+    layer is a ring of ``window`` slots, which cannot take a prompt longer than the window in one
+    call (and the program prefills a whole prompt at once). Every layer then keeps the whole
+    context, and the model's own sliding-window mask (built from its unchanged config, with the
+    cache's positions) still keeps each local layer to its window: the same attention, exactly,
+    for the memory of a full-length cache in those layers."""
+    kinds = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" not in kinds:
+        return config
+    twin = copy.deepcopy(config)
+    twin.layer_types = ["full_attention"] * len(kinds)
+    twin.sliding_window = None
+    return twin
+
+
 class StaticKVDecoder(nn.Module):
     """``forward(tokens [1, S], input_pos [1]) -> logits [1, S, V]`` over a static KV cache
     (``[1, 1, V]``, the last position's, with ``last_logits``).
@@ -107,7 +125,7 @@ class StaticKVDecoder(nn.Module):
             self.cache = CustomOpsCache(model.config, self.max_seq_len, heads, head_dim, dtype)
             keys, values = self.cache.keys, self.cache.values
         else:
-            self.cache = StaticCache(config=model.config, max_cache_len=self.max_seq_len)
+            self.cache = StaticCache(config=full_length_layers(model.config), max_cache_len=self.max_seq_len)
             self.cache.early_initialization(1, heads, head_dim, dtype, torch.device("cpu"))
             keys = [layer.keys for layer in self.cache.layers]
             values = [layer.values for layer in self.cache.layers]
@@ -248,7 +266,8 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
     if use_llm_ops:
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
-        with skip_idle_passes() if trim_passes else contextlib.nullcontext(), fixed_frequencies(model, max_seq_len):
+        with skip_idle_passes() if trim_passes else contextlib.nullcontext(), fixed_frequencies(model, max_seq_len), \
+                tanh_gelu_spelled_out(model):
             return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites, external_data), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn

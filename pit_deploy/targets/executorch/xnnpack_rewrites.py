@@ -113,6 +113,31 @@ def xnnpack_friendly(root: nn.Module, model: nn.Module, head_dim: int) -> Iterat
             setattr(parent, name, child)
 
 
+@contextlib.contextmanager
+def tanh_gelu_spelled_out(model: nn.Module) -> Iterator[None]:
+    """Within the block, every tanh-approximated GELU of ``model`` (transformers' ``GELUTanh``:
+    Gemma's ``gelu_pytorch_tanh``) computes its formula with elementary operations,
+    ``x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))``, instead of calling
+    ``gelu(x, approximate="tanh")``.
+
+    Why: XNNPACK's partitioner (ExecuTorch 1.5.1) takes every ``aten.gelu`` node without reading
+    its ``approximate`` argument and runs XNNPACK's GELU, the exact erf form, so a tanh GELU would
+    compute another function on the device (on a tiny Gemma 3, logits rel L2 1.6e-4 against
+    PyTorch, past the fp32 bound). Spelled out, the same function lowers to XNNPACK's tanh,
+    multiplications and additions. Restores the modules on exit."""
+    from transformers.activations import GELUTanh
+
+    swapped = [module for module in model.modules() if isinstance(module, GELUTanh)]
+    saved = [module.act for module in swapped]
+    for module in swapped:
+        module.act = module._gelu_tanh_python
+    try:
+        yield
+    finally:
+        for module, act in zip(swapped, saved):
+            module.act = act
+
+
 def inferred_view_sizes(graph_module: torch.fx.GraphModule):
     """Edge transform pass: a ``view_copy`` whose output size has exactly one symbolic entry
     gets ``-1`` there and concrete integers elsewhere (the same view, which XNNPACK accepts)."""
