@@ -27,12 +27,18 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen3", "granite", "gpt2")
 #: ``qkv_proj`` and ``gate_up_proj``, rotary on three quarters of each head, ``longrope``
 #: scaling), Llama 3.2 (``llama`` with ``rope_type: llama3``)
 DEPLOYED_FAMILIES: tuple[str, ...] = ("smollm3", "phi3", "llama3")
+#: Gemma 2 and 3 in small: local (sliding-window) and global layers with a window the tests'
+#: prompts pass, a norm on each block's outputs, Gemma 2's soft-capping, Gemma 3's query/key
+#: norms and two rotary bases; their norms' gains are drawn away from 1, as trained ones are
+#: (a fresh Gemma norm has gain exactly 1, which would hide what the post-norms do to a
+#: conversion; :func:`_trained_scales`)
+GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 #: every family :func:`tiny_config` builds. Gemma is tested by conversion (``--t-init
 #: preserve`` included) but kept out of :data:`FAMILIES`: exporting it to ONNX and then to
 #: ExecuTorch in one process fails (optimum's ONNX export leaves an instance ``forward`` on the
 #: model, and torch.export then cannot resolve the constant Gemma builds in its forward, the
 #: ``√d`` normalizer).
-ALL_FAMILIES: tuple[str, ...] = FAMILIES + ("gemma",) + DEPLOYED_FAMILIES
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + ("gemma",) + DEPLOYED_FAMILIES + GEMMA_FAMILIES
 
 
 def tiny_config(
@@ -68,6 +74,8 @@ def tiny_config(
         )
     if family in DEPLOYED_FAMILIES:
         return _deployed_config(family, vocab_size, hidden_size, num_layers, max_positions, common)
+    if family in GEMMA_FAMILIES:
+        return _gemma_config(family, hidden_size, num_layers, max_positions, common)
     if family == "gpt2":
         return GPT2Config(
             n_embd=hidden_size, n_layer=num_layers, n_head=4, n_positions=max_positions,
@@ -107,10 +115,49 @@ def _deployed_config(family: str, vocab_size: int, hidden_size: int, num_layers:
     )
 
 
+#: the tiny Gemma models' sliding window: shorter than the verify prompts, so local layers mask
+GEMMA_WINDOW = 16
+
+
+def _gemma_config(family: str, hidden_size: int, num_layers: int, max_positions: int,
+                  common: dict) -> PretrainedConfig:
+    """The tiny configs of :data:`GEMMA_FAMILIES`: four layers or more, the last of every four
+    global (Gemma 3 has one global layer in six, Gemma 2 one in two)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    layers = max(num_layers, 4)
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
+    shape = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                 query_pre_attn_scalar=hidden_size // 4, max_position_embeddings=max_positions,
+                 sliding_window=GEMMA_WINDOW, layer_types=kinds, **common)
+    if family == "gemma2":
+        return Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **shape)
+    return Gemma3TextConfig(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, **shape)
+
+
+def _trained_scales(model: PreTrainedModel, seed: int) -> None:
+    """Give a fresh Gemma 2/3 model norm gains away from 1, as training does: the pre-norms
+    ``1 + w`` with ``w ~ U(−0.5, 1.5)``, the norms on the blocks' outputs ``U(0.03, 0.1)``, so
+    that the token's own embedding row still carries the residual stream as in a tiny Llama. At
+    unit post-norm gains the blocks' unit-size outputs swamp it and the tied head's logits are
+    nearly flat (top-1 margins a tenth of a tiny Llama's): no quantized check could then say
+    whether the top token survives."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+                param.copy_(torch.rand(param.shape, generator=gen) * 0.07 + 0.03 - 1.0)
+            elif name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=gen) * 2.0 - 0.5)
+
+
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs) -> PreTrainedModel:
     """A randomly initialized tiny causal LM of ``family``, in eval mode."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), dtype=dtype)
+    if family in GEMMA_FAMILIES:
+        _trained_scales(model, seed)
     return model.eval()
 
 

@@ -12,38 +12,28 @@ cheap path per family's distinctive part; the full tier runs every target at fp3
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pit_deploy.api import Conversion, convert
+from pit_deploy.api import Conversion
 from pit_deploy.cli import main
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.tiny import DEPLOYED_FAMILIES, tiny_model, tiny_tokenizer
 
+from pit_models import converted_families, export_verify
+
 
 @pytest.fixture(scope="module")
 def conversions(tmp_path_factory) -> dict[str, Conversion]:
-    """Each family's tiny source converted as ``convert`` does by default (``preserve`` for them)."""
-    root = tmp_path_factory.mktemp("deployed")
-    out = {}
-    for family in DEPLOYED_FAMILIES:
-        save_model(tiny_model(family), root / family, tiny_tokenizer())
-        out[family] = convert(root / family, root / f"{family}-pit", calib_tokens=512, say=None)
-    return out
+    """Each family's tiny source converted as ``convert`` does by default."""
+    return converted_families(tmp_path_factory.mktemp("deployed"), DEPLOYED_FAMILIES)
 
 
 @pytest.fixture(scope="module")
 def converted(conversions) -> dict[str, Path]:
     return {family: c.out for family, c in conversions.items()}
-
-
-def _export_verify(src: Path, out: Path, runtime: str, *args: str) -> dict:
-    assert main(["export", str(src), "--out", str(out), "--runtime", runtime, "--recipe", "tiny-ci", *args]) == 0
-    assert main(["verify", str(out)]) == 0
-    return json.loads((out / "manifest.json").read_text())
 
 
 def test_preserve_keeps_what_each_family_computes(conversions):
@@ -59,11 +49,11 @@ def test_phi3_int4_on_the_builder_and_llama_cpp(converted, tmp_path):
     ``gate_up_proj`` into two nodes, which take the calibrated codes' row halves, and reads
     ``longrope``), and on llama.cpp at Q4_0 (``attn_qkv``, a double-height ``ffn_up``, partial
     rotary, the short and long factor tensors)."""
-    manifest = _export_verify(converted["phi3"], tmp_path / "genai", "onnx-genai", "--dtype", "int4",
+    manifest = export_verify(converted["phi3"], tmp_path / "genai", "onnx-genai", "--dtype", "int4",
                               "--mode", "factorized")
     codes = manifest["artifacts"][0]["details"]["weight_codes"]["tensors"]
     assert "model.layers.0.mlp.gate_proj" in codes and "model.layers.0.mlp.gate_up_proj" not in codes
-    _export_verify(converted["phi3"], tmp_path / "gguf", "gguf", "--dtype", "q4_0", "--mode", "materialized")
+    export_verify(converted["phi3"], tmp_path / "gguf", "gguf", "--dtype", "q4_0", "--mode", "materialized")
     from gguf import GGUFReader
 
     reader = GGUFReader(str(next((tmp_path / "gguf").rglob("*.gguf"))))
@@ -75,14 +65,14 @@ def test_phi3_int4_on_the_builder_and_llama_cpp(converted, tmp_path):
 def test_smollm3_layers_without_rotary(converted, tmp_path):
     """SmolLM3 on onnxruntime-genai (the builder's layers without rotary embeddings are built
     without any) and on llama.cpp (which leaves out every fourth layer's)."""
-    _export_verify(converted["smollm3"], tmp_path / "genai", "onnx-genai", "--mode", "factorized")
-    _export_verify(converted["smollm3"], tmp_path / "gguf", "gguf", "--mode", "materialized")
+    export_verify(converted["smollm3"], tmp_path / "genai", "onnx-genai", "--mode", "factorized")
+    export_verify(converted["smollm3"], tmp_path / "gguf", "gguf", "--mode", "materialized")
 
 
 def test_llama3_rotary_scaling_in_gguf(converted, tmp_path):
     """Llama 3.2's ``rope_type: llama3`` on llama.cpp: the frequency factors travel as
     ``rope_freqs.weight`` (the low frequencies divided by the scaling factor, the high ones kept)."""
-    _export_verify(converted["llama3"], tmp_path / "gguf", "gguf", "--mode", "materialized")
+    export_verify(converted["llama3"], tmp_path / "gguf", "gguf", "--mode", "materialized")
     from gguf import GGUFReader
 
     reader = GGUFReader(str(next((tmp_path / "gguf").rglob("*.gguf"))))
@@ -107,7 +97,7 @@ def test_every_target_fp32_and_int4(converted, tmp_path, family, runtime):
     """Every target at fp32 and at its 4-bit scheme, both modes where the target has them."""
     dtypes = "float32,q4_0" if runtime == "gguf" else "float32,int4"
     modes = ["--mode", "materialized"] if runtime == "gguf" else []
-    _export_verify(converted[family], tmp_path / "x", runtime, "--dtype", dtypes, *modes)
+    export_verify(converted[family], tmp_path / "x", runtime, "--dtype", dtypes, *modes)
 
 
 def test_pte_of_a_longrope_model_is_bounded_by_its_original_context(converted, tmp_path):

@@ -16,9 +16,13 @@ from pit_deploy.errors import PitError
 from pit_deploy.io.checkpoint import load_pit_model, save_model
 from pit_deploy.model.families import adapter_for
 from pit_deploy.model.inspect import effective_interface, interface_delta_ti
-from pit_deploy.tiny import ALL_FAMILIES, tiny_model
+from pit_deploy.tiny import ALL_FAMILIES, GEMMA_FAMILIES, tiny_config, tiny_model
 
-FAMILIES = [f for f in ALL_FAMILIES if f in PRESERVE_FAMILIES]  # llama, qwen3, granite, gemma
+#: the families whose conversion rotates the residual stream: llama, qwen3, granite, gemma, …
+FAMILIES = [f for f in ALL_FAMILIES if tiny_config(f).model_type in PRESERVE_FAMILIES
+            and not adapter_for(tiny_config(f)).post_norms]
+#: Gemma 2 and 3: their blocks normalize their outputs, the body is kept as it is
+POST_NORM_FAMILIES = list(GEMMA_FAMILIES)
 
 
 def _source(family: str) -> torch.nn.Module:
@@ -137,20 +141,48 @@ def test_gemma_gains_are_stored_as_one_plus_w():
     assert float((logits - head).abs().max() / logits.abs().max()) < 1e-5
 
 
-def test_gemma2_post_block_norms_are_refused():
-    """Gemma 2 normalizes block outputs before they join the residual stream: no rotation
-    symmetry, so ``preserve`` refuses it and names why."""
-    from transformers import AutoModelForCausalLM, Gemma2Config
+@pytest.mark.parametrize("family", POST_NORM_FAMILIES)
+def test_post_norm_families_keep_the_body_and_fit_a_diagonal_gain(family):
+    """Gemma 2 and 3 normalize block outputs before they join the residual stream, so no
+    rotation is a symmetry: the conversion keeps every body weight and the embedding (``Z = U``,
+    ``E = E0``), fits only the final gain, and the fitted gain is no worse than the source's on
+    the weighted objective; ``W_out E = I`` as for every conversion."""
+    src = _source(family)
+    model = convert_model(_source(family), "preserve")
+    assert interface_delta_ti(model) < 1e-5
+    final = adapter_for(model.config).final_norm(model)
+    source = dict(src.named_parameters())
+    for name, param in model.named_parameters():
+        if name in source and param is not final.weight and "embed" not in name and "lm_head" not in name:
+            assert torch.equal(param, source[name]), name
+    e_src, _, _ = effective_interface(src)
+    e_pit, _, _ = effective_interface(model)
+    assert float((e_pit - e_src).abs().max() / e_src.abs().max()) < 1e-5
+    fit = model.config.pit["preserve"]
+    assert fit["misfit_fitted"] <= fit["misfit_identity_rotation"]
+    ids = _ids()
+    with torch.no_grad():  # the first hidden state is the source's: the body reads E0
+        first = model.model(ids, output_hidden_states=True).hidden_states[0]
+        first_src = src.model(ids, output_hidden_states=True).hidden_states[0]
+    assert float((first - first_src).abs().max() / first_src.abs().max()) < 1e-5
 
-    from pit_deploy.convert.preserve import preserve_convert
 
-    config = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(PitError, match="post-attention/post-feedforward.*--t-init identity"):
-        preserve_convert(model)
-    with pytest.raises(PitError):  # and convert does not take it at all
-        convert_model(model, "preserve")
+def test_diagonal_fit_solves_the_summed_problem():
+    """The diagonal fit's gradient on the diagonal vanishes and it beats diagonal perturbations."""
+    from pit_deploy.convert.preserve import fit_diagonal_grouped, grouped_misfit
+
+    gen = torch.Generator().manual_seed(2)
+    d = 6
+    a = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    terms = [(w, _spd(gen, d), _spd(gen, d)) for w in (1.0, 2.0)]
+    g = fit_diagonal_grouped(a, terms)
+    assert torch.equal(g, torch.diag(torch.diagonal(g)))
+    grad = sum(w * (ck @ (g - a) @ pk) for w, ck, pk in terms)
+    assert float(torch.diagonal(grad).abs().max()) < 1e-9 * float(sum(w * (ck @ a @ pk) for w, ck, pk in terms).abs().max())
+    best = grouped_misfit(g, a, terms)
+    for _ in range(20):
+        e = torch.diag(torch.randn(d, generator=gen, dtype=torch.float64) * 1e-3)
+        assert grouped_misfit(g + e, a, terms) >= best
 
 
 def test_fit_solves_the_weighted_problem():
@@ -258,7 +290,7 @@ def test_chat_rows_batched_equal_one_by_one_generation():
     assert len(chat_rows(model, tok, prompts, max_new_tokens=12, batch=3, budget=first_two)) == 2
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["gemma2"])  # Gemma 2: the final soft-capping too
 def test_generation_states_give_the_forward_pass_statistics(family):
     """The chat rows' statistics come from the hidden states their batched, left-padded
     generation computed (no second pass): they must equal the statistics of a forward pass

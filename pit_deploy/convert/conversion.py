@@ -39,7 +39,7 @@ def check_tokenizer_fits(tokenizer: Any, config: Any) -> None:
     index past the table (conversion, verification) or be dropped from an exported file.
 
     Raises:
-        PitError: ``len(tokenizer)`` exceeds ``config.vocab_size``.
+        PitError: ``len(tokenizer)`` exceeds ``config.vocab_size`` by other than special tokens.
     """
     if tokenizer is None:
         return
@@ -48,9 +48,24 @@ def check_tokenizer_fits(tokenizer: Any, config: Any) -> None:
     except TypeError:
         return
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if vocab and ids > vocab:
+    if vocab and ids > vocab and not _special_only(tokenizer, vocab, ids):
         raise PitError(f"the tokenizer has {ids} ids and the model's vocabulary {vocab}: ids {vocab}–{ids - 1} have no "
                        "embedding row; use the tokenizer the model was trained with (or resize the model's embeddings)")
+
+
+def _special_only(tokenizer: Any, vocab: int, ids: int) -> bool:
+    """Whether every id past the vocabulary is a special added token (Gemma 3's text models keep
+    the multimodal ``<image_soft_token>`` one id past their table): plain text never encodes to
+    it, so the model is used as its makers ship it, with a warning."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    extra = [added.get(i) for i in range(vocab, ids)]
+    if not extra or any(token is None or not getattr(token, "special", False) for token in extra):
+        return False
+    log.warning("the tokenizer's special token%s %s (id%s %s) ha%s no embedding row: text that spells %s out "
+                "cannot be run", "s" if len(extra) > 1 else "", ", ".join(str(t) for t in extra),
+                "s" if len(extra) > 1 else "", ", ".join(str(i) for i in range(vocab, ids)),
+                "ve" if len(extra) > 1 else "s", "them" if len(extra) > 1 else "it")
+    return True
 
 
 def convert_model(
@@ -114,7 +129,7 @@ def convert_model(
             raise PitError(f"cannot convert the embedding: {exc}") from None
     interface = interface.to(model.get_input_embeddings().weight.dtype)
     block = pit_config_block(
-        spec, t_init=t_init, init="polar-rotated" if t_init == "preserve" else "polar",
+        spec, t_init=t_init, init="polar-rotated" if t_init == "preserve" and not adapter.post_norms else "polar",
         source_tying=tying, source=source, adapter=adapter,
     )
     block.update(extra)

@@ -111,7 +111,7 @@ def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
     bias = getattr(old_head, "bias", None)
     delattr(twin, INTERFACE_ATTR)
     setattr(twin, FACTORS_ATTR, factors)
-    twin.set_input_embeddings(PITEmbedding(factors, adapter.embedding_multiplier(twin.config)))
+    twin.set_input_embeddings(PITEmbedding(factors, adapter.module_embedding_multiplier(twin.config)))
     twin.set_output_embeddings(
         PITHead(factors, adapter.logits_multiplier(twin.config), None if bias is None else bias.to(dtype))
     )
@@ -125,7 +125,7 @@ class InterfaceProbe(nn.Module):
     """What an exported model's own weights say the *effective* interface is.
 
     ``embed(ids)`` returns effective rows ``E_eff[ids]`` (the embedding module's output times
-    the family's embedding multiplier); ``head(h)`` returns effective logits ``h W_out_eff``
+    the multiplier the family's forward applies to it); ``head(h)`` returns effective logits ``h W_out_eff``
     (head output times the logits multiplier, head bias excluded, since ``delta_ti`` is about
     the linear map). Both reuse the model's own embedding/head modules, so an exporter sees
     the very same weight tensors as in the decoder.
@@ -141,7 +141,7 @@ class InterfaceProbe(nn.Module):
                 self.factors = module.interface  # register for export (shared object)
             elif isinstance(module, PITHead) and isinstance(module.interface, nn.Module):
                 self.head_interface = module.interface  # a quantized program's own head constants
-        self.emb_mult = float(adapter.embedding_multiplier(model.config))
+        self.emb_mult = float(adapter.module_embedding_multiplier(model.config))
         self.logit_mult = float(adapter.logits_multiplier(model.config))
         # a residual rotation Q (:mod:`.residual_rotation`) is folded into the embedding's output;
         # the interface is the unrotated rows, so the probe turns them back with Qᵀ

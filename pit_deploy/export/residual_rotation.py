@@ -122,6 +122,9 @@ def rotation_blocker(model: PreTrainedModel) -> str | None:
     if model_type not in PRESERVE_FAMILIES:
         return (f"the rotation is a symmetry of pre-norm RMSNorm families ({', '.join(sorted(PRESERVE_FAMILIES))}), "
                 f"not of {model_type!r}")
+    if adapter_for(model.config).post_norms:
+        return (f"{model_type} normalizes each block's outputs with a gain of its own before they join the residual "
+                "stream, so no rotation of the stream is a symmetry of it")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if _factorized(embedding):
         return None

@@ -78,6 +78,21 @@ class FamilyAdapter:
     projections: dict[str, str] = field(default_factory=dict)
     #: the models a user would bring, in words (``pit-deploy list families``, the README)
     covers: str = ""
+    #: the source's embedding *module* applies ``embedding_multiplier`` itself (Gemma 3's scaled
+    #: word embedding) instead of the model's forward: the PIT embedding that replaces it then
+    #: returns the effective rows, while exported tables stay ``E_eff / multiplier`` as the
+    #: runtimes' Gemma graphs multiply by it
+    scale_in_embedding: bool = False
+    #: each block normalizes its attention and MLP outputs with a gain of their own before they
+    #: join the residual stream (Gemma 2 and 3), so no residual rotation is a symmetry of the body
+    post_norms: bool = False
+
+    def module_embedding_multiplier(self, config: PretrainedConfig) -> float:
+        """What the model's forward multiplies its embedding module's output by: the family's
+        ``embedding_multiplier``, or 1 where the module applies it itself
+        (:attr:`scale_in_embedding`). A module that stands in for the embedding divides the
+        effective rows by this."""
+        return 1.0 if self.scale_in_embedding else self.embedding_multiplier(config)
 
     def linear_names(self, roles: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         """``roles`` (the quantization schemes' Llama-layout names, ``("v_proj", "down_proj")``) as
@@ -101,7 +116,19 @@ GRANITE = FamilyAdapter(
 )
 GEMMA = FamilyAdapter(
     "gemma", ("gemma",), embedding_multiplier=lambda c: math.sqrt(c.hidden_size),
-    covers="the first Gemma only; Gemma 2 and 3 (gemma2, gemma3_text) are not covered",
+    covers="the first Gemma (Gemma 2 and 3 are the gemma2 and gemma3 families)",
+)
+#: Gemma 2: local/global sliding-window layers, attention and final-logit soft-capping, and a norm
+#: on each block's attention and MLP output before the residual add
+GEMMA2 = FamilyAdapter(
+    "gemma2", ("gemma2",), embedding_multiplier=lambda c: math.sqrt(c.hidden_size), post_norms=True,
+    covers="Gemma 2 (2B, 9B)",
+)
+#: Gemma 3's text decoder: Gemma 2's blocks with per-head query/key norms instead of soft-capping,
+#: two rotary bases (local and global layers), and the √d scale inside the embedding module
+GEMMA3 = FamilyAdapter(
+    "gemma3", ("gemma3_text",), embedding_multiplier=lambda c: math.sqrt(c.hidden_size), post_norms=True,
+    scale_in_embedding=True, covers="Gemma 3 text models (270M, 1B)",
 )
 SMOLLM3 = FamilyAdapter("smollm3", ("smollm3",), covers="SmolLM3")
 #: Phi-3 and Phi-4-mini: a Llama-layout block with query, key and value in one ``qkv_proj`` and the
@@ -141,7 +168,7 @@ def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
     return adapter
 
 
-for _adapter in (LLAMA, QWEN3, GRANITE, GEMMA, SMOLLM3, PHI3, GPT2, COHERE):
+for _adapter in (LLAMA, QWEN3, GRANITE, GEMMA, GEMMA2, GEMMA3, SMOLLM3, PHI3, GPT2, COHERE):
     register_family(_adapter)
 
 

@@ -30,7 +30,7 @@ def install_interface(
     old_head = model.get_output_embeddings()
     bias = getattr(old_head, "bias", None) if old_head is not None else None
     setattr(model, INTERFACE_ATTR, interface)
-    model.set_input_embeddings(PITEmbedding(interface, adapter.embedding_multiplier(cfg)))
+    model.set_input_embeddings(PITEmbedding(interface, adapter.module_embedding_multiplier(cfg)))
     model.set_output_embeddings(PITHead(interface, adapter.logits_multiplier(cfg), bias))
     # Never let transformers re-tie the head to the embedding (it would assign a `.weight`).
     cfg.tie_word_embeddings = False

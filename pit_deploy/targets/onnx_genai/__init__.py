@@ -36,6 +36,8 @@ BUILDER_FAMILIES: dict[str, str] = {
     "gemma": "GemmaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
 #: onnxruntime's GroupQueryAttention (the builder's attention) takes head sizes in multiples of this

@@ -399,6 +399,12 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     if dtype == "int4" and int8_layers:
         more, target = int8_overrides(tuple(int8_layers), int(model.config.num_hidden_layers))
         extra.update(more)
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+        # full-length caches in the local layers too: the builder's default ring of window slots
+        # (GroupQueryAttention's sliding_window_cache) is read by onnxruntime-genai's own cache
+        # manager only, while verify runs the graph in plain onnxruntime with a cache that grows
+        # by each step; the attention itself keeps the window (its local_window_size)
+        extra["windowed_kv_cache"] = "false"
     # beside the artifact: inside an export's partial directory, which the next export removes if
     # this process is killed (a copy in the system temp folder would stay there for good)
     with tempfile.TemporaryDirectory(prefix=".pit-genai-", dir=out_dir.parent) as tmp:

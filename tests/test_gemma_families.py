@@ -1,0 +1,109 @@
+"""Gemma 2 and Gemma 3 (``gemma2``, ``gemma3_text``) through convert → export → verify on every
+target that builds them, on tiny models with their structure (:data:`pit_deploy.tiny.GEMMA_FAMILIES`):
+local sliding-window layers with a window shorter than the verify prompts, a norm on each
+block's outputs, Gemma 2's attention and final soft-capping, Gemma 3's query/key norms, two
+rotary bases and the √d scale inside its embedding module, tanh-approximated GELU.
+
+Verify compares each runtime with PyTorch, so a runtime whose local layers see past their
+window, a ``.pte`` that computes GELU's erf form where the model has the tanh one, or an exported
+table scaled twice fails it. The default tier runs one cheap path per family's distinctive
+part; the full tier runs every target at fp32 and int4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pit_deploy.api import Conversion
+from pit_deploy.cli import main
+from pit_deploy.tiny import GEMMA_FAMILIES, tiny_model, tiny_tokenizer
+
+from pit_models import converted_families, export_verify
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory) -> dict[str, Conversion]:
+    """Each family's tiny source converted as ``convert`` does by default."""
+    return converted_families(tmp_path_factory.mktemp("gemma"), GEMMA_FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def converted(conversions) -> dict[str, Path]:
+    return {family: c.out for family, c in conversions.items()}
+
+
+def test_the_conversion_keeps_the_body(conversions):
+    """``preserve`` for post-normalized blocks keeps every body weight and fits the final gain;
+    the loss moves (no rotation symmetry), and the figure is reported."""
+    for family, done in conversions.items():
+        assert done.t_init == "preserve", family
+        assert done.delta_ti < 1e-5
+        assert done.source_nll is not None and done.converted_nll is not None
+
+
+def test_gemma3_pte_holds_local_layers_and_tanh_gelu(converted, tmp_path):
+    """Gemma 3 as a ``.pte``: a prompt longer than the window prefills in one call (every layer's
+    static cache holds the whole context, the model's mask keeps local layers to their window)
+    and the MLP's tanh GELU lowers as that function (XNNPACK's own GELU is the erf form)."""
+    manifest = export_verify(converted["gemma3"], tmp_path / "pte", "executorch", "--mode", "materialized")
+    assert manifest["artifacts"][0]["runtime"] == "executorch"
+
+
+def test_gemma2_on_the_builder(converted, tmp_path):
+    """Gemma 2 on onnxruntime-genai: the builder's soft-capping and sliding-window attention, with
+    full-length caches in the local layers (what verify's plain onnxruntime session feeds)."""
+    manifest = export_verify(converted["gemma2"], tmp_path / "genai", "onnx-genai", "--mode", "factorized")
+    assert manifest["artifacts"][0]["details"]["builder_extra_options"]["windowed_kv_cache"] == "false"
+
+
+def test_gguf_refuses_gemma(converted, tmp_path):
+    """llama.cpp's Gemma architectures are not written here: refused before any work (exit 2)."""
+    assert main(["export", str(converted["gemma3"]), "--out", str(tmp_path / "x"), "--runtime", "gguf",
+                 "--mode", "materialized", "--recipe", "tiny-ci"]) == 2
+
+
+def test_tanh_gelu_is_spelled_out_for_the_lowering():
+    """Inside the rewrite no ``aten.gelu`` reaches the exported graph, the values are the same, and
+    the modules are restored on exit."""
+    from transformers.activations import GELUTanh
+
+    from pit_deploy.targets.executorch.xnnpack_rewrites import tanh_gelu_spelled_out
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), GELUTanh()).eval()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    want = module(x)
+    with tanh_gelu_spelled_out(module):
+        got = module(x)
+        graph = torch.export.export(module, (x,)).graph
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not any("gelu" in str(node.target) for node in graph.nodes)
+    assert "gelu" in str(torch.export.export(module, (x,)).graph)
+
+
+def test_special_tokens_past_the_vocabulary_are_allowed(caplog):
+    """Gemma 3's tokenizer keeps its multimodal ``<image_soft_token>`` one id past the text
+    model's table: a special token there is allowed with a warning; a plain token is refused."""
+    from pit_deploy.convert.conversion import check_tokenizer_fits
+    from pit_deploy.errors import PitError
+
+    tok = tiny_tokenizer()
+    config = tiny_model("gemma3").config
+    tok.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    config.vocab_size = len(tok) - 1
+    check_tokenizer_fits(tok, config)
+    assert "<image_soft_token>" in caplog.text
+    tok.add_tokens(["plainword"])
+    config.vocab_size = len(tok) - 2
+    with pytest.raises(PitError, match="no embedding row"):
+        check_tokenizer_fits(tok, config)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", GEMMA_FAMILIES)
+@pytest.mark.parametrize("runtime", ["onnx", "onnx-genai", "executorch"])
+def test_every_target_fp32_and_int4(converted, tmp_path, family, runtime):
+    """Every target that builds Gemma 2/3 at fp32 and int4, both modes."""
+    export_verify(converted[family], tmp_path / "x", runtime, "--dtype", "float32,int4")
