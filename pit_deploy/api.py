@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import math
 import os
 import sys
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import PitError
 from .evaluate.bench import BenchOptions
+from .model.choices import MAX_LOSS_RISE
 from .options import PARSERS, check_types, describe_value, field_default, flag_name, is_int, type_problem
 
 if TYPE_CHECKING:  # the result types, imported where they are used (they pull in torch)
@@ -48,6 +50,7 @@ __all__ = ["Conversion", "Say", "bench", "convert", "export", "print_progress", 
 
 Say = Callable[[str], None]
 PathLike = str | os.PathLike
+log = logging.getLogger(__name__)
 
 
 def print_progress(message: str) -> None:
@@ -112,6 +115,11 @@ def _int_arg(call: str, name: str, value: Any) -> None:
         raise PitError(f"{call}(): {name} must be an integer, got {describe_value(value)}")
 
 
+def _number_arg(call: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PitError(f"{call}(): {name} must be a number, got {describe_value(value)}")
+
+
 def _say_arg(call: str, say: Any) -> None:
     if say is not None and not callable(say):
         raise PitError(f"{call}(): say must be None or a callable taking one string, got {describe_value(say)}")
@@ -154,22 +162,29 @@ class Conversion:
 
 def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib: str = "default",
             calib_tokens: int = 4096, diagonal: str = "softplus", train_z: bool = False, force: bool = False,
+            max_loss_rise: float = MAX_LOSS_RISE, accept_loss: bool = False,
             trust_remote_code: bool = False, say: Say | None = print_progress) -> Conversion:
     """Convert a causal LM into a PIT checkpoint in ``out`` (``pit-deploy convert``, docs/conversion.md).
 
     ``model`` is ``"default"``, a GGUF file, a Hugging Face directory or a hub id; ``t_init``
     ``None`` picks ``preserve`` where the family allows it (the source's logits kept), else
     ``output``. The held-out loss is measured before and after, so a program sees what the
-    conversion cost without loading the checkpoint again.
+    conversion cost without loading the checkpoint again; a rise of more than ``max_loss_rise``
+    nats/token is refused (nothing written) unless ``accept_loss`` keeps it (a paper init that
+    training will bring back, a Gemma 2/3 model to train).
 
     Raises:
-        PitError: an unknown ``t_init`` or ``diagonal``, ``calib_tokens`` < 1, an ``out`` that
-            exists without ``force``, an unusable source, a source that is already PIT.
+        BoundError: (exit 1) the held-out loss rose by more than ``max_loss_rise`` and
+            ``accept_loss`` is off; ``figures`` holds ``source_nll``, ``converted_nll``, ``bound``.
+        PitError: an unknown ``t_init`` or ``diagonal``, ``calib_tokens`` < 1, a negative
+            ``max_loss_rise``, an ``out`` that exists without ``force``, an unusable source, a
+            source that is already PIT.
     """
     from .model.choices import CONVERSIONS, DIAGONAL_MAPS
 
     model, out = _path_arg("convert", "model", model), _path_arg("convert", "out", out)
-    _bool_args("convert", train_z=train_z, force=force, trust_remote_code=trust_remote_code)
+    _bool_args("convert", train_z=train_z, force=force, accept_loss=accept_loss, trust_remote_code=trust_remote_code)
+    _number_arg("convert", "max_loss_rise", max_loss_rise)
     _text_arg("convert", "t_init", t_init, optional=True)
     calib = _path_arg("convert", "calib", calib)  # "default" or a text file or folder
     _text_arg("convert", "diagonal", diagonal)
@@ -182,6 +197,8 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
         raise PitError(f"--calib-tokens must be at least 1, got {calib_tokens}")
     if diagonal not in DIAGONAL_MAPS:
         raise PitError(f"unknown --diagonal {diagonal!r}; choose one of {', '.join(DIAGONAL_MAPS)}")
+    if not max_loss_rise >= 0:  # NaN included
+        raise PitError(f"--max-loss-rise must be a number of nats/token ≥ 0, got {max_loss_rise}")
     from .io.fs import check_output_dir
 
     check_output_dir(out, force, protect=(model,))  # fail before the slow load
@@ -205,12 +222,36 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
     if before is not None and after is not None:
         say(f"held-out NLL (default corpus, 8×256 tokens): source {before:.3f}, converted {after:.3f} "
             f"({after - before:+.3f} nats/token)")
+        check_loss_rise(before, after, max_loss_rise, accept_loss, chosen)
     delta_ti = interface_delta_ti(converted)
     say(f"delta_ti = {delta_ti:.3e}; saving to {out}")
     path = save_model(converted, out, loaded.tokenizer, force=force)
     say("done")
     return Conversion(out=Path(path), t_init=chosen, delta_ti=delta_ti, source_nll=before, converted_nll=after,
                       source=dict(loaded.source))
+
+
+def check_loss_rise(before: float, after: float, bound: float, accept: bool, t_init: str) -> None:
+    """Refuse a conversion whose held-out NLL rose by more than ``bound`` (or became non-finite),
+    unless ``accept``: a model that lost what it knew is not shipped without being asked for.
+
+    Raises:
+        BoundError: with the figures, exit 1.
+    """
+    rise = after - before
+    if accept or rise <= bound:  # a NaN rise fails the comparison and is refused
+        if accept and not rise <= bound:
+            log.warning("the held-out NLL rose by %+.3f nats/token (bound %g), kept as asked (--accept-loss)",
+                        rise, bound)
+        return
+    from .errors import BoundError
+
+    advice = ("train it back from this checkpoint (docs/training.md)" if t_init != "preserve"
+              else "this family's conversion cannot keep the source (docs/conversion.md); train it after converting")
+    raise BoundError(
+        f"the conversion raised the held-out NLL from {before:.3f} to {after:.3f} nats/token ({rise:+.3f}), past "
+        f"the bound of {bound:g} (--max-loss-rise); nothing was written. To keep it anyway pass --accept-loss and "
+        f"{advice}", source_nll=before, converted_nll=after, bound=bound)
 
 
 def _heldout(loaded: Any) -> float | None:

@@ -53,7 +53,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="convert a causal LM into a PIT model")
     p.add_argument("--model", required=True, help="default | GGUF file | HF directory | hub id")
     p.add_argument("--out", required=True, help="output directory (PIT checkpoint)")
-    from .model.choices import CONVERSIONS
+    from .model.choices import CONVERSIONS, MAX_LOSS_RISE
 
     p.add_argument("--t-init", default=None,
                    help=f"{' | '.join(CONVERSIONS)} (default: preserve where the family allows it, else output)")
@@ -61,6 +61,11 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens for --t-init preserve (default 4096)")
     p.add_argument("--diagonal", default="softplus", help=f"map to L's diagonal: {' | '.join(DIAGONAL_MAPS)}")
     p.add_argument("--train-z", action="store_true", help="mark Z trainable (retracted after each step)")
+    p.add_argument("--max-loss-rise", type=float, default=None, metavar="NATS",
+                   help="refuse (exit 1, nothing written) a conversion whose held-out NLL rises by more than this "
+                        f"(default {MAX_LOSS_RISE:g} nats/token)")
+    p.add_argument("--accept-loss", action="store_true",
+                   help="keep a conversion past --max-loss-rise (a paper init or a Gemma 2/3 model you will train)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code (off by default)")
     p.set_defaults(handler=run_convert)
@@ -70,9 +75,10 @@ def run_convert(args: argparse.Namespace) -> int:
     from .api import convert
 
     terminate_like_interrupt()
+    bound = {} if args.max_loss_rise is None else {"max_loss_rise": args.max_loss_rise}
     convert(args.model, args.out, t_init=args.t_init, calib=args.calib, calib_tokens=args.calib_tokens,
-            diagonal=args.diagonal, train_z=args.train_z, force=args.force,
-            trust_remote_code=args.trust_remote_code, say=stage)
+            diagonal=args.diagonal, train_z=args.train_z, force=args.force, accept_loss=args.accept_loss,
+            trust_remote_code=args.trust_remote_code, say=stage, **bound)
     return 0
 
 

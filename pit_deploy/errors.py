@@ -2,7 +2,8 @@
 
 A :class:`PitError` is a problem with the user's input (a path, a model, an option) that the
 CLI prints as one line and answers with exit code 2, never a traceback. Code raises it with a
-message that names the problem and what to do about it.
+message that names the problem and what to do about it. A :class:`BoundError` is the one kind
+that is not a mistake: a step ran and its result missed a documented bound (exit 1).
 
 A write that fails for a reason outside pit-deploy — a full disk, a file size limit, a quota, a
 read-only or unwritable target — is a :class:`WriteError`: also exit 2, one line naming the path
@@ -38,6 +39,18 @@ class PitError(Exception):
     """A user mistake or unusable input; the CLI prints ``error: <message>`` and exits 2."""
 
     exit_code: int = 2
+
+
+class BoundError(PitError):
+    """A result that ran and missed a bound the tool documents (a conversion that lost too much
+    held-out loss): ``error: <message>`` with the figures, exit 1 like a failed verification,
+    and nothing written. ``figures`` carries the measured values for a program."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, **figures: float):
+        super().__init__(message)
+        self.figures = figures
 
 
 class WriteError(PitError, OSError):

@@ -78,6 +78,22 @@ def test_convert_returns_the_checkpoint_and_its_figures(converted, assets, tmp_p
     assert not (tmp_path / "x").exists()
 
 
+def test_convert_past_the_loss_bound_raises_the_figures(assets, tmp_path):
+    from pit_deploy.errors import BoundError
+    from pit_deploy.io.checkpoint import save_model
+    from pit_deploy.tiny import tiny_model, tiny_tokenizer
+
+    granite = save_model(tiny_model("granite"), tmp_path / "granite", tiny_tokenizer())
+    with pytest.raises(BoundError) as caught:  # the paper init loses several nats on this source
+        pit_deploy.convert(granite, tmp_path / "x", t_init="output", say=None)
+    figures = caught.value.figures
+    assert caught.value.exit_code == 1 and figures["bound"] == pit_deploy.api.MAX_LOSS_RISE
+    assert figures["converted_nll"] > figures["source_nll"]
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(PitError, match="max_loss_rise must be a number"):
+        pit_deploy.convert(assets[0], tmp_path / "x", max_loss_rise="0.5", say=None)
+
+
 def test_train_takes_the_flags_as_keywords(converted, assets, tmp_path):
     conversion, _ = converted
     _, corpus = assets

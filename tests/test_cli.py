@@ -141,6 +141,44 @@ def test_unknown_t_init(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.fixture(scope="module")
+def lossy_source(tmp_path_factory) -> Path:
+    """A tiny Granite whose ``output`` conversion raises the held-out NLL by about 5.5 nats/token
+    (its logit and residual multipliers make the paper init far from the source)."""
+    from pit_deploy.tiny import tiny_tokenizer
+
+    return save_model(tiny_model("granite"), tmp_path_factory.mktemp("lossy") / "granite", tiny_tokenizer())
+
+
+def test_a_conversion_past_the_loss_bound_is_exit_1_with_its_figures_and_writes_nothing(lossy_source, tmp_path,
+                                                                                      capsys) -> None:
+    out = tmp_path / "o"
+    code, _, err = _run(capsys, "convert", "--model", str(lossy_source), "--out", str(out), "--t-init", "output")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, err
+    assert "held-out NLL from" in errors[0] and "past the bound of 0.25" in errors[0], errors[0]
+    assert "--accept-loss" in errors[0] and "Traceback" not in err
+    assert not out.exists() and not any(p.name.startswith(".o") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flags", [["--accept-loss"], ["--max-loss-rise", "50"]], ids=["accept", "wider-bound"])
+def test_a_lossy_conversion_is_kept_when_asked(lossy_source, tmp_path, capsys, caplog, flags) -> None:
+    out = tmp_path / "o"
+    code, _, err = _run(capsys, "convert", "--model", str(lossy_source), "--out", str(out), "--t-init", "output",
+                        *flags)
+    assert code == 0, err
+    assert (out / "config.json").exists()
+    assert ("kept as asked" in caplog.text) == (flags == ["--accept-loss"]), caplog.text
+
+
+@pytest.mark.parametrize("bound", ["-1", "nan"])
+def test_a_loss_bound_that_is_not_a_non_negative_number_is_exit_2(lossy_source, tmp_path, capsys, bound) -> None:
+    code, _, err = _run(capsys, "convert", "--model", str(lossy_source), "--out", str(tmp_path / "o"),
+                        "--max-loss-rise", bound)
+    assert code == 2 and "--max-loss-rise must be a number of nats/token ≥ 0" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_console_script_runs_as_a_process(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(

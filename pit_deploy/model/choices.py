@@ -11,3 +11,7 @@ T_INITS: tuple[str, ...] = ("identity", "input", "output")
 DIAGONAL_MAPS: tuple[str, ...] = ("softplus", "exp")
 #: every conversion ``convert_model`` knows: the paper's T inits and the source-preserving fit
 CONVERSIONS: tuple[str, ...] = (*T_INITS, "preserve")
+#: the held-out loss rise (nats/token) past which ``convert`` refuses a conversion: 5× what
+#: ``preserve`` costs the default model (+0.05), a tenth of what a Gemma 3 body-keeping conversion
+#: costs (+2.9) and a thirtieth of the paper inits' 7–9 nats (docs/conversion.md, "Loss bound")
+MAX_LOSS_RISE: float = 0.25
