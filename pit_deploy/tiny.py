@@ -179,11 +179,15 @@ def tiny_pit_model(family: str, seed: int = 0, t_seed: int = 1, **kwargs) -> Pre
     return model
 
 
-def tiny_tokenizer(vocab_size: int = 512):
+def tiny_tokenizer(vocab_size: int = 512, spread_to: int | None = None):
     """A byte-level BPE tokenizer trained in memory on a fixed built-in text (no files).
 
     Ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>``, matching :func:`tiny_config`. Every byte is
-    in the alphabet, so any text encodes. Returns a ``PreTrainedTokenizerFast``.
+    in the alphabet, so any text encodes. With ``spread_to``, the learned tokens move to the top
+    ids of a ``spread_to``-entry vocabulary (the ids between are unused entries no text encodes
+    to), so that text encodes to ids as large as a 262k-token vocabulary's: a model of
+    ``vocab_size=spread_to`` then exercises ids past 65,535 (16 bits) in every runtime.
+    Returns a ``PreTrainedTokenizerFast``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -201,9 +205,31 @@ def tiny_tokenizer(vocab_size: int = 512):
              "value name data model token train loss step print list dict").split()
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + "\n" for i in range(200)]
     tok.train_from_iterator(corpus, trainer=trainer)
+    if spread_to is not None:
+        tok = _spread(tok, spread_to)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+
+
+def _spread(tok, size: int):
+    """``tok`` with its non-special tokens renumbered to the top of a ``size``-entry vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    specials = {t["id"] for t in spec["added_tokens"]}
+    learned = sorted((i, t) for t, i in vocab.items() if i not in specials)
+    if size < len(vocab):
+        raise ValueError(f"spread_to={size} is smaller than the tokenizer's {len(vocab)} tokens")
+    first = size - len(learned)
+    spread = {t: i for t, i in vocab.items() if i in specials}
+    spread.update({t: first + k for k, (_, t) in enumerate(learned)})
+    spread.update({f"<unused{i}>": i for i in range(len(specials), first)})
+    spec["model"]["vocab"] = spread
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def widen_embedding_spectrum(model: PreTrainedModel, low: float = 5.0, high: float = 500.0,
