@@ -318,6 +318,20 @@ def test_index_names_every_script_and_result(folder):
         json.loads(result.read_text(encoding="utf-8"))  # every committed result parses
 
 
+def test_command_cost(work, tmp_path):
+    """``convert`` of the tiny source, then ``export`` (ONNX fp32, tiny-ci) and ``verify``, each
+    timed in its own process with its peak memory beside the model's fp32 size."""
+    out = tmp_path / "command_cost.json"
+    assert run_benchmark("command_cost", ["--model", str(work / "src"), "--runtime", "onnx", "--dtype", "float32",
+                                          "--recipe", "tiny-ci", "--convert-arg=--calib-tokens=256",
+                                          "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
+    data = well_formed(out, "command_cost", "rows")
+    assert [(r["command"], r["exit_code"]) for r in data["rows"]] == [("convert", 0), ("export", 0), ("verify", 0)]
+    assert data["complete"] and data["model"]["parameters"] > 0
+    assert all(r["peak_rss_mib"] > 0 and r["peak_over_fp32"] > 0 for r in data["rows"])
+    assert data["rows"][1]["output_mib"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.full
 def test_pipeline_time(work, tmp_path):

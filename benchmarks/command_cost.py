@@ -1,0 +1,145 @@
+"""What each ``pit-deploy`` command costs on one model: wall time, peak memory and output size of
+``convert``, then ``export`` and ``verify`` per target, each run as a user runs it (a fresh
+process), with the model's fp32 size beside them.
+
+Why: a large vocabulary (Gemma 3's 262,144 tokens, Phi-4-mini's 200,064) makes the token table
+most of a small model, and a command that holds a few extra copies of it (a float64 buffer, a
+second table, a dense copy of a quantized one) needs many times the model's size in memory —
+on a phone developer's laptop, a CI runner or a 2-core box, that is the difference between a
+tool that runs and one that is killed. The figures here say how many times the model's fp32
+size each command peaks at.
+
+Peak memory is the largest resident set of the command's process tree (``wait4``'s
+``ru_maxrss``: the command's process or any process it started and waited for), not a sum.
+
+Usage::
+
+    python benchmarks/command_cost.py --model DIR [--runtime onnx,onnx-genai,executorch]
+        [--dtype float32,int4] [--convert-arg=--accept-loss ...] [--export-arg ...]
+        [--work DIR] [--out benchmarks/results/command_cost.json]
+
+``--model`` is a plain Hugging Face directory (converted first, ``convert``'s defaults plus the
+``--convert-arg`` flags) or a PIT checkpoint (used as it is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pit_deploy.io.result_file import write_result
+
+
+def run_command(argv: list[str], log: Path) -> dict[str, Any]:
+    """``pit-deploy ARGV`` in a fresh process: exit code, wall seconds, peak RSS (MiB) of its
+    process tree, the last lines of its output (kept in ``log``)."""
+    start = time.perf_counter()
+    with log.open("w", encoding="utf-8") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "pit_deploy", *argv], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - start
+    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-3:]
+    print(f"  pit-deploy {' '.join(argv[:1])}: exit {proc.returncode}, {seconds:.0f} s, "
+          f"{usage.ru_maxrss / 1024:.0f} MiB peak", flush=True)
+    return {"argv": argv, "exit_code": proc.returncode, "seconds": round(seconds, 1),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "output_tail": tail}
+
+
+def folder_mib(path: Path) -> float | None:
+    if not path.exists():
+        return None
+    return round(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20, 1)
+
+
+def model_facts(model: Path) -> dict[str, Any]:
+    """Parameter count (from the safetensors headers, no load) and the model's fp32 size."""
+    from safetensors import safe_open
+
+    params = 0
+    for file in sorted(model.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                shape = handle.get_slice(name).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                params += count
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    return {"model_type": text.get("model_type"), "vocab_size": text.get("vocab_size"),
+            "hidden_size": text.get("hidden_size"), "parameters": params,
+            "fp32_mib": round(params * 4 / 2**20, 1), "is_pit": "pit" in config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, type=Path, help="a plain HF directory or a PIT checkpoint")
+    parser.add_argument("--runtime", default="onnx,onnx-genai,executorch", help="comma list of targets")
+    parser.add_argument("--dtype", default="float32,int4", help="the export schemes, one export per target")
+    parser.add_argument("--mode", default="factorized")
+    parser.add_argument("--recipe", default=None, help="export recipe (default: export's own defaults)")
+    parser.add_argument("--convert-arg", action="append", default=[], help="an extra flag for convert (repeat)")
+    parser.add_argument("--export-arg", action="append", default=[], help="an extra flag for export (repeat)")
+    parser.add_argument("--work", type=Path, default=None, help="where the outputs go (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/command_cost.json"))
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+
+    facts = model_facts(args.model)
+    work = args.work or Path(tempfile.mkdtemp(prefix="command-cost-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+
+    def record(command: str, target: str | None, argv: list[str], out: Path | None) -> dict[str, Any]:
+        row = {"command": command, "target": target,
+               **run_command(argv, work / f"{command}-{target or 'model'}.log")}
+        row["output_mib"] = folder_mib(out) if out is not None else None
+        row["peak_over_fp32"] = round(row["peak_rss_mib"] / facts["fp32_mib"], 2) if facts["fp32_mib"] else None
+        rows.append(row)
+        return row
+
+    model = args.model
+    if not facts["is_pit"]:
+        pit = work / "pit"
+        shutil.rmtree(pit, ignore_errors=True)
+        if record("convert", None, ["convert", "--model", str(args.model), "--out", str(pit), *args.convert_arg],
+                  pit)["exit_code"] != 0:
+            return _write(args, facts, rows, complete=False)
+        model = pit
+    recipe = ["--recipe", args.recipe] if args.recipe else []
+    for target in [t.strip() for t in args.runtime.split(",") if t.strip()]:
+        out = work / f"export-{target}"
+        shutil.rmtree(out, ignore_errors=True)
+        exported = record("export", target, ["export", str(model), "--out", str(out), "--runtime", target,
+                                             "--mode", args.mode, "--dtype", args.dtype, *recipe, *args.export_arg],
+                          out)
+        if exported["exit_code"] == 0:
+            record("verify", target, ["verify", str(out)], None)
+    complete = all(r["exit_code"] == 0 for r in rows)
+    return _write(args, facts, rows, complete)
+
+
+def _write(args: argparse.Namespace, facts: dict[str, Any], rows: list[dict[str, Any]], complete: bool) -> int:
+    worst = max((r["peak_rss_mib"] for r in rows), default=None)
+    result = {"model": facts, "rows": rows, "complete": complete,
+              "settings": {"runtime": args.runtime, "dtype": args.dtype, "mode": args.mode, "recipe": args.recipe,
+                           "convert_args": args.convert_arg, "export_args": args.export_arg},
+              "peak_rss_mib": worst,
+              "peak_over_fp32": round(worst / facts["fp32_mib"], 2) if worst and facts["fp32_mib"] else None,
+              "machine": {"cpu_count": os.cpu_count()}}
+    write_result(args.out, result, __file__, argv=args.argv)
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
