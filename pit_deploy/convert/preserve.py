@@ -41,9 +41,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from ..model.core import PITInterface, PITSpec, polar_factor, spd_and_inverse
+from ..model.core import POLAR_CHUNK_ROWS, PITInterface, PITSpec, polar_factor, spd_and_inverse
 from ..model.families import adapter_for, max_positions
-from ..model.inspect import effective_interface
 
 log = logging.getLogger(__name__)
 
@@ -327,15 +326,21 @@ class _GroupSums:
         self.pbar = torch.zeros(vocab, dtype=torch.float64)
         self.count = 0
 
-    def add(self, n: torch.Tensor, p: torch.Tensor, pu: torch.Tensor) -> None:
+    def add(self, n: torch.Tensor, p: torch.Tensor, pu: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add the positions ``rows`` (indices) of one sequence: ``n``, ``p``, ``pu`` are the whole
+        sequence's (``p``'s rows are summed by a product, not copied out: a row of a 262k-token
+        vocabulary is 1 MiB)."""
+        n, pu = n[rows], pu[rows]
         self.c += n.T @ n
         self.s += pu.T @ pu
-        self.pbar += p.sum(0).to(torch.float64)
+        pick = torch.zeros(p.shape[0], dtype=p.dtype)
+        pick[rows] = 1.0
+        self.pbar += (pick @ p).to(torch.float64)
         self.count += n.shape[0]
 
     def finish(self, name: str, u: torch.Tensor, multiplier: float) -> StatGroup:
         pbar = self.pbar / self.count
-        fisher = (u * pbar[:, None]).T @ u - self.s / self.count
+        fisher = weighted_gram(u, pbar) - self.s / self.count
         return StatGroup(name, self.c / self.count, 0.5 * (fisher + fisher.T), self.count, self.count * multiplier)
 
 
@@ -351,7 +356,7 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     captured: list[torch.Tensor] = []
     handle = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach()))
-    u64, u32 = u.to(torch.float64), u.to(torch.float32)
+    u32 = u.to(torch.float32)
     sums: dict[str, _GroupSums] = {}
     shared, seen_chat = _shared_prefix(calib), False
     try:
@@ -366,6 +371,7 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
             x = state.to(torch.float64)
             n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             p = torch.softmax(logits, dim=-1)
+            del logits  # a sequence's logits and probabilities are 256 MiB each at 262k tokens
             pu = (p @ u32).to(torch.float64)
             labels = position_groups(len(x), prompt_len, shared if seen_chat else 0)
             seen_chat = seen_chat or prompt_len is not None
@@ -373,19 +379,51 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
                 idx = torch.tensor([j for j, lab in enumerate(labels) if lab == name])
                 if name not in sums:  # not setdefault: that would allocate a V-sized sum per row
                     sums[name] = _GroupSums(u.shape[1], u.shape[0])
-                sums[name].add(n[idx], p[idx], pu[idx])
+                sums[name].add(n, p, pu, idx)
     finally:
         handle.remove()
     if not sums:
         raise PitError("calibration produced no tokens")
     return CalibrationStats([
-        total.finish(name, u64, FIRST_ANSWER_WEIGHT if name == FIRST_ANSWER else 1.0) for name, total in sums.items()
+        total.finish(name, u32, FIRST_ANSWER_WEIGHT if name == FIRST_ANSWER else 1.0) for name, total in sums.items()
     ])
 
 
 # --------------------------------------------------------------------------------------
 # The fit
 # --------------------------------------------------------------------------------------
+
+
+def _row_chunks(n: int) -> Iterable[slice]:
+    return (slice(start, start + POLAR_CHUNK_ROWS) for start in range(0, n, POLAR_CHUNK_ROWS))
+
+
+def weighted_gram(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``Uᵀ diag(w) U`` in float64, a chunk of ``U``'s ``V`` rows at a time (no ``V×d`` float64
+    copy of a large vocabulary's table)."""
+    total = torch.zeros(u.shape[1], u.shape[1], dtype=torch.float64)
+    for part in _row_chunks(u.shape[0]):
+        chunk = u[part].to(torch.float64)
+        total += (chunk * w[part, None].to(torch.float64)).T @ chunk
+    return total
+
+
+def source_head_times(model: PreTrainedModel, u: torch.Tensor) -> torch.Tensor:
+    """``W_out U`` (``d×d``, float64) of the source's effective head (its logits multiplier
+    folded in), a chunk of rows at a time."""
+    head = model.get_output_embeddings().weight.detach()
+    total = torch.zeros(u.shape[1], u.shape[1], dtype=torch.float64)
+    for part in _row_chunks(u.shape[0]):
+        total += head[part].to(torch.float64).T @ u[part].to(torch.float64)
+    return total * adapter_for(model.config).logits_multiplier(model.config)
+
+
+def rotate_rows(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``U R`` in float32, each chunk of rows rotated in float64."""
+    out = torch.empty(u.shape, dtype=torch.float32)
+    for part in _row_chunks(u.shape[0]):
+        out[part] = (u[part].to(torch.float64) @ r).to(torch.float32)
+    return out
 
 
 def _sym(m: torch.Tensor) -> torch.Tensor:
@@ -560,13 +598,14 @@ def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpe
         )
     offset = PRESERVE_FAMILIES[model_type]
     adapter = adapter_for(model.config)
-    e_eff, w_eff, _ = effective_interface(model)
-    u, h = polar_factor(e_eff)
-    u, h = u.to(torch.float64), h.to(torch.float64)
-    h_sym, h_inv = spd_and_inverse(h)
+    # U in float32 (a 262k-token table in float64 would be 1.3 GB at d = 640); every product
+    # with it is summed in float64, a chunk of rows at a time
+    u, h = polar_factor(model.get_input_embeddings().weight.detach(),
+                        scale=adapter.embedding_multiplier(model.config), dtype=torch.float32)
+    h_sym, h_inv = spd_and_inverse(h.to(torch.float64))
     norm = adapter.final_norm(model)
     g = norm.weight.detach().to(torch.float64) + offset
-    a = g[:, None] * (w_eff @ u @ h_sym)  # the source head acts as n A H⁻¹ Uᵀ
+    a = g[:, None] * (source_head_times(model, u) @ h_sym)  # the source head acts as n A H⁻¹ Uᵀ
     if rows is None:
         limit = max_positions(model.config) or seq_len
         rows = calibration_set(model, tokenizer, calib, calib_tokens, min(seq_len, limit))
@@ -591,7 +630,7 @@ def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpe
     if not adapter.post_norms:
         fold_and_rotate(model, r, offset)
     norm.weight.copy_((d_vals - offset).to(norm.weight.dtype))
-    z = u @ r
+    z = u if adapter.post_norms else rotate_rows(u, r)
     t = r.T @ h_inv @ r
     lf = torch.linalg.cholesky(0.5 * (t + t.T))
     interface = PITInterface(z.to(torch.float32), lf, spec)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -58,28 +59,52 @@ def _sym_eig(gram: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, torc
 RANK_RTOL = 1e-12
 
 
-def polar_factor(a: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Thin polar decomposition ``A = U H`` of a tall ``V×d`` matrix, in float64.
+#: rows of a ``V×d`` matrix :func:`polar_factor` widens to float64 at a time (32 MiB at d = 640)
+POLAR_CHUNK_ROWS = 8192
+
+
+def polar_factor(a: torch.Tensor, ridge: float = 0.0, *, scale: float = 1.0,
+                 dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thin polar decomposition ``scale·A = U H`` of a tall ``V×d`` matrix, computed in float64.
 
     Computed through the ``d×d`` Gram matrix (``H = (AᵀA)^{1/2}``, ``U = A H⁻¹``) so that the
     cost is ``O(V d²)`` and nothing ``V×V`` is ever formed. One refinement step (the polar
     factor of ``U`` itself, ``U ← U (UᵀU)^{-1/2}``, ``H ← (UᵀU)^{1/2} H``) removes the rounding
     that squaring the condition number costs, which matters for real embeddings.
 
+    ``A`` is read ``POLAR_CHUNK_ROWS`` rows at a time and widened to float64 only chunk by chunk,
+    so a float32 table of a 262k-token vocabulary needs no float64 copy of itself (1.3 GB at
+    d = 640): only ``U`` is allocated, in ``dtype``.
+
     Args:
-        a: ``(V, d)`` with ``V ≥ d`` and full column rank.
+        a: ``(V, d)`` with ``V ≥ d`` and full column rank, any float dtype.
         ridge: optional ``ε`` added to ``AᵀA`` for numerical safety.
+        scale: a multiplier of ``A`` folded in (an embedding scale), as if ``A`` were scaled.
+        dtype: the dtype of the returned ``U`` (``H`` is float64 either way).
 
     Returns:
-        ``(U, H)``: ``U`` ``(V, d)`` with orthonormal columns, ``H`` ``(d, d)`` SPD; float64.
+        ``(U, H)``: ``U`` ``(V, d)`` with orthonormal columns, ``H`` ``(d, d)`` SPD, float64.
 
     Raises:
         ValueError: if ``A`` is not tall or is rank deficient.
     """
     if a.ndim != 2 or a.shape[0] < a.shape[1]:
         raise ValueError(f"polar_factor needs a tall V×d matrix, got shape {tuple(a.shape)}")
-    a64 = a.to(torch.float64)
-    evals, evecs = _sym_eig(a64.T @ a64, ridge)
+
+    def rows() -> Iterator[tuple[slice, torch.Tensor]]:
+        for start in range(0, a.shape[0], POLAR_CHUNK_ROWS):
+            part = slice(start, start + POLAR_CHUNK_ROWS)
+            chunk = a[part].to(torch.float64)
+            yield part, chunk * scale if scale != 1.0 else chunk
+
+    def gram(project: torch.Tensor | None = None) -> torch.Tensor:
+        total = torch.zeros(a.shape[1], a.shape[1], dtype=torch.float64, device=a.device)
+        for _, chunk in rows():
+            chunk = chunk if project is None else chunk @ project
+            total += chunk.T @ chunk
+        return total
+
+    evals, evecs = _sym_eig(gram(), ridge)
     # σ_min²/σ_max² below 1e-12 (cond(A) > 1e6) cannot be told apart from rank deficiency through
     # the Gram matrix: an exactly repeated column leaves an eigenvalue of rounding size, about
     # 1e-16 of the largest and of either sign (a real embedding sits far above: docs/definitions.md).
@@ -87,11 +112,12 @@ def polar_factor(a: torch.Tensor, ridge: float = 0.0) -> tuple[torch.Tensor, tor
         raise ValueError("matrix is rank deficient: its columns do not span d dimensions")
     h = (evecs * evals.sqrt()) @ evecs.T
     h_inv = (evecs * evals.rsqrt()) @ evecs.T
-    u = a64 @ h_inv
-    # Refinement: U is orthonormal up to ~cond(A)²·eps; polar of U is then ~I-close.
-    ev2, evec2 = _sym_eig(u.T @ u)
+    # Refinement: U = A H⁻¹ is orthonormal up to ~cond(A)²·eps; polar of U is then ~I-close.
+    ev2, evec2 = _sym_eig(gram(h_inv))
     correction = (evec2 * ev2.rsqrt()) @ evec2.T
-    u = u @ correction
+    u = torch.empty(a.shape, dtype=dtype, device=a.device)
+    for part, chunk in rows():
+        u[part] = ((chunk @ h_inv) @ correction).to(dtype)
     h = torch.linalg.solve(correction, h)
     h = 0.5 * (h + h.T)
     return u, h

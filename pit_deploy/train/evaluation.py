@@ -15,10 +15,19 @@ from ..data.corpus import Block, DataConfig, TextSource, validation_blocks
 from .loss import token_nll_sum
 
 
+#: bytes of float32 logits one held-out batch may hold (:func:`block_nll`)
+LOGITS_BUDGET = 512 * 2**20
+
+
 @torch.no_grad()
 def block_nll(model: Any, block: Block, batch_size: int, device: torch.device | str = "cpu",
               autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> float:
-    """Mean NLL (nats/token) of ``model`` on ``block``'s learned tokens (mask = 1), in batches."""
+    """Mean NLL (nats/token) of ``model`` on ``block``'s learned tokens (mask = 1), in batches of
+    at most ``batch_size`` rows, fewer where a batch's logits would pass :data:`LOGITS_BUDGET`
+    (a 262k-token vocabulary's logits are 256 MiB per row of 256 tokens)."""
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)  # 0: a wrapper without one
+    per_row = max(1, 4 * vocab * (block.ids.shape[1] - 1))
+    batch_size = max(1, min(batch_size, LOGITS_BUDGET // per_row))
     total, count = 0.0, 0.0
     for i in range(0, block.ids.shape[0], batch_size):
         ids = block.ids[i : i + batch_size].to(device)
