@@ -10,6 +10,7 @@ its head by :class:`~pit_deploy.model.modules.PITHead`, both sharing one
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -53,6 +54,10 @@ def check_tokenizer_fits(tokenizer: Any, config: Any) -> None:
                        "embedding row; use the tokenizer the model was trained with (or resize the model's embeddings)")
 
 
+#: the tokenizers already warned about special tokens past the vocabulary
+_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 def _special_only(tokenizer: Any, vocab: int, ids: int) -> bool:
     """Whether every id past the vocabulary is a special added token (Gemma 3's text models keep
     the multimodal ``<image_soft_token>`` one id past their table): plain text never encodes to
@@ -61,6 +66,12 @@ def _special_only(tokenizer: Any, vocab: int, ids: int) -> bool:
     extra = [added.get(i) for i in range(vocab, ids)]
     if not extra or any(token is None or not getattr(token, "special", False) for token in extra):
         return False
+    try:
+        if tokenizer in _WARNED:  # convert checks the tokenizer three times; say it once
+            return True
+        _WARNED.add(tokenizer)
+    except TypeError:  # not weakly referenceable: warn every time
+        pass
     log.warning("the tokenizer's special token%s %s (id%s %s) ha%s no embedding row: text that spells %s out "
                 "cannot be run", "s" if len(extra) > 1 else "", ", ".join(str(t) for t in extra),
                 "s" if len(extra) > 1 else "", ", ".join(str(i) for i in range(vocab, ids)),
