@@ -1,7 +1,7 @@
 """Which ONNX artifact ships: the ``onnx`` target (optimum's decoder) against the ``onnx-genai``
 target (the onnxruntime-genai builder's fused decoder) on the same PIT model, side by side.
 
-Why: both targets run on onnxruntime and both are verified against PyTorch; the main job ships
+Why: both targets run on onnxruntime and both are verified against PyTorch; the default run ships
 one of them (``pit_deploy/recipes/run/default.toml``), and this is the measurement that chooses.
 The builder's own int4 build of the *source* model, timed by onnxruntime-genai's generator, is
 ``benchmarks/genai_side_by_side.py``; here both targets' artifacts go through the same harness,

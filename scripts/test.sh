@@ -18,7 +18,7 @@ for arg in "$@"; do
   if [ "$arg" = "--full" ]; then tier=(); else args+=("$arg"); fi
 done
 bash scripts/setup.sh
-# the transformers.js checks' npm packages (pinned in web/) and Debian's chromium; the main job needs neither
+# the transformers.js checks' npm packages (pinned in web/) and Debian's chromium; the default run needs neither
 bash scripts/setup_web.sh
 # llama-cpp-python for the gguf target, built once from its sdist into a wheel cache (minutes on 2 cores)
 bash scripts/setup_llama_cpp.sh

@@ -1,4 +1,4 @@
-"""Three known refinements of GPTQ on the int4 `.pte` the main job ships: do any of them bring the
+"""Three known refinements of GPTQ on the int4 `.pte` the default run ships: do any of them bring the
 held-out prose and chat, the kinds the calibration text does not hold, nearer ``0.05``?
 
 Every row is the shipped configuration (residual rotation, GPTQ body, the 56 linears

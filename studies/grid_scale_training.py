@@ -2,14 +2,14 @@
 Q4_1 blocks trained, the codes fixed.
 
 ``studies/source_grid.py`` found that a body frozen by ``--interface-only`` rounds without loss
-but gives up what training teaches (validation 2.3935 against 2.3382 after the main job's 20
+but gives up what training teaches (validation 2.3935 against 2.3382 after the default run's 20
 steps), and a body trained in full is off the grid for good. In between: the body's codes stay,
 each block's ``d`` and ``m`` learn (PEQA, Kim et al., 2023, arXiv:2305.14152, trains only the
 scales of a quantized model), with the interface and the final norm, the block norms frozen. The
 body is then on a grid by construction, its own.
 
-The run repeats the main job's training (its 20 steps, 4 × 256 tokens a step, AdamW at 1e-5 with
-4 warm-up steps and cosine decay, clipping at 1, no weight decay) from the main job's converted
+The run repeats the default run's training (its 20 steps, 4 × 256 tokens a step, AdamW at 1e-5 with
+4 warm-up steps and cosine decay, clipping at 1, no weight decay) from the default run's converted
 checkpoint, each body linear computed in the source's basis (:class:`GridTrained`: ``W = d·q +
 m`` from the codes, the maps of :class:`source_grid.SourceBasis` on either side). It reports the
 validation loss before and after, and then measures the trained model as
@@ -87,7 +87,7 @@ def on_grid(model: nn.Module, source: nn.Module) -> nn.Module:
 
 
 def train(model: nn.Module, tokenizer, steps: int) -> dict:
-    """The main job's training (module docstring) of the grid scales, interface and final norm."""
+    """The default run's training (module docstring) of the grid scales, interface and final norm."""
     cfg = with_start_defaults(TrainConfig(out="unused", model="unused", data="default", steps=steps, seq_len=256,
                                           batch_size=4, lr=1e-5, warmup_steps=4, weight_decay=0.0, eval_blocks=8))
     data = cfg.data_config_obj()
@@ -139,7 +139,7 @@ def as_plain(model: nn.Module) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--convert", required=True, help="the main job's converted checkpoint (1-convert/model)")
+    ap.add_argument("--convert", required=True, help="the default run's converted checkpoint (1-convert/model)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="studies/results/grid_scale_training.json")
     args = ap.parse_args(argv)

@@ -4,7 +4,7 @@ model: the measurement behind the grouped fit and ``FIRST_ANSWER_WEIGHT`` (studi
 variant is fitted from its statistics and scored on the held-out code and chat sets of
 ``studies/conversion.py``: mean KL, top-1 agreement, the first answer token of the 16
 held-out chat prompts, and the first answer token of "What is the capital of France?" (one of
-the calibration prompts, so not held out: shown because the main job asks it).
+the calibration prompts, so not held out: shown because the default run asks it).
 
     python studies/preserve_groups.py [--out studies/results/preserve_groups.json]
 """

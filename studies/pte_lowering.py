@@ -9,8 +9,8 @@ ExecuTorch entry points, and counts the XNNPACK partitions (delegate calls) of `
 * the full model is lowered with the rewrites only (unless ``--full-baseline``: about 3 more minutes here);
 * ``--passes``: the cut and the full model each lowered twice, every XNNPACK pass against the
   idle ones skipped (:mod:`pit_deploy.targets.executorch.idle_passes`), with the ``.pte``'s sha256;
-* ``--dtype int4 --model PIT_DIR``: the program the main job ships instead — a PIT checkpoint
-  (the main job's trained model), factorized, its linears quantized as the ``executorch`` target's ``int4`` scheme
+* ``--dtype int4 --model PIT_DIR``: the program the default run ships instead — a PIT checkpoint
+  (the default run's trained model), factorized, its linears quantized as the ``executorch`` target's ``int4`` scheme
   does (torchao ``8da4w``, ``v_proj``/``down_proj`` ``8da8w``, the 8-bit gather table with the PIT
   correction) — with the quantization's own time as a phase.
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
         source = load_source(args.model, with_tokenizer=False).model
         if tying_of(source) != "pit":
-            parser.error(f"--dtype int4 lowers a PIT model: pass --model PIT_DIR (e.g. the main job's "
+            parser.error(f"--dtype int4 lowers a PIT model: pass --model PIT_DIR (e.g. the default run's "
                          f"runs/default/2-train/pit/model); {args.model} is {tying_of(source)}")
         full = prepare(source, "factorized")
     else:

