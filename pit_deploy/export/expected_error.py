@@ -52,6 +52,7 @@ from transformers import PreTrainedModel
 
 from ..errors import PitError
 from ..model.modules import PITEmbedding, PITHead
+from ..model.quantized_interface import correction_matrix
 from ..schemes import Scheme
 from ..targets.base import WeightGrid
 from .passes import PITFactors
@@ -171,7 +172,7 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
         ze = _round_table(z, grid.embed_bits, scheme, grid, linear=False)
         t = factors.T.to(torch.float64)
         if scheme.pit_correction:
-            m = torch.linalg.solve(zh.T @ ze, torch.linalg.inv(t))
+            m = torch.from_numpy(correction_matrix(zh.numpy(), ze.numpy(), t.numpy()))
             rotation = rotation_of(model)  # a rotated stream takes Q after the correction, as the exporter's
             if rotation is not None:
                 m = m @ rotation.to(torch.float64)
