@@ -41,7 +41,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from ..model.core import POLAR_CHUNK_ROWS, PITInterface, PITSpec, polar_factor, spd_and_inverse
+from ..model.core import PITInterface, PITSpec, polar_factor, row_chunks, spd_and_inverse
 from ..model.families import adapter_for, max_positions
 
 log = logging.getLogger(__name__)
@@ -394,16 +394,11 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
 # --------------------------------------------------------------------------------------
 
 
-def _row_chunks(n: int) -> Iterable[slice]:
-    return (slice(start, start + POLAR_CHUNK_ROWS) for start in range(0, n, POLAR_CHUNK_ROWS))
-
-
 def weighted_gram(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``Uᵀ diag(w) U`` in float64, a chunk of ``U``'s ``V`` rows at a time (no ``V×d`` float64
     copy of a large vocabulary's table)."""
     total = torch.zeros(u.shape[1], u.shape[1], dtype=torch.float64)
-    for part in _row_chunks(u.shape[0]):
-        chunk = u[part].to(torch.float64)
+    for part, chunk in row_chunks(u):
         total += (chunk * w[part, None].to(torch.float64)).T @ chunk
     return total
 
@@ -413,16 +408,16 @@ def source_head_times(model: PreTrainedModel, u: torch.Tensor) -> torch.Tensor:
     folded in), a chunk of rows at a time."""
     head = model.get_output_embeddings().weight.detach()
     total = torch.zeros(u.shape[1], u.shape[1], dtype=torch.float64)
-    for part in _row_chunks(u.shape[0]):
-        total += head[part].to(torch.float64).T @ u[part].to(torch.float64)
+    for part, chunk in row_chunks(u):
+        total += head[part].to(torch.float64).T @ chunk
     return total * adapter_for(model.config).logits_multiplier(model.config)
 
 
 def rotate_rows(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``U R`` in float32, each chunk of rows rotated in float64."""
     out = torch.empty(u.shape, dtype=torch.float32)
-    for part in _row_chunks(u.shape[0]):
-        out[part] = (u[part].to(torch.float64) @ r).to(torch.float32)
+    for part, chunk in row_chunks(u):
+        out[part] = (chunk @ r).to(torch.float32)
     return out
 
 

@@ -63,6 +63,25 @@ RANK_RTOL = 1e-12
 POLAR_CHUNK_ROWS = 8192
 
 
+def row_chunks(a: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(rows, scale·a[rows] in float64)`` for consecutive slices of ``POLAR_CHUNK_ROWS`` rows:
+    float64 work on a ``V×d`` table without a float64 copy of the whole of it."""
+    for start in range(0, a.shape[0], POLAR_CHUNK_ROWS):
+        part = slice(start, start + POLAR_CHUNK_ROWS)
+        chunk = a[part].detach().to(torch.float64)
+        yield part, chunk * scale if scale != 1.0 else chunk
+
+
+def gram64(a: torch.Tensor, project: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """``(scale·A P)ᵀ (scale·A P)`` in float64 (``P`` = ``project``, or none), summed by row chunks."""
+    d = a.shape[1] if project is None else project.shape[1]
+    total = torch.zeros(d, d, dtype=torch.float64, device=a.device)
+    for _, chunk in row_chunks(a, scale):
+        chunk = chunk if project is None else chunk @ project
+        total += chunk.T @ chunk
+    return total
+
+
 def polar_factor(a: torch.Tensor, ridge: float = 0.0, *, scale: float = 1.0,
                  dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Thin polar decomposition ``scale·A = U H`` of a tall ``V×d`` matrix, computed in float64.
@@ -91,20 +110,7 @@ def polar_factor(a: torch.Tensor, ridge: float = 0.0, *, scale: float = 1.0,
     if a.ndim != 2 or a.shape[0] < a.shape[1]:
         raise ValueError(f"polar_factor needs a tall V×d matrix, got shape {tuple(a.shape)}")
 
-    def rows() -> Iterator[tuple[slice, torch.Tensor]]:
-        for start in range(0, a.shape[0], POLAR_CHUNK_ROWS):
-            part = slice(start, start + POLAR_CHUNK_ROWS)
-            chunk = a[part].to(torch.float64)
-            yield part, chunk * scale if scale != 1.0 else chunk
-
-    def gram(project: torch.Tensor | None = None) -> torch.Tensor:
-        total = torch.zeros(a.shape[1], a.shape[1], dtype=torch.float64, device=a.device)
-        for _, chunk in rows():
-            chunk = chunk if project is None else chunk @ project
-            total += chunk.T @ chunk
-        return total
-
-    evals, evecs = _sym_eig(gram(), ridge)
+    evals, evecs = _sym_eig(gram64(a, scale=scale), ridge)
     # σ_min²/σ_max² below 1e-12 (cond(A) > 1e6) cannot be told apart from rank deficiency through
     # the Gram matrix: an exactly repeated column leaves an eigenvalue of rounding size, about
     # 1e-16 of the largest and of either sign (a real embedding sits far above: docs/definitions.md).
@@ -113,10 +119,10 @@ def polar_factor(a: torch.Tensor, ridge: float = 0.0, *, scale: float = 1.0,
     h = (evecs * evals.sqrt()) @ evecs.T
     h_inv = (evecs * evals.rsqrt()) @ evecs.T
     # Refinement: U = A H⁻¹ is orthonormal up to ~cond(A)²·eps; polar of U is then ~I-close.
-    ev2, evec2 = _sym_eig(gram(h_inv))
+    ev2, evec2 = _sym_eig(gram64(a, h_inv, scale))
     correction = (evec2 * ev2.rsqrt()) @ evec2.T
     u = torch.empty(a.shape, dtype=dtype, device=a.device)
-    for part, chunk in rows():
+    for part, chunk in row_chunks(a, scale):
         u[part] = ((chunk @ h_inv) @ correction).to(dtype)
     h = torch.linalg.solve(correction, h)
     h = 0.5 * (h + h.T)
@@ -337,8 +343,7 @@ class PITInterface(nn.Module):
         key = (self.Z.data_ptr(), self.Z._version, self.Z.dtype, self.Z.device)
         if self._gram is not None and self._gram[0] == key and not self.Z.requires_grad:
             return self._gram[1]
-        z = self.Z.detach().to(torch.float64)
-        gram = z.T @ z
+        gram = gram64(self.Z)
         self._gram = (key, gram)
         return gram
 
