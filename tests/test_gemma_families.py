@@ -59,6 +59,19 @@ def test_gemma2_on_the_builder(converted, tmp_path):
     assert manifest["artifacts"][0]["details"]["builder_extra_options"]["windowed_kv_cache"] == "false"
 
 
+def test_gemma_builder_embedding_scale_is_matched(tmp_path):
+    """The builder multiplies Gemma's embedding rows by √d rounded to two decimals (11.31 for
+    √128); the exported table is divided by that number, so the runtime's ``W_out E`` is the
+    identity (divided by √d itself, ``delta_ti`` was 3.7e-3 and the logits off by 2.9e-4; with the tiny configs' d = 64 both
+    are 8 and nothing shows)."""
+    from pit_deploy.api import convert
+    from pit_deploy.io.checkpoint import save_model
+
+    save_model(tiny_model("gemma3", hidden_size=128), tmp_path / "src", tiny_tokenizer())
+    pit = convert(tmp_path / "src", tmp_path / "pit", calib_tokens=256, say=None).out
+    export_verify(pit, tmp_path / "genai", "onnx-genai", "--mode", "factorized,materialized")
+
+
 def test_gguf_refuses_gemma(converted, tmp_path):
     """llama.cpp's Gemma architectures are not written here: refused before any work (exit 2)."""
     assert main(["export", str(converted["gemma3"]), "--out", str(tmp_path / "x"), "--runtime", "gguf",

@@ -14,6 +14,7 @@ Standard library only at import; the hooks import what they call.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,19 @@ BUILDER_FAMILIES: dict[str, str] = {
     "gemma3_text": "Gemma3ForCausalLM",
 }
 BUILDER_ARCHITECTURES: tuple[str, ...] = tuple(BUILDER_FAMILIES.values())
+#: the model types whose embedding the builder multiplies by √d rounded to two decimals
+#: (``builders/gemma.py``: ``np.round(np.sqrt(hidden_size), decimals=2)``), not by √d itself
+ROUNDED_EMBEDDING_SCALE: tuple[str, ...] = ("gemma", "gemma2", "gemma3_text")
+
+
+def builder_embedding_multiplier(config: Any, multiplier: float) -> float:
+    """The multiplier the builder's graph applies to the gathered embedding rows, where the model
+    applies ``multiplier``: a table exported for the builder is divided by this one, so that the
+    rows the decoder reads are the model's exactly (dividing by √d where the graph multiplies by
+    √d rounded, 25.3 for 25.2982 at d = 640, would leave ``W_out E`` off the identity by 1.7e-3)."""
+    if getattr(config, "model_type", None) in ROUNDED_EMBEDDING_SCALE:
+        return round(math.sqrt(config.hidden_size), 2)  # np.round's rint(x·100)/100, the same double
+    return float(multiplier)
 #: onnxruntime's GroupQueryAttention (the builder's attention) takes head sizes in multiples of this
 HEAD_SIZE_MULTIPLE = 16
 #: the body linears the builder writes a node for, by their Hugging Face name, and the builder

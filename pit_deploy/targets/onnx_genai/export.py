@@ -28,6 +28,7 @@ corrections under transformers 4.57, which the child makes before running it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -46,8 +47,8 @@ from ...errors import PitError
 from ...io.checkpoint import save_model
 from ...model.families import FUSED_PROJECTIONS
 from ...schemes import Scheme, names_linear
-from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME,
-                                  DECODER_NAME, INTERFACE_NAME, unknown_projections)
+from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME, DECODER_NAME, INTERFACE_NAME,
+               builder_embedding_multiplier, unknown_projections)
 
 #: builder ``-p`` value of each dtype the target exports
 PRECISIONS = {"float32": "fp32", "int8": "int8", "int4": "int4"}
@@ -179,6 +180,32 @@ def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
     if missing or unexpected:
         raise PitError(f"cannot rebuild a plain twin for the builder: missing {missing}, unexpected {unexpected}")
     return plain.eval()
+
+
+@contextlib.contextmanager
+def _table_for_builder(model: PreTrainedModel) -> Iterator[None]:
+    """While the builder's checkpoint is written: ``model``'s embedding table rescaled from the
+    model's multiplier to the one the builder's graph applies
+    (:func:`~pit_deploy.targets.onnx_genai.builder_embedding_multiplier`), so the decoder reads
+    the model's rows exactly; the model's own tensor is put back afterwards, untouched."""
+    from ...model.families import adapter_for
+
+    config = model.config
+    ours = float(adapter_for(config).embedding_multiplier(config))
+    theirs = builder_embedding_multiplier(config, ours)
+    weight = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if theirs == ours or (head is not None and head.weight is weight):
+        # a tied table (the transpose-tied baseline) is the head too: it is left as the builder
+        # builds any tied Gemma, with the builder's rounded scale
+        yield
+        return
+    original = weight.data
+    weight.data = (original.to(torch.float64) * (ours / theirs)).to(original.dtype)
+    try:
+        yield
+    finally:
+        weight.data = original
 
 
 # --------------------------------------------------------------------------------------
@@ -408,7 +435,9 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     # beside the artifact: inside an export's partial directory, which the next export removes if
     # this process is killed (a copy in the system temp folder would stay there for good)
     with tempfile.TemporaryDirectory(prefix=".pit-genai-", dir=out_dir.parent) as tmp:
-        hf_dir = builder_checkpoint(_plain_twin(model), tokenizer, Path(tmp) / "hf")
+        twin = _plain_twin(model)
+        with _table_for_builder(twin):
+            hf_dir = builder_checkpoint(twin, tokenizer, Path(tmp) / "hf")
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
     # the builder splits Phi-3's gate_up_proj into gate_proj and up_proj nodes
     calibrated = split_fused(rounded_weights(model)) if dtype != "float32" else {}
@@ -493,7 +522,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     if gather is None or head is None:
         raise PitError("the builder's graph has no Gather(table, input_ids) / MatMul(final norm, head) to factorize")
     adapter = adapter_for(config)
-    a, b = float(adapter.embedding_multiplier(config)), float(adapter.logits_multiplier(config))
+    a = builder_embedding_multiplier(config, adapter.embedding_multiplier(config))
+    b = float(adapter.logits_multiplier(config))
     zt = factors.Zt.detach().to(torch.float64)
     m = factors.T_inv.detach().to(torch.float64) / a
     th = factors.T.detach().to(torch.float64) / b
