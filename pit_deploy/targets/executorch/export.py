@@ -422,4 +422,4 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
                                             shared=scheme.pte_shared_table, head_moments=moments))
         written = {**export_pte(quantized, out_dir, recipe.max_seq_len, external_data=details["shared_table"]),
                    "quantization": details}
-    return {**written, **write_runner_tokenizer(tokenizer, out_dir)}
+    return {**written, **write_runner_tokenizer(tokenizer, out_dir, int(getattr(model.config, "vocab_size", 0) or 0))}

@@ -24,14 +24,28 @@ _SEQUENCE_KEYS = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers",
                   "post_processor": "processors", "decoder": "decoders"}
 
 
-def runner_tokenizer(tokenizer: Any) -> tuple[dict[str, Any], list[str]] | None:
-    """The fast tokenizer's JSON, with empty ``Sequence`` components replaced by ``null``;
-    ``None`` for a tokenizer without a fast (``tokenizer.json``) form."""
+def runner_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> tuple[dict[str, Any], list[str]] | None:
+    """The fast tokenizer's JSON, with empty ``Sequence`` components replaced by ``null`` and
+    added tokens at ids past the model's ``vocab_size`` removed; ``None`` for a tokenizer
+    without a fast (``tokenizer.json``) form.
+
+    Why the second repair: the stock runner samples over as many ids as its tokenizer has, so
+    with Gemma 3's ``<image_soft_token>`` (one id past the text model's 262,144 logits) it read
+    one float past the logits, picked that id, and failed to embed it ("index 262144 is out of
+    range"). Such tokens have no embedding row: no prompt can use them anyway.
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
     data = json.loads(backend.to_str())
     repairs = []
+    if vocab_size:
+        past = [t for t in data.get("added_tokens") or [] if int(t.get("id", -1)) >= vocab_size]
+        if past:
+            data["added_tokens"] = [t for t in data["added_tokens"] if int(t.get("id", -1)) < vocab_size]
+            repairs.append(f"removed the added token{'s' if len(past) > 1 else ''} "
+                           f"{', '.join(str(t.get('content')) for t in past)} past the model's {vocab_size} ids "
+                           "(the stock runner samples over every tokenizer id and would read past the logits)")
     for key, inner in _SEQUENCE_KEYS.items():
         part = data.get(key)
         if isinstance(part, dict) and part.get("type") == "Sequence" and not part.get(inner):
@@ -40,9 +54,10 @@ def runner_tokenizer(tokenizer: Any) -> tuple[dict[str, Any], list[str]] | None:
     return data, repairs
 
 
-def write_runner_tokenizer(tokenizer: Any, folder: Path) -> dict[str, Any]:
-    """Write ``folder/tokenizer.json`` for the stock runner; returns what the manifest records."""
-    made = runner_tokenizer(tokenizer) if tokenizer is not None else None
+def write_runner_tokenizer(tokenizer: Any, folder: Path, vocab_size: int | None = None) -> dict[str, Any]:
+    """Write ``folder/tokenizer.json`` for the stock runner (a model of ``vocab_size`` ids);
+    returns what the manifest records."""
+    made = runner_tokenizer(tokenizer, vocab_size) if tokenizer is not None else None
     if made is None:
         why = "no tokenizer" if tokenizer is None else "the tokenizer has no tokenizer.json form"
         return {"runner_tokenizer": None, "runner_tokenizer_note": f"{why}: the stock LLM runner cannot run this artifact"}
