@@ -246,12 +246,13 @@ def check_loss_rise(before: float, after: float, bound: float, accept: bool, t_i
         return
     from .errors import BoundError
 
-    advice = ("train it back from this checkpoint (docs/training.md)" if t_init != "preserve"
-              else "this family's conversion cannot keep the source (docs/conversion.md); train it after converting")
+    why = ("" if t_init != "preserve" else
+           " (this family's conversion cannot keep what the source computes: docs/conversion.md)")
     raise BoundError(
         f"the conversion raised the held-out NLL from {before:.3f} to {after:.3f} nats/token ({rise:+.3f}), past "
-        f"the bound of {bound:g} (--max-loss-rise); nothing was written. To keep it anyway pass --accept-loss and "
-        f"{advice}", source_nll=before, converted_nll=after, bound=bound)
+        f"the bound of {bound:g} (--max-loss-rise){why}; nothing was written. To keep it anyway, pass --accept-loss "
+        "and train the model from this checkpoint (docs/training.md)", source_nll=before, converted_nll=after,
+        bound=bound)
 
 
 def _heldout(loaded: Any) -> float | None:

@@ -41,7 +41,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from ..model.core import PITInterface, PITSpec, polar_factor, row_chunks, spd_and_inverse
+from ..model.core import PITInterface, PITSpec, gram64, polar_factor, row_chunks, spd_and_inverse
 from ..model.families import adapter_for, max_positions
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ class _GroupSums:
 
     def finish(self, name: str, u: torch.Tensor, multiplier: float) -> StatGroup:
         pbar = self.pbar / self.count
-        fisher = weighted_gram(u, pbar) - self.s / self.count
+        fisher = gram64(u, weight=pbar) - self.s / self.count
         return StatGroup(name, self.c / self.count, 0.5 * (fisher + fisher.T), self.count, self.count * multiplier)
 
 
@@ -392,15 +392,6 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
 # --------------------------------------------------------------------------------------
 # The fit
 # --------------------------------------------------------------------------------------
-
-
-def weighted_gram(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``Uᵀ diag(w) U`` in float64, a chunk of ``U``'s ``V`` rows at a time (no ``V×d`` float64
-    copy of a large vocabulary's table)."""
-    total = torch.zeros(u.shape[1], u.shape[1], dtype=torch.float64)
-    for part, chunk in row_chunks(u):
-        total += (chunk * w[part, None].to(torch.float64)).T @ chunk
-    return total
 
 
 def source_head_times(model: PreTrainedModel, u: torch.Tensor) -> torch.Tensor:

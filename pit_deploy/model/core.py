@@ -72,13 +72,16 @@ def row_chunks(a: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[slice, tor
         yield part, chunk * scale if scale != 1.0 else chunk
 
 
-def gram64(a: torch.Tensor, project: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-    """``(scale·A P)ᵀ (scale·A P)`` in float64 (``P`` = ``project``, or none), summed by row chunks."""
+def gram64(a: torch.Tensor, project: torch.Tensor | None = None, scale: float = 1.0,
+           weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``(scale·A P)ᵀ diag(w) (scale·A P)`` in float64 (``P`` = ``project``, ``w`` = ``weight``
+    over the rows; each optional), summed by row chunks."""
     d = a.shape[1] if project is None else project.shape[1]
     total = torch.zeros(d, d, dtype=torch.float64, device=a.device)
-    for _, chunk in row_chunks(a, scale):
+    for part, chunk in row_chunks(a, scale):
         chunk = chunk if project is None else chunk @ project
-        total += chunk.T @ chunk
+        weighted = chunk if weight is None else chunk * weight[part, None].to(torch.float64)
+        total += weighted.T @ chunk
     return total
 
 
