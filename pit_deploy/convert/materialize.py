@@ -23,7 +23,7 @@ from ..model.modules import INTERFACE_ATTR, PIT_CONFIG_KEY
 def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """A new, vanilla untied model with ``E = Z T⁻¹`` and ``W_out = T Zᵀ`` as plain weights.
 
-    Computed in float64 from ``(Z, T)`` and cast once to ``dtype`` (default: the model's), with
+    Computed in float64 from ``(Z, T)`` by row chunks and cast once to ``dtype`` (default: the model's), with
     the family multipliers undone so that the *effective* interface is exactly PIT's. The
     result has no project modules: plain ``transformers`` saves and loads it.
     """
@@ -44,11 +44,10 @@ def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None) 
         for k, v in base.state_dict().items()
         if not k.startswith(INTERFACE_ATTR + ".")
     }
-    e, w = interface.materialize()
     emb_name = _param_name(plain, plain.get_input_embeddings().weight)
     head_name = _param_name(plain, plain.get_output_embeddings().weight)
-    state[emb_name] = (e / adapter.embedding_multiplier(config)).to(dtype)
-    state[head_name] = (w.T / adapter.logits_multiplier(config)).to(dtype)
+    state[emb_name], state[head_name] = interface.materialized_rows(
+        dtype, adapter.embedding_multiplier(config), adapter.logits_multiplier(config))
     head_bias = getattr(base.get_output_embeddings(), "bias", None)
     if head_bias is not None:
         state[head_name.rsplit(".", 1)[0] + ".bias"] = head_bias.detach().to(dtype)

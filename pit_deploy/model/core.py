@@ -334,6 +334,22 @@ class PITInterface(nn.Module):
         eye = torch.eye(lf.shape[0], dtype=torch.float64, device=lf.device)
         return torch.cholesky_solve(eye, lf, upper=False)
 
+    @torch.no_grad()
+    def materialized_rows(self, dtype: torch.dtype, table_divisor: float = 1.0,
+                          head_divisor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E / table_divisor, W_outᵀ / head_divisor)``, both ``(V, d)`` in ``dtype``: what a
+        materialized model stores. Each row is computed in float64 (as :meth:`materialize`) and
+        cast once, ``POLAR_CHUNK_ROWS`` rows at a time, so no float64 ``V×d`` table is held
+        (2.7 GB for both at a 262k-token vocabulary and d = 640)."""
+        lf, t = self.transform_float64()
+        vocab, dim = self.Z.shape
+        table = torch.empty(vocab, dim, dtype=dtype, device=self.Z.device)
+        head = torch.empty(vocab, dim, dtype=dtype, device=self.Z.device)
+        for part, z in row_chunks(self.Z):
+            table[part] = (torch.cholesky_solve(z.T, lf, upper=False).T / table_divisor).to(dtype)
+            head[part] = ((t @ z.T).T / head_divisor).to(dtype)
+        return table, head
+
     # ---- conditioning of T ----------------------------------------------------------------------
     @torch.no_grad()
     def gram(self) -> torch.Tensor:

@@ -19,21 +19,42 @@ import numpy as np
 import torch
 
 from ..errors import PitError
+from .core import POLAR_CHUNK_ROWS, row_chunks
 
 #: a quantized table whose Gram matrix is worse conditioned than this has lost rank
 MAX_GRAM_COND = 1e12
 
 
+#: rows of a ``V×d`` table taken to float64 at a time: the products below are summed by row
+#: chunks, so a 262k-token table is never copied to float64 whole (1.3 GB per copy at d = 640)
+CHUNK_ROWS = POLAR_CHUNK_ROWS
+
+
+def cross_gram(a: Any, b: Any) -> Any:
+    """``aᵀ b`` in float64 for ``a`` ``(V, d₁)`` and ``b`` ``(V, d₂)`` (numpy arrays or torch
+    tensors on one device, any float dtype), summed by :data:`CHUNK_ROWS`-row chunks."""
+    if isinstance(a, torch.Tensor):
+        total = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
+        for part, chunk in row_chunks(a):
+            total += chunk.T @ b[part].to(torch.float64)
+        return total
+    total = np.zeros((a.shape[1], b.shape[1]))
+    for start in range(0, a.shape[0], CHUNK_ROWS):
+        part = slice(start, start + CHUNK_ROWS)
+        total += np.asarray(a[part], dtype=np.float64).T @ np.asarray(b[part], dtype=np.float64)
+    return total
+
+
 def identity_defect(e: Any, w_out: Any) -> float:
     """``delta_ti = ‖W_out E − I_d‖_F`` in float64, for ``E`` ``(V, d)`` and ``W_out`` ``(d, V)``:
     torch tensors (on their device) or numpy arrays. A head stored as PyTorch stores it
-    (``(V, d)``, ``logits = h @ head.T``) is ``W_out = head.T``."""
-    if isinstance(e, torch.Tensor):
-        e64, w64 = e.to(torch.float64), w_out.to(torch.float64)
-        eye = torch.eye(e64.shape[1], dtype=torch.float64, device=e64.device)
-        return float(torch.linalg.matrix_norm(w64 @ e64 - eye))
-    e64, w64 = np.asarray(e).astype(np.float64), np.asarray(w_out).astype(np.float64)
-    return float(np.linalg.norm(w64 @ e64 - np.eye(e64.shape[1])))
+    (``(V, d)``, ``logits = h @ head.T``) is ``W_out = head.T``. ``W_out E`` is summed by row
+    chunks (:func:`cross_gram`)."""
+    product = cross_gram(w_out.T, e)
+    if isinstance(product, torch.Tensor):
+        eye = torch.eye(product.shape[0], dtype=torch.float64, device=product.device)
+        return float(torch.linalg.matrix_norm(product - eye))
+    return float(np.linalg.norm(product - np.eye(product.shape[0])))
 
 
 def correction_matrix(head_rows: np.ndarray, embed_rows: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -44,8 +65,7 @@ def correction_matrix(head_rows: np.ndarray, embed_rows: np.ndarray, t: np.ndarr
     Raises:
         PitError: the quantized table has lost rank (``Ẑᵀ Ẑ`` singular): use more bits.
     """
-    zh, ze = head_rows.astype(np.float64), embed_rows.astype(np.float64)
-    gram = zh.T @ ze
+    gram = cross_gram(head_rows, embed_rows)
     cond = np.linalg.cond(gram)
     if not np.isfinite(cond) or cond > MAX_GRAM_COND:
         raise PitError(f"the quantized token table is (nearly) rank-deficient (cond {cond:.2e}); "
@@ -53,19 +73,26 @@ def correction_matrix(head_rows: np.ndarray, embed_rows: np.ndarray, t: np.ndarr
     return np.linalg.solve(gram, np.linalg.inv(t))
 
 
-def corrected_table(head: np.ndarray) -> np.ndarray:
-    """The pseudo-inverse of a (dequantized) head as a token table: ``E = Ŵ (ŴᵀŴ)⁻¹``, in
-    float64 by a Cholesky solve, so ``Ŵᵀ E = I_d`` (``head``: ``(V, d)`` as PyTorch stores it,
-    full column rank). A materialized export whose head is quantized stores this table.
+def corrected_table(head: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """The pseudo-inverse of a (dequantized) head as a float32 token table: ``E = Ŵ (ŴᵀŴ)⁻¹``,
+    in float64 (the Gram matrix by row chunks, ``(ŴᵀŴ)⁻¹`` from its Cholesky factor, the rows by
+    chunks), so ``Ŵᵀ E = I_d`` (``head``: ``(V, d)`` as PyTorch stores it, full column rank).
+    A materialized export whose head is quantized stores this table; a runtime that multiplies
+    the gathered rows by ``scale`` (Gemma's ``√d``) stores ``E / scale``.
 
     Raises:
         PitError: the head has lost rank.
     """
-    w = head.astype(np.float64)
-    gram = w.T @ w
+    gram = cross_gram(head, head)
     try:
         chol = np.linalg.cholesky(gram)
     except np.linalg.LinAlgError:
         raise PitError("the quantized head is rank-deficient: no token table can make W_out E = I") from None
     inv = np.linalg.solve(chol.T, np.linalg.solve(chol, np.eye(gram.shape[0])))
-    return w @ inv
+    if scale != 1.0:
+        inv = inv / scale
+    table = np.empty(head.shape, dtype=np.float32)
+    for start in range(0, head.shape[0], CHUNK_ROWS):
+        part = slice(start, start + CHUNK_ROWS)
+        table[part] = np.asarray(head[part], dtype=np.float64) @ inv
+    return table
