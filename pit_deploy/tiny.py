@@ -179,6 +179,12 @@ def tiny_pit_model(family: str, seed: int = 0, t_seed: int = 1, **kwargs) -> Pre
     return model
 
 
+_WORDS = ("def class return import self for in if else while with as the of and to a is "
+          "value name data model token train loss step print list dict").split()
+#: the built-in text the tiny tokenizers are trained on
+_CORPUS = [" ".join(_WORDS[(i * 7 + j) % len(_WORDS)] for j in range(12)) + "\n" for i in range(200)]
+
+
 def tiny_tokenizer(vocab_size: int = 512, spread_to: int | None = None):
     """A byte-level BPE tokenizer trained in memory on a fixed built-in text (no files).
 
@@ -201,15 +207,45 @@ def tiny_tokenizer(vocab_size: int = 512, spread_to: int | None = None):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    words = ("def class return import self for in if else while with as the of and to a is "
-             "value name data model token train loss step print list dict").split()
-    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) + "\n" for i in range(200)]
-    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
     if spread_to is not None:
         tok = _spread(tok, spread_to)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+
+
+def tiny_sentencepiece_tokenizer(vocab_size: int = 600):
+    """A tokenizer in the form of Gemma's (a SentencePiece BPE model as Hugging Face converts it):
+    spaces normalized to ``▁``, no pre-tokenizer, byte fallback to ``<0xNN>`` tokens, and a merge
+    for every split of every piece into two pieces, in the pieces' order (what the conversion of
+    a SentencePiece model lists). Ids 0–3 are ``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``; the
+    256 byte tokens follow. Trained in memory on the built-in text; returns a
+    ``PreTrainedTokenizerFast`` that puts ``<bos>`` in front, as Gemma's does."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    spec = json.loads(tok.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    merges = [[piece[:k], piece[k:]] for piece, _ in sorted(vocab.items(), key=lambda item: item[1])
+              if piece not in specials for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+    spec["model"]["merges"] = merges
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    for byte_token in specials[4:]:  # plain vocabulary entries, as in Gemma's tokenizer.json
+        vocab.setdefault(byte_token, len(vocab))
+    spec["decoder"] = json.loads(decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                                    decoders.Fuse()]).__getstate__())
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
 
 
 def _spread(tok, size: int):

@@ -72,10 +72,41 @@ def test_gemma_builder_embedding_scale_is_matched(tmp_path):
     export_verify(pit, tmp_path / "genai", "onnx-genai", "--mode", "factorized,materialized")
 
 
-def test_gguf_refuses_gemma(converted, tmp_path):
-    """llama.cpp's Gemma architectures are not written here: refused before any work (exit 2)."""
-    assert main(["export", str(converted["gemma3"]), "--out", str(tmp_path / "x"), "--runtime", "gguf",
-                 "--mode", "materialized", "--recipe", "tiny-ci"]) == 2
+def test_gemma3_on_llama_cpp_with_its_tokenizer(tmp_path):
+    """Gemma 3 as GGUF files: llama.cpp's ``gemma3`` graph (norm gains ``1 + w``, local layers
+    from the config's layer flags, two rotary bases, the √d scale on the table) verifies against
+    PyTorch with ``W_out E = I`` on the runtime; the SentencePiece-form tokenizer, written as
+    llama.cpp's ``llama`` tokenizer with merge-rank scores, splits text into the ids Hugging Face
+    gives, byte fallback and special tokens included."""
+    import llama_cpp
+
+    from pit_deploy.api import convert
+    from pit_deploy.io.checkpoint import save_model
+    from pit_deploy.tiny import tiny_sentencepiece_tokenizer
+
+    tok = tiny_sentencepiece_tokenizer()
+    model = tiny_model("gemma3", vocab_size=len(tok))
+    model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    save_model(model, tmp_path / "src", tok)
+    pit = convert(tmp_path / "src", tmp_path / "pit", calib_tokens=256, say=None, accept_loss=True).out
+    manifest = export_verify(pit, tmp_path / "gguf", "gguf", "--mode", "materialized", "--dtype", "q8_0,q4_0")
+    for art in manifest["artifacts"]:
+        assert art["details"]["architecture"] == "gemma3"
+        assert art["details"]["quantization"]["delta_ti_corrected"] < 1e-5
+    gguf_file = next((tmp_path / "gguf").rglob("model-q8_0.gguf"))
+    vocab = llama_cpp.Llama(str(gguf_file), vocab_only=True, verbose=False)
+    for text in ["def  class return\nvalue  name", "bob's café 東京 🚀", "<eos> model<bos>token", "  lead and trail  "]:
+        assert vocab.tokenize(text.encode(), add_bos=True, special=True) == tok(text)["input_ids"], text
+
+
+def test_gguf_refuses_float32_gemma3_and_gemma2(converted, tmp_path):
+    """Refused before any work (exit 2): a float32 Gemma 3 file (llama.cpp's CPU GELU is a
+    float16 table, past the float32 bound) and Gemma 2 (llama.cpp's gemma2 reads its head from
+    the token table, so no untied PIT head has a place)."""
+    for family, dtype in (("gemma3", "float32"), ("gemma2", "q8_0")):
+        assert main(["export", str(converted[family]), "--out", str(tmp_path / family), "--runtime", "gguf",
+                     "--mode", "materialized", "--recipe", "tiny-ci", "--dtype", dtype]) == 2
+        assert not (tmp_path / family / "manifest.json").exists()
 
 
 def test_tanh_gelu_is_spelled_out_for_the_lowering():
@@ -120,3 +151,9 @@ def test_special_tokens_past_the_vocabulary_are_allowed(caplog):
 def test_every_target_fp32_and_int4(converted, tmp_path, family, runtime):
     """Every target that builds Gemma 2/3 at fp32 and int4, both modes."""
     export_verify(converted[family], tmp_path / "x", runtime, "--dtype", "float32,int4")
+
+
+@pytest.mark.full
+def test_gemma3_every_gguf_type(converted, tmp_path):
+    """Gemma 3 in every GGUF type llama.cpp runs it at here (float32 is refused)."""
+    export_verify(converted["gemma3"], tmp_path / "x", "gguf", "--mode", "materialized", "--dtype", "f16,q8_0,q4_0,q4_k_m")

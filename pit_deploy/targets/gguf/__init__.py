@@ -2,8 +2,10 @@
 verified and benchmarked in llama.cpp itself through llama-cpp-python.
 
 A materialized PIT model is an ordinary Llama-family model whose output head is untied from its
-input embedding, which llama.cpp's ``llama``, ``qwen3``, ``smollm3`` and ``phi3`` architectures support as they are
-(``output.weight`` beside ``token_embd.weight``). A factorized model (``Zᵀ`` read by both ends
+input embedding, which llama.cpp's ``llama``, ``qwen3``, ``smollm3``, ``phi3`` and ``gemma3``
+architectures support as they are (``output.weight`` beside ``token_embd.weight``). llama.cpp's
+``gemma`` and ``gemma2`` always read the head from the token table, so the first Gemma and Gemma 2
+are refused. A factorized model (``Zᵀ`` read by both ends
 through ``T`` and ``T⁻¹``) has no llama.cpp architecture, so it is refused; the transpose-tied
 baseline (``--keep-tying``) is written without ``output.weight``, which is how llama.cpp ties.
 
@@ -34,13 +36,20 @@ from ..base import Target, plain_relative, resolve
 SPEC_NAME = "llama_cpp.json"
 
 #: ``config.model_type`` → the llama.cpp architecture written in ``general.architecture``
-ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3", "smollm3": "smollm3", "phi3": "phi3"}
+ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3", "smollm3": "smollm3", "phi3": "phi3",
+                                 "gemma3_text": "gemma3"}
 
 #: scheme name → llama.cpp's name of the file type (``general.file_type``'s meaning)
 FILE_TYPES: dict[str, str] = {"float32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
 #: scheme name → the GGUF file of its artifact folder
 FILE_NAMES: dict[str, str] = {name: f"model-{kind.lower()}.gguf" for name, kind in FILE_TYPES.items()}
+
+#: architectures whose MLP applies GELU, which llama.cpp's CPU backend computes from a float16 lookup
+#: table (ggml's ``GGML_GELU_FP16``, on by default): the activation is rounded to float16 on the way
+#: in and out, which alone moves a float32 file's logits past the float32 bound (measured: rel L2
+#: 2.5e-4 on the tiny Gemma 3, 2.8e-4 from PyTorch with the same rounding; docs/llama_cpp.md)
+TABLE_GELU_ARCHITECTURES = ("gemma3",)
 
 #: the KV-cache types an export may record (``targets/gguf/decoder.py``'s ``KV_TYPES``)
 KV_CACHE_TYPES = ("f32", "f16")
@@ -84,10 +93,16 @@ class LlamaCppTarget(Target):
         if model_type not in ARCHITECTURES:
             raise PitError(f"the {self.name} runtime writes {', '.join(ARCHITECTURES)} models (llama.cpp "
                            f"architectures checked here); {model_type!r} is not one of them")
+        if model_type == "gemma3_text":
+            resolve("pit_deploy.targets.gguf.export:check_gemma3")(config)
         if getattr(config, "pit", None) and "factorized" in recipe.modes:
             raise PitError(f"the {self.name} runtime cannot hold a factorized PIT model: llama.cpp has no "
                            "architecture whose embedding and head read one Zᵀ through T⁻¹ and T; "
                            "export it with --mode materialized")
+        if ARCHITECTURES[model_type] in TABLE_GELU_ARCHITECTURES and "float32" in recipe.dtype:
+            raise PitError(f"a float32 {ARCHITECTURES[model_type]} GGUF cannot meet the float32 bounds: llama.cpp's CPU "
+                           "backend computes GELU from a float16 table (logits off by ~2.5e-4 relative, the bound is "
+                           "1e-4); export it with --dtype f16, q8_0, q4_0 or q4_k_m, checked against their own bounds")
         other = [name for name in recipe.dtype if name not in FILE_TYPES]
         if other:
             raise PitError(f"the {self.name} runtime writes llama.cpp's own types ({', '.join(FILE_TYPES)}), "
@@ -108,7 +123,7 @@ class LlamaCppTarget(Target):
     def precheck_tokenizer(self, tokenizer: Any) -> None:
         """Refuse, before the GGUF conversion, a tokenizer the file cannot hold: none, not byte-level
         BPE, or a pre-tokenizer whose llama.cpp counterpart was not checked here."""
-        resolve("pit_deploy.targets.gguf.export:check_tokenizer")(tokenizer)
+        resolve("pit_deploy.targets.gguf.vocab:check_tokenizer")(tokenizer)
 
     def shapes(self, config: Any, mode: str, recipe: Any) -> dict[str, Any]:
         return {**super().shapes(config, mode, recipe), "architecture": ARCHITECTURES.get(config.model_type)}

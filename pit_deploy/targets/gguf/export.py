@@ -10,8 +10,11 @@ The file is written here with gguf-py's ``GGUFWriter``:
   architecture in llama.cpp (halves, as Hugging Face), so its rows stay;
 * ``output.weight`` untied (a materialized PIT head); a tied baseline omits it, which is how
   llama.cpp ties;
-* the tokenizer (byte-level BPE: tokens, types, merges, special ids, chat template) and the
-  hyper-parameters llama.cpp reads.
+* the tokenizer (:mod:`pit_deploy.targets.gguf.vocab`: byte-level or SentencePiece BPE) and the
+  hyper-parameters llama.cpp reads;
+* for ``gemma3``: every RMS-norm gain as ``1 + w`` (Hugging Face's Gemma norms multiply by
+  ``1 + w``, llama.cpp's by the stored gain), the local layers' window, flags and rotary base.
+  The table stays the model's stored one; llama.cpp multiplies its rows by ``√d`` as Gemma does.
 
 Quantized schemes and the token interface (``docs/llama_cpp.md``):
 
@@ -56,6 +59,7 @@ from ...model.quantized_interface import corrected_table, identity_defect
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
 from .decoder import DEFAULT_CONTEXT
+from .vocab import general_name, write_tokenizer
 
 #: the KV-cache type recorded per file type: float32 files are verified against the fp32 bounds,
 #: which llama.cpp's default f16 cache misses on the default model (docs/llama_cpp.md);
@@ -83,6 +87,18 @@ _LAYER_NAMES = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 EMBED, HEAD = "token_embd.weight", "output.weight"
+#: Gemma 3's block names its norms differently: ``post_attention_layernorm`` is the norm on the
+#: attention's *output* (Llama's is the MLP's input norm), and the MLP has a pre- and a post-norm
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                       "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+#: the layer names per architecture where they are not :data:`_LAYER_NAMES`
+LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES}
+#: the architectures whose llama.cpp graph multiplies the gathered rows by ``√d`` (Gemma's scale)
+SCALED_TABLES = ("gemma3",)
+#: the architectures whose Hugging Face RMS norms multiply by ``1 + w`` (``Gemma3RMSNorm``) where
+#: llama.cpp multiplies by the stored gain: their norm weights are written as ``1 + w`` (float32,
+#: the sum Hugging Face computes too)
+UNIT_OFFSET_NORMS = ("gemma3",)
 #: the architectures whose llama.cpp rotary rotates adjacent pairs (``LLAMA_ROPE_TYPE_NORM``), so
 #: the Hugging Face q/k rows are reordered (:func:`rotary_pairs`); the others rotate halves as HF does
 ADJACENT_PAIR_ROTARY = ("llama", "smollm3")
@@ -133,6 +149,9 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
             raise PitError(f"no_rope_layers {config.no_rope_layers}: llama.cpp's smollm3 leaves the rotary embedding "
                            f"out of every {SMOLLM3_NO_ROPE_STEP}th layer only ({expected}); export it with "
                            "--runtime onnx or onnx-genai")
+    if arch == "gemma3":
+        check_gemma3(config)
+    names = LAYER_NAMES.get(arch, _LAYER_NAMES)
     tied = is_tied(model)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, np.ndarray] = {}
@@ -149,21 +168,53 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
         elif name.startswith("model.layers."):
             index, rest = name[len("model.layers."):].split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            if module not in _LAYER_NAMES or kind != "weight":
+            if module not in names or kind != "weight":
                 unplaced.append(name)
                 continue
             if arch in ADJACENT_PAIR_ROTARY and module == "self_attn.q_proj":
                 array = rotary_pairs(array, heads)
             elif arch in ADJACENT_PAIR_ROTARY and module == "self_attn.k_proj":
                 array = rotary_pairs(array, kv_heads)
-            out[f"blk.{index}.{_LAYER_NAMES[module]}.weight"] = array
+            out[f"blk.{index}.{names[module]}.weight"] = array
         else:
             unplaced.append(name)
     if unplaced:
         raise PitError(f"the {arch} GGUF architecture has no place for {', '.join(unplaced[:4])}"
                        f"{' …' if len(unplaced) > 4 else ''}")
+    if arch in UNIT_OFFSET_NORMS:
+        out = {name: array + np.float32(1.0) if name.endswith("norm.weight") else array for name, array in out.items()}
     out.update(rotary_tensors(model, arch))
     return out
+
+
+def check_gemma3(config: Any) -> None:
+    """Refuse a ``gemma3_text`` model that llama.cpp's ``gemma3`` graph would compute otherwise.
+
+    llama.cpp scales queries by ``1/√head_dim`` (``1/√(d/heads)`` at 62 layers, the 27B), has no
+    attention soft-capping, applies the tanh GELU, and reads one rotary base for the global layers
+    and one for the local ones (no rotary scaling written here).
+
+    Raises:
+        PitError: a setting of ``config`` outside that.
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scalar = config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62 else head_dim
+    problems = []
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if len(kinds) != config.num_hidden_layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        problems.append(f"layer_types {kinds} (one 'sliding_attention' or 'full_attention' per layer)")
+    if int(getattr(config, "query_pre_attn_scalar", scalar) or scalar) != scalar:
+        problems.append(f"query_pre_attn_scalar {config.query_pre_attn_scalar} (llama.cpp scales queries by "
+                        f"1/√{scalar} at {config.num_hidden_layers} layers)")
+    if getattr(config, "attn_logit_softcapping", None):
+        problems.append("attention soft-capping (llama.cpp's gemma3 has none)")
+    if getattr(config, "rope_scaling", None):
+        problems.append(f"rope_scaling {config.rope_scaling}")
+    if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        problems.append(f"hidden_activation {config.hidden_activation!r} (llama.cpp applies the tanh GELU)")
+    if problems:
+        raise PitError(f"llama.cpp's gemma3 architecture would not compute this model: {'; '.join(problems)}; "
+                       "export it with --runtime onnx, onnx-genai or executorch")
 
 
 def rotary_dims(config: Any) -> int:
@@ -212,95 +263,6 @@ def rotary_tensors(model: PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------------------------------
 
 
-def pre_tokenizer_name(tokenizer_json: dict[str, Any]) -> str:
-    """llama.cpp's ``tokenizer.ggml.pre`` for the pre-tokenizer of a ``tokenizer.json``: the
-    name whose split rules are the same as the Hugging Face tokenizer's.
-
-    Raises:
-        PitError: a pre-tokenizer whose llama.cpp counterpart was not checked here.
-    """
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    kinds = [p.get("type") for p in parts]
-    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt-2"  # byte-level with the GPT-2 split regex
-    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
-        return "smollm"  # digits one by one, then the GPT-2 regex
-    raise PitError(f"the tokenizer's pre-tokenizer {kinds or pre.get('type')} has no llama.cpp counterpart checked "
-                   "here (byte-level BPE with the GPT-2 split, optionally single digits first); export this model "
-                   "with another --runtime (onnx, executorch)")
-
-
-def _checked_tokenizer(tokenizer: Any, tmp: Path) -> tuple[dict[str, Any], str]:
-    """``(tokenizer.json, llama.cpp pre-tokenizer name)`` of ``tokenizer`` saved into ``tmp``.
-
-    Raises:
-        PitError: no tokenizer, no ``tokenizer.json`` (a slow tokenizer), not BPE, or a
-            pre-tokenizer llama.cpp lacks (:func:`pre_tokenizer_name`).
-    """
-    if tokenizer is None:
-        raise PitError("a GGUF file needs the tokenizer (llama.cpp reads it from the file); the source has none")
-    tokenizer.save_pretrained(tmp)
-    try:
-        data = json.loads((Path(tmp) / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise PitError("the gguf runtime writes byte-level BPE tokenizers from their tokenizer.json, and this "
-                       "tokenizer has none (not a fast tokenizer); export this model with another --runtime") from None
-    if (data.get("model") or {}).get("type") != "BPE":
-        raise PitError("the gguf runtime writes byte-level BPE tokenizers only; export this model with another "
-                       "--runtime (onnx, executorch)")
-    return data, pre_tokenizer_name(data)
-
-
-def check_tokenizer(tokenizer: Any) -> None:
-    """Refuse, before any conversion work, a tokenizer a GGUF file cannot hold (the ``gguf``
-    target's :meth:`~pit_deploy.targets.base.Target.precheck_tokenizer`)."""
-    with tempfile.TemporaryDirectory(prefix="pit-gguf-tok-") as tmp:
-        _checked_tokenizer(tokenizer, Path(tmp))
-
-
-def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_size: int) -> None:
-    """Tokens, token types, merges, special ids and the chat template of ``tokenizer``."""
-    import gguf
-
-    with tempfile.TemporaryDirectory(prefix="pit-gguf-tok-") as tmp:
-        data, pre = _checked_tokenizer(tokenizer, Path(tmp))
-        by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-        specials = {int(a["id"]) for a in data.get("added_tokens", []) if a.get("special")}
-        added = {int(a["id"]) for a in data.get("added_tokens", [])}
-        tokens, types = [], []
-        for i in range(vocab_size):
-            if i not in by_id:  # a padded row of the embedding: no token of the tokenizer
-                tokens.append(f"[PAD{i}]")
-                types.append(gguf.TokenType.UNUSED)
-            else:
-                tokens.append(by_id[i])
-                types.append(gguf.TokenType.CONTROL if i in specials else
-                             gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(pre)
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        gguf.SpecialVocab(tmp, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
-
-
-#: llama.cpp (``llama-vocab.cpp``) sets strip attributes on these tokens of any file whose
-#: ``general.name`` contains ``phi3`` or ``phi-3``, and fails to load it when one is missing
-_PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
-
-
-def general_name(name: str, tokenizer: Any) -> str:
-    """``general.name``: the model's name, with ``phi3``/``phi-3`` spelled ``phi_3`` when the
-    tokenizer lacks a token llama.cpp looks up for names that contain them (a model saved under
-    a folder called ``phi3-…`` would otherwise not load)."""
-    import re
-
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    if all(token in vocab for token in _PHI3_NAME_TOKENS):
-        return name
-    return re.sub(r"(?i)phi(-?)3", lambda m: m.group(0)[:3] + "_3", name)
-
-
 def longrope_attention_factor(config: Any) -> float:
     """The factor ``longrope`` scales the rotary cos/sin by (transformers'
     ``_compute_longrope_parameters``): the config's ``attention_factor``, else
@@ -341,11 +303,13 @@ def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_rope_scaling_attn_factors(longrope_attention_factor(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    if arch == "gemma3":
+        _gemma3_metadata(writer, config)
     writer.add_vocab_size(int(config.vocab_size))
     writer.add_file_type(file_type)
     if tokenizer is None:
         raise PitError("a GGUF file needs the tokenizer (llama.cpp reads it from the file); the source has none")
-    _tokenizer_metadata(writer, tokenizer, int(config.vocab_size))
+    write_tokenizer(writer, tokenizer, int(config.vocab_size))
     quantized = quantized or {}
     for name, array in tensors.items():
         if name in quantized:
@@ -357,6 +321,18 @@ def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _gemma3_metadata(writer: Any, config: Any) -> None:
+    """Gemma 3's local layers: the window, which layers are local (one flag per layer, from the
+    config's ``layer_types``, so no period is assumed), their rotary base, and the final
+    soft-capping where the config sets one."""
+    writer.add_sliding_window(int(config.sliding_window))
+    kinds = list(getattr(config, "layer_types", None) or [])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+    writer.add_rope_freq_base_swa(float(getattr(config, "rope_local_base_freq", 10000.0)))
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
 
 
 def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = None,
@@ -398,19 +374,34 @@ def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = Non
 # --------------------------------------------------------------------------------------
 
 
-def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | None) -> dict[str, Any]:
+def table_scale(config: Any) -> np.float32:
+    """What llama.cpp's graph multiplies the gathered rows by: ``√d`` in float32 for the
+    architectures in :data:`SCALED_TABLES` (``sqrtf(n_embd)``), else 1."""
+    if ARCHITECTURES.get(config.model_type) in SCALED_TABLES:
+        return np.sqrt(np.float32(config.hidden_size))
+    return np.float32(1.0)
+
+
+def stored_table(head: np.ndarray, scale: np.float32) -> np.ndarray:
+    """The float32 table to store beside the dequantized ``head``: the pseudo-inverse of the head
+    (what the model must gather), divided by the ``scale`` llama.cpp multiplies the rows by."""
+    return corrected_table(head, float(scale))
+
+
+def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | None,
+                   scale: np.float32) -> dict[str, Any]:
     """``delta_ti`` of the dequantized ``head`` with the table quantized as the source
-    (``plain_table``, dequantized), and — where gguf-py can round the table's type — with the
-    corrected table rounded to that type: what storing the correction at the file's precision
-    would leave (the reason it is stored in float32)."""
+    (``plain_table``, dequantized, times the graph's ``scale``), and — where gguf-py can round the
+    table's type — with the corrected table rounded to that type: what storing the correction at
+    the file's precision would leave (the reason it is stored in float32)."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    out = {"delta_ti_uncorrected": identity_defect(plain_table, head.T)}
+    out = {"delta_ti_uncorrected": identity_defect(plain_table * scale, head.T)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
     if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
-        rounded = dequantize(quantize(corrected_table(head).astype(np.float32), qtype), qtype)
-        out["delta_ti_corrected_table_rounded"] = identity_defect(rounded, head.T)
+        rounded = dequantize(quantize(stored_table(head, scale), qtype), qtype)
+        out["delta_ti_corrected_table_rounded"] = identity_defect(rounded * scale, head.T)
     return out
 
 
@@ -419,7 +410,7 @@ _GGUF_PY_TYPES = {"Q8_0": "MOSTLY_Q8_0", "F16": "MOSTLY_F16"}
 
 
 def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
-                  kind: str, correction: bool) -> dict[str, Any]:
+                  kind: str, correction: bool, scale: np.float32) -> dict[str, Any]:
     """Q8_0 or F16 by gguf-py: every body weight rounded to ``kind`` (Q8_0: the same rounding as
     ggml's reference ``quantize_row_q8_0``), the head to :data:`HEAD_TYPE`; the table ``kind``,
     or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied model (the
@@ -437,11 +428,11 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
         codes[HEAD] = (quantize(tensors[HEAD], head_t), head_t)
         head = dequantize(codes[HEAD][0], head_t)
         plain = quantize(tensors[EMBED], body_t)
-        info.update(_table_figures(head, dequantize(plain, body_t), kind))
+        info.update(_table_figures(head, dequantize(plain, body_t), kind, scale))
         if correction:
-            tensors = {**tensors, EMBED: corrected_table(head).astype(np.float32)}
+            tensors = {**tensors, EMBED: stored_table(head, scale)}
             info["table_type"] = "F32"
-            info["delta_ti_corrected"] = identity_defect(tensors[EMBED], head.T)
+            info["delta_ti_corrected"] = identity_defect(tensors[EMBED] * scale, head.T)
         else:
             codes[EMBED] = (plain, body_t)
     write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType[_GGUF_PY_TYPES[kind]])
@@ -449,7 +440,7 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
 
 
 def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
-                     kind: str, correction: bool) -> dict[str, Any]:
+                     kind: str, correction: bool, scale: np.float32) -> dict[str, Any]:
     """Q4_0/Q4_K_M by llama.cpp's quantizer, an untied head at :data:`HEAD_TYPE`, with the
     two-run correction (module docstring); a tied model (the baseline) as llama.cpp makes it."""
     import gguf
@@ -467,18 +458,18 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
         chosen = types(first)
         info: dict[str, Any] = {"head_type": chosen.get(HEAD, chosen.get(EMBED)), "table_type": chosen.get(EMBED)}
         if HEAD in read:  # (tied: llama.cpp's head is its table; nothing to correct)
-            info.update(_table_figures(read[HEAD], read[EMBED], chosen.get(EMBED)))
+            info.update(_table_figures(read[HEAD], read[EMBED], chosen.get(EMBED), scale))
         if HEAD not in read or not correction:
             first.replace(path)
             return info
-        write_gguf(f32, model, tokenizer, {**tensors, EMBED: corrected_table(read[HEAD]).astype(np.float32)})
+        write_gguf(f32, model, tokenizer, {**tensors, EMBED: stored_table(read[HEAD], scale)})
         llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
         if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
             raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
                            "corrected table would not match it")
         final = read_gguf_tensors(path, (EMBED, HEAD))
         info["table_type"] = types(path).get(EMBED)
-        info["delta_ti_corrected"] = identity_defect(final[EMBED], final[HEAD].T)
+        info["delta_ti_corrected"] = identity_defect(final[EMBED] * scale, final[HEAD].T)
     return info
 
 
@@ -502,11 +493,12 @@ def export_gguf(model: PreTrainedModel, out_dir: Path, tokenizer: Any, scheme: S
         write_gguf(path, model, tokenizer, tensors, file_type=gguf.LlamaFileType.ALL_F32)
     else:
         correction = bool(scheme.pit_correction) and HEAD in tensors
+        scale = table_scale(model.config)
         if kind in _GGUF_PY_TYPES:
-            quant = _gguf_py_file(model, tokenizer, tensors, path, kind, correction)
+            quant = _gguf_py_file(model, tokenizer, tensors, path, kind, correction, scale)
             quant["quantizer"] = f"gguf-py {kind}"
         else:
-            quant = _llama_quantized(model, tokenizer, tensors, path, kind, correction)
+            quant = _llama_quantized(model, tokenizer, tensors, path, kind, correction, scale)
             quant["quantizer"] = f"llama.cpp llama_model_quantize (llama-cpp-python {PACKAGE_VERSION})"
         # corrected: the table is float32, so W_out E = I up to float32 rounding (verify bounds delta_ti)
         quant.update(pit_correction=correction, interface_exact=correction)

@@ -7,7 +7,8 @@ evaluation callback (``cb_eval`` of the context parameters, the hook of llama.cp
 tensor to the callback, and carries on if the callback returns true. Here that reads
 
 * the table: the output of the embedding gather (``embd``; ``inp_embd`` in other llama.cpp
-  versions) for every id, after which the callback stops the graph (nothing later is needed);
+  versions), or of the scaling after it where the architecture scales the rows (Gemma 3's
+  ``inp_scaled``), for every id, after which the callback stops the graph (nothing later is needed);
 * the head: the final norm's output (``result_norm``), which the callback *overwrites* with rows of
   the identity before the head's matmul reads it; the logits are then the head's rows as
   llama.cpp's kernel computes them (its dequantization, its activation rounding: a basis vector is
@@ -31,6 +32,9 @@ from .decoder import quiet_llama_log
 
 #: names the embedding gather's output has had in llama.cpp's graph
 GATHER_NAMES = ("embd", "inp_embd")
+#: the node after the gather where an architecture's graph scales the rows (Gemma 3: ``× √d``): the
+#: effective table, the one ``W_out E = I`` is about, is read there
+SCALED_GATHER_NAMES = {"gemma3": ("inp_scaled",)}
 #: the final norm's output, the head's input
 HEAD_INPUT_NAME = "result_norm"
 #: ids (or basis vectors) per decode call
@@ -54,6 +58,13 @@ def _ggml(llama_cpp: Any) -> ctypes.CDLL:
     return lib
 
 
+def _architecture(lc: Any, model: Any) -> str:
+    """``general.architecture`` of a loaded model."""
+    buf = ctypes.create_string_buffer(64)
+    size = lc.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode(errors="replace") if size > 0 else ""
+
+
 def runtime_interface(path: str | Path, threads: int) -> tuple[np.ndarray, np.ndarray]:
     """``(table (V, d), head (d, V))`` of the GGUF file ``path`` as llama.cpp computes them
     (module docstring); ``logits = h @ head``.
@@ -72,7 +83,8 @@ def runtime_interface(path: str | Path, threads: int) -> tuple[np.ndarray, np.nd
         raise PitError(f"llama.cpp cannot load {path}; re-export it")
     dim = int(lc.llama_model_n_embd(model))
     vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model)))
-    state: dict[str, Any] = {"want": GATHER_NAMES, "rows": None, "inject": None}
+    state: dict[str, Any] = {"want": SCALED_GATHER_NAMES.get(_architecture(lc, model), GATHER_NAMES),
+                             "rows": None, "inject": None}
 
     @lc.ggml_backend_sched_eval_callback
     def observe(tensor: int, ask: bool, _user: Any) -> bool:
