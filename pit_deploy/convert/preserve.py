@@ -41,7 +41,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
-from ..model.core import PITInterface, PITSpec, gram64, polar_factor, row_chunks, spd_and_inverse
+from ..model.core import PITInterface, PITSpec, gram64, polar_factor, rotate_rows, row_chunks, spd_and_inverse
 from ..model.families import adapter_for, max_positions
 
 log = logging.getLogger(__name__)
@@ -402,14 +402,6 @@ def source_head_times(model: PreTrainedModel, u: torch.Tensor) -> torch.Tensor:
     for part, chunk in row_chunks(u):
         total += head[part].to(torch.float64).T @ chunk
     return total * adapter_for(model.config).logits_multiplier(model.config)
-
-
-def rotate_rows(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``U R`` in float32, each chunk of rows rotated in float64."""
-    out = torch.empty(u.shape, dtype=torch.float32)
-    for part, chunk in row_chunks(u):
-        out[part] = (chunk @ r).to(torch.float32)
-    return out
 
 
 def _sym(m: torch.Tensor) -> torch.Tensor:

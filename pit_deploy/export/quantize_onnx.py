@@ -401,8 +401,10 @@ def rotate_table(graph, iface: Interface) -> bool:
         whether the table was turned: only a factorized graph whose table and factors no node
         but the interface's reads (a graph where something else reads them keeps them as they are).
     """
+    import torch
     from onnx import numpy_helper
 
+    from ..model.core import rotate_rows
     from .residual_rotation import rotation_matrix
 
     if iface.t_name is None or iface.t_inv_name is None:
@@ -427,8 +429,9 @@ def rotate_table(graph, iface: Interface) -> bool:
     t_inv = numpy_helper.to_array(inits[iface.t_inv_name]).astype(np.float64)
     put(iface.t_name, t @ r)
     put(iface.t_inv_name, r.T @ t_inv)
-    iface.embed_rows = np.ascontiguousarray((iface.embed_rows.astype(np.float64) @ r).astype(np.float32))
-    iface.head_rows = np.ascontiguousarray((iface.head_rows.astype(np.float64) @ r).astype(np.float32))
+    r64 = torch.from_numpy(r).to(torch.float64)
+    iface.embed_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.embed_rows)), r64).numpy()
+    iface.head_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.head_rows)), r64).numpy()
     put(iface.gather.input[0], iface.embed_rows.T)  # factorized: the gather reads Zᵀ (d, V) along axis 1
     if iface.head.input[1] != iface.gather.input[0]:
         put(iface.head.input[1], iface.head_rows.T)

@@ -72,6 +72,14 @@ def row_chunks(a: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[slice, tor
         yield part, chunk * scale if scale != 1.0 else chunk
 
 
+def rotate_rows(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``U R`` in float32 (``r`` float64), each chunk of rows rotated in float64."""
+    out = torch.empty(u.shape, dtype=torch.float32)
+    for part, chunk in row_chunks(u):
+        out[part] = (chunk @ r).to(torch.float32)
+    return out
+
+
 def gram64(a: torch.Tensor, project: torch.Tensor | None = None, scale: float = 1.0,
            weight: torch.Tensor | None = None) -> torch.Tensor:
     """``(scale·A P)ᵀ diag(w) (scale·A P)`` in float64 (``P`` = ``project``, ``w`` = ``weight``
