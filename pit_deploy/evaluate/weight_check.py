@@ -1017,11 +1017,9 @@ def pte_table_candidates(prepared: Any, details: dict[str, Any], vocab: int) -> 
     (:class:`pit_deploy.targets.executorch.head.RotatedQuantizedHead`), with each nibble pair
     swapped where a 4-bit gather shares its codes
     (:func:`pit_deploy.targets.executorch.token_table.nibble_pair_swap`)."""
-    import torch
-
     from ..export.passes import FACTORS_ATTR
     from ..export.residual_rotation import rotate_residual, rotation_blocker
-    from ..targets.executorch.head import ROTATION_SEED, int8_grid_rows, random_rotation
+    from ..targets.executorch.head import head_factors, rotated_table
     from ..targets.executorch.token_table import nibble_pair_swap
 
     scheme, quant = _section(details, "scheme"), _section(details, "quantization")
@@ -1031,9 +1029,8 @@ def pte_table_candidates(prepared: Any, details: dict[str, Any], vocab: int) -> 
     factors = getattr(prepared, FACTORS_ATTR, None)
     head_bits = int(quant.get("head_bits") or 0)
     if head_bits and factors is not None:
-        t = factors.T.detach().to(torch.float64)
-        s = int8_grid_rows(t @ random_rotation(t.shape[0], ROTATION_SEED))
-        y = (factors.Zt.detach().to(torch.float64).T @ torch.linalg.solve(s, t).T).numpy()
+        _, table_map = head_factors(factors.T.detach())
+        y = rotated_table(factors.Zt.detach(), table_map).numpy()
         found.append(("Y = Z T S⁻ᵀ", y.astype(np.float32)))
         if quant.get("shared_table") and int(scheme.get("table_bits") or 8) == 4:
             swap = nibble_pair_swap(y.shape[1]).numpy()

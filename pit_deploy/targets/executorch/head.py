@@ -68,6 +68,23 @@ def int8_grid_rows(a: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def head_factors(t: torch.Tensor, seed: int | None = ROTATION_SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(S, M)`` of the rotated head, float64: ``S = T R`` on the int8 grid of its rows (the
+    head's ``d×d`` factor as the program stores it; ``R`` the seeded rotation, ``I`` for
+    ``seed=None``) and ``M = T S⁻ᵀ`` (= ``R`` when ``S = T R`` exactly), the table's map from
+    ``Z``: ``Y = Z M`` (:func:`rotated_table`), so ``h S Yᵀ = h T Zᵀ``."""
+    d = t.shape[0]
+    rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
+    s = int8_grid_rows(t.to(torch.float64) @ rotation)
+    return s, torch.linalg.solve(s, t.to(torch.float64)).T
+
+
+def rotated_table(zt: torch.Tensor, table_map: torch.Tensor) -> torch.Tensor:
+    """``Y = Z M`` ``(V, d)`` in float64 from ``Zᵀ`` ``(d, V)`` and ``M`` of
+    :func:`head_factors`: the table a rotated quantized head and its gather read."""
+    return zt.to(torch.float64).T @ table_map
+
+
 def random_rotation(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
     """A Haar-random orthogonal ``d×d`` matrix in float64 (QR of a seeded Gaussian, signs fixed
     by the diagonal of ``R`` so the draw is uniform; Mezzadri 2007)."""
@@ -92,13 +109,9 @@ class RotatedQuantizedHead(nn.Module):
         if bits not in (4, 8):
             raise ValueError(f"a quantized head has 4 or 8 bits, got {bits!r}")
         d, v = zt.shape
-        rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
         self.bits, self.group_size, self.seed = int(bits), int(group_size), seed
         self.calibrated = False  # GPTQ codes (round_calibrated) in place of torchao's rounding
-        s = int8_grid_rows(t.to(torch.float64) @ rotation)
-        # the table's map from Z: T S⁻ᵀ (= R when S = T R exactly); a plain attribute, not part
-        # of the program
-        self.rotation = torch.linalg.solve(s, t.to(torch.float64)).T
+        s, self.rotation = head_factors(t, seed)  # (the map a plain attribute, not part of the program)
         self.register_buffer("TR", s.to(torch.float32))
         self.linear = nn.Linear(d, v, bias=False)
         with torch.no_grad():
@@ -117,7 +130,7 @@ class RotatedQuantizedHead(nn.Module):
         """``Y = Z T S⁻ᵀ`` ``(V, d)`` in float64 from ``Zᵀ`` ``(d, V)``: the table the head
         quantizes (and the embedding's, so both sides read the same rows). Computed when asked,
         not kept: a ``V×d`` float64 table, twice the size of the fp32 ``Zᵀ``."""
-        return zt.to(torch.float64).T @ self.rotation
+        return rotated_table(zt, self.rotation)
 
     @torch.no_grad()
     def round_calibrated(self, zt: torch.Tensor, moments: torch.Tensor) -> None:
