@@ -10,7 +10,7 @@ model say nothing about other models. This script measures, per set of weight ma
 * ``rel_err_q4_1``: relative Frobenius error of Q4_1-style rounding (float minimum and scale
   ``(max − min) / 15``; what the GGUF itself used);
 * ``rel_err_ort``: relative error of the exporter's own ONNX int4 rounding
-  (``quantize_onnx.block_quantize``: onnxruntime's asymmetric blocks, an *integer* zero point);
+  (``onnx_tables.block_quantize``: onnxruntime's asymmetric blocks, an *integer* zero point);
 * ``rel_err_sym``: symmetric blocks with ``q`` in −8..7 and scale ``max|x| / 8`` (no zero point,
   like XNNPACK's 4-bit weights; the ExecuTorch programs' own scales come from torchao's HQQ
   search, so this is the kind of grid, not their exact rounding).
@@ -41,7 +41,7 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pit_deploy.errors import PitError  # noqa: E402
-from pit_deploy.export.quantize_onnx import block_quantize  # noqa: E402
+from pit_deploy.export.onnx_tables import block_quantize  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import find_interface  # noqa: E402

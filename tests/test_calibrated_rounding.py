@@ -13,7 +13,7 @@ import torch
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.export.calibrated_rounding import RoundingGrid, calibrate, gptq, round_to_nearest
-from pit_deploy.export.quantize_onnx import block_table_from_codes
+from pit_deploy.export.onnx_tables import block_table_from_codes
 from pit_deploy.io.manifest import MANIFEST_NAME
 from pit_deploy.schemes import get_scheme
 from pit_models import dense_t_pit_dir
@@ -91,7 +91,7 @@ def test_8bit_layers_name_every_layer_or_one():
     import onnx
 
     from pit_deploy.export.calibrated_rounding import scheme_grids
-    from pit_deploy.export.quantize_onnx import layer_matmuls
+    from pit_deploy.export.onnx_graph import layer_matmuls
     from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.targets import get_target
     from pit_deploy.tiny import tiny_model
@@ -209,7 +209,8 @@ def test_onnx_table_by_gptq_beats_onnxruntime_rounding():
     rounding, and the table dequantizes as a ``MatMulNBits`` block table."""
     import onnx
 
-    from pit_deploy.export.quantize_onnx import Interface, block_quantize, calibrated_table
+    from pit_deploy.export.onnx_graph import Interface
+    from pit_deploy.export.onnx_tables import block_quantize, calibrated_table
 
     d, v = 64, 256
     rows = torch.randn(v, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64).numpy() * 0.05

@@ -17,7 +17,7 @@ from pit_deploy.cli import main
 from pit_deploy.convert.conversion import convert_model
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.quantize_onnx import block_quantize, split_nibbles
+from pit_deploy.export.onnx_tables import block_quantize, split_nibbles
 from pit_deploy.model.quantized_interface import correction_matrix
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
@@ -226,7 +226,9 @@ def test_rotated_table_computes_the_same_interface_on_onnxruntime():
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from pit_deploy.export.quantize_onnx import find_graph_interface, rewrite_interface, rotate_table
+    from pit_deploy.export.onnx_graph import find_graph_interface
+    from pit_deploy.export.onnx_tables import rotate_table
+    from pit_deploy.export.quantize_onnx import rewrite_interface
 
     v, d = 200, 64
     model = _factorized_interface_graph(v, d)
@@ -527,7 +529,7 @@ def test_the_token_gather_is_told_from_a_position_table_of_the_same_shape(tmp_pa
     quantizer must rewrite the one of ``input_ids``, never the position table's."""
     from onnx import load
 
-    from pit_deploy.export.quantize_onnx import _reads_token_ids, find_graph_interface
+    from pit_deploy.export.onnx_graph import _reads_token_ids, find_graph_interface
 
     model = convert_model(tiny_model("gpt2", max_positions=512))  # vocabulary 512 too
     assert model.config.n_positions == model.config.vocab_size

@@ -158,7 +158,7 @@ def test_the_rounding_reproduces_both_runtimes_grids():
     onnxruntime's asymmetric blocks and on the symmetric grid of the ``.pte`` token table, up to
     float32 rounding of the scales (a rare tie may round one code the other way)."""
     from pit_deploy.targets.executorch.token_table import dequantize_rows, quantize_rows
-    from pit_deploy.export.quantize_onnx import block_quantize
+    from pit_deploy.export.onnx_tables import block_quantize
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((48, 64)).astype(np.float32)

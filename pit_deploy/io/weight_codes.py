@@ -44,7 +44,7 @@ def rounded_entry(rounded: Any) -> dict[str, Any]:
 
 def table_entry(table: Any) -> dict[str, Any]:
     """The manifest entry of a calibrated token table (a
-    :class:`~pit_deploy.export.quantize_onnx.BlockTable`: ``packed``, ``scales``, ``zero_points``,
+    :class:`~pit_deploy.export.onnx_tables.BlockTable`: ``packed``, ``scales``, ``zero_points``,
     ``bits``, ``block``)."""
     return codes_entry(*table_codes(table.packed, table.scales, table.zero_points, table.bits, table.block))
 

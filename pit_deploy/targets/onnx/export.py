@@ -56,7 +56,8 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
 
     from ...export.calibrated_rounding import head_moments_array
     from .web_fold import fold_graph
-    from ...export.quantize_onnx import quantize_graph, save_deduplicated
+    from ...export.onnx_graph import save_deduplicated
+    from ...export.quantize_onnx import quantize_graph
 
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -102,9 +103,11 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
                      "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
     if dtype != "float32":
         # a calibrated model's codes go in as they are (fold_at_load schemes take no calibration)
-        # and a calibrated model's token table is rounded by GPTQ too, alike in both graphs
+        # and a calibrated model's token table is rounded by GPTQ too, once for both graphs (the
+        # second finds the first's codes in table_cache)
         quantize = fold_graph if fold_at_load else \
-            partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model))
+            partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
+                    table_cache={})
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit)
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
@@ -119,9 +122,9 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
 
 def calibrated_codes(model: PreTrainedModel) -> dict:
     """A calibrated model's codes (:mod:`pit_deploy.export.calibrated_rounding`) by the digest of each linear's
-    weight as the graph stores it (transposed, :func:`pit_deploy.export.quantize_onnx.weight_digest`)."""
+    weight as the graph stores it (transposed, :func:`pit_deploy.export.onnx_graph.weight_digest`)."""
     from ...export.calibrated_rounding import rounded_weights
-    from ...export.quantize_onnx import weight_digest
+    from ...export.onnx_graph import weight_digest
 
     return {weight_digest(model.get_submodule(name).weight.detach().T.numpy()): rounded
             for name, rounded in rounded_weights(model).items()}

@@ -14,7 +14,7 @@ onnxruntime-web alike. The file and the download are those of a quantized model;
 holds fp32 weights and runs fp32 kernels (no memory saved, fp32 decode speed).
 
 The codes are the ``onnx`` target's: onnxruntime's asymmetric block quantizer
-(:func:`pit_deploy.export.quantize_onnx.block_quantize`, blocks of ``group_size`` along the input
+(:func:`pit_deploy.export.onnx_tables.block_quantize`, blocks of ``group_size`` along the input
 dimension), so the expected error recorded at export (the target's weight grid) describes these
 weights too. The token table of a factorized model is stored once — the dequantized ``Zᵀ`` is
 one folded tensor read by both the embedding ``Gather`` and the head ``MatMul`` — and the PIT
@@ -28,18 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from ...export.quantize_onnx import (
-    BITS,
-    BlockTable,
-    _add,
-    _gather_axis,
-    _initializers,
-    _remove_unused_initializers,
-    block_quantize,
+from ...export.onnx_graph import (
+    add_initializer,
     find_graph_interface,
+    gather_axis,
     gemm_to_matmul,
+    initializers,
     layer_matmuls,
+    remove_unused_initializers,
 )
+from ...export.onnx_tables import BITS, BlockTable, block_quantize
 from ...model.quantized_interface import correction_matrix
 
 STORAGE = ("codes and block scales in standard operators on initializers, folded to float32 by "
@@ -68,15 +66,15 @@ def fold_nodes(graph, name: str, table: BlockTable, transpose: bool) -> list:
     def node(op: str, inputs: list[str], out: str, **attrs: Any):
         return helper.make_node(op, inputs, [out], name=out, **attrs)
 
-    data = _add(graph, f"{name}.q{table.bits}", table.packed)  # (rows, blocks, block · bits / 8)
-    scale = _add(graph, f"{name}.scales", table.scales.reshape(rows, blocks, 1))
-    zero = _add(graph, f"{name}.zero_points", _zero_points(table).reshape(rows, blocks, 1))
+    data = add_initializer(graph, f"{name}.q{table.bits}", table.packed)  # (rows, blocks, block · bits / 8)
+    scale = add_initializer(graph, f"{name}.scales", table.scales.reshape(rows, blocks, 1))
+    zero = add_initializer(graph, f"{name}.zero_points", _zero_points(table).reshape(rows, blocks, 1))
     nodes = []
     codes = data
     if table.bits == 4:
-        four = _add(graph, f"{name}.four", np.array(4, np.uint8))
-        last = _add(graph, f"{name}.last_axis", np.array([-1], np.int64))
-        shape = _add(graph, f"{name}.blocks_shape", np.array([rows, blocks, block], np.int64))
+        four = add_initializer(graph, f"{name}.four", np.array(4, np.uint8))
+        last = add_initializer(graph, f"{name}.last_axis", np.array([-1], np.int64))
+        shape = add_initializer(graph, f"{name}.blocks_shape", np.array([rows, blocks, block], np.int64))
         # hi = q >> 4, lo = q − (hi << 4): BitShift and Sub exist from opset 11 (BitwiseAnd only from 18)
         nodes += [node("BitShift", [data, four], f"{name}.hi", direction="RIGHT"),
                   node("BitShift", [f"{name}.hi", four], f"{name}.hi_up", direction="LEFT"),
@@ -86,7 +84,7 @@ def fold_nodes(graph, name: str, table: BlockTable, transpose: bool) -> list:
                   node("Concat", [f"{name}.lo1", f"{name}.hi1"], f"{name}.pairs", axis=-1),  # low nibble first
                   node("Reshape", [f"{name}.pairs", shape], f"{name}.codes")]
         codes = f"{name}.codes"
-    full = _add(graph, f"{name}.shape", np.array([rows, blocks * block], np.int64))
+    full = add_initializer(graph, f"{name}.shape", np.array([rows, blocks * block], np.int64))
     nodes += [node("Cast", [codes], f"{name}.codes_f", to=TensorProto.FLOAT),
               node("Cast", [zero], f"{name}.zero_f", to=TensorProto.FLOAT),
               node("Sub", [f"{name}.codes_f", f"{name}.zero_f"], f"{name}.centred"),
@@ -122,7 +120,7 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     gemm_to_matmul(graph)
     iface = find_graph_interface(graph, vocab, hidden)
     bits = table_bits or BITS[dtype]
-    inits = _initializers(graph)
+    inits = initializers(graph)
     gather_table, head_b = iface.gather.input[0], iface.head.input[1]
     # the tensor each side reads: the factorized Zᵀ (d, V) and a tied E (V, d) are one tensor for both
     head_source = head_b if head_b in inits else None  # None: a tied head reads Transpose(E)
@@ -130,7 +128,7 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     tables: dict[str, BlockTable] = {}
     # Gather(Zᵀ, axis=1) reads the table as (d, V): fold it back to that shape
     tables[gather_table], nodes = _fold(graph, inits[gather_table], iface.embed_rows, bits, block,
-                                        transpose=_gather_axis(iface.gather) == 1)
+                                        transpose=gather_axis(iface.gather) == 1)
     folded += nodes
     if head_source is not None and head_source != gather_table:
         tables[head_source], nodes = _fold(graph, inits[head_source], iface.head_rows, bits, block, transpose=True)
@@ -169,6 +167,6 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     rest = list(graph.node)
     del graph.node[:]
     graph.node.extend(folded + rest)
-    _remove_unused_initializers(graph)
+    remove_unused_initializers(graph)
     details["interface_kept_fp32"] = sorted(kept_fp32)
     return model, details

@@ -494,10 +494,10 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     head's ``MatMulNBits`` (fp32 activations), stored once, and with ``pit_correction``
     ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime. With ``head_moments``
     (``Σ hᵀh`` of the head's input on calibration text) ``Ẑ`` is rounded by GPTQ
-    (:func:`pit_deploy.export.quantize_onnx.calibrated_table`), not to nearest.
+    (:func:`pit_deploy.export.onnx_tables.calibrated_table`), not to nearest.
 
     A quantized table holds the rows of ``Z R``, with ``T R`` and ``Rᵀ T⁻¹`` beside it: the
-    rotation both ONNX targets give their factorized tables (:func:`pit_deploy.export.quantize_onnx.rotate_table`).
+    rotation both ONNX targets give their factorized tables (:func:`pit_deploy.export.onnx_tables.rotate_table`).
 
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
@@ -506,7 +506,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     from onnx import helper, numpy_helper
 
     from ...model.families import adapter_for
-    from ...export.quantize_onnx import quantize_graph, save_deduplicated
+    from ...export.onnx_graph import save_deduplicated
+    from ...export.quantize_onnx import quantize_graph
 
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)

@@ -1,0 +1,270 @@
+"""Graph surgery on an exported ONNX decoder: find its token interface, add and replace nodes
+and initializers, drop what nothing reads, and save with each distinct large initializer once.
+
+Shared by the ONNX quantizer (:mod:`pit_deploy.export.quantize_onnx`) and the targets that
+rewrite an exported graph (``targets/onnx/web_fold.py``). Everything here takes an ``onnx``
+``GraphProto``/``ModelProto`` and changes it in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import PitError
+from ..schemes import names_linear
+
+#: initializers smaller than this stay inside the ``.onnx`` file
+EXTERNAL_MIN_BYTES = 1024
+
+
+# --------------------------------------------------------------------------------------
+# Finding the token interface in an exported graph
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Interface:
+    """The nodes of the token interface of one graph (decoder or ``interface.onnx``)."""
+
+    gather: Any  # the embedding's Gather node
+    head: Any  # the MatMul that multiplies by the V-wide table
+    embed_rows: np.ndarray  # (V, d) table the Gather reads, as rows
+    head_rows: np.ndarray  # (V, d) table the head reads, as rows (W_out = head_rowsᵀ)
+    t_name: str | None = None  # factorized: the T initializer the head multiplies by first
+    t_inv_name: str | None = None  # factorized: the T⁻¹ initializer after the Gather
+
+
+def initializers(graph) -> dict[str, Any]:
+    return {init.name: init for init in graph.initializer}
+
+
+def consumers(graph, name: str) -> list[Any]:
+    return [n for n in graph.node if name in n.input]
+
+
+def producer(graph, name: str):
+    for n in graph.node:
+        if name in n.output:
+            return n
+    return None
+
+
+def gather_axis(node) -> int:
+    for attr in node.attribute:
+        if attr.name == "axis":
+            return int(attr.i)
+    return 0
+
+
+def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
+    """The embedding Gather and the head MatMul of ``graph`` (a tied head may read ``Eᵀ``
+    through a ``Transpose`` node)."""
+    from onnx import numpy_helper
+
+    inits = initializers(graph)
+    gathers, head = [], None
+    for node in graph.node:
+        if node.op_type == "Gather" and node.input[0] in inits:
+            if tuple(inits[node.input[0]].dims) in ((vocab, hidden), (hidden, vocab)):
+                gathers.append(node)
+        if node.op_type == "MatMul":
+            b = node.input[1]
+            if b in inits and tuple(inits[b].dims) == (hidden, vocab):
+                head = node
+            elif b not in inits:
+                source = producer(graph, b)
+                if (source is not None and source.op_type == "Transpose" and source.input[0] in inits
+                        and tuple(inits[source.input[0]].dims) == (vocab, hidden)):
+                    head = node
+    gather = _token_gather(graph, gathers)
+    if gather is None or head is None:
+        raise PitError("the exported graph has no recognizable embedding Gather and head MatMul; "
+                       "cannot quantize its token interface")
+    table = numpy_helper.to_array(inits[gather.input[0]])
+    embed_rows = table.T if gather_axis(gather) == 1 else table
+    b = head.input[1]
+    if b in inits:
+        head_rows = numpy_helper.to_array(inits[b]).T
+    else:  # a tied head: MatMul(h, Transpose(E))
+        head_rows = numpy_helper.to_array(inits[producer(graph, b).input[0]])
+    iface = Interface(gather, head, np.ascontiguousarray(embed_rows), np.ascontiguousarray(head_rows))
+    # factorized: Gather(Zt, axis=1) -> Transpose -> MatMul(., T_inv); head = MatMul(MatMul(h, T), Zt)
+    first = producer(graph, head.input[0])
+    if gather_axis(gather) == 1 and first is not None and first.op_type == "MatMul" and first.input[1] in inits:
+        iface.t_name = first.input[1]
+        follow = consumers(graph, gather.output[0])
+        if len(follow) == 1 and follow[0].op_type == "Transpose":
+            after = consumers(graph, follow[0].output[0])
+            if len(after) == 1 and after[0].op_type == "MatMul" and after[0].input[1] in inits:
+                iface.t_inv_name = after[0].input[1]
+    return iface
+
+
+#: ops that pass their first input's values on unchanged, only reshaped or retyped
+_PASS_THROUGH = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "Identity")
+
+
+def _reads_token_ids(graph, name: str) -> bool:
+    """Does the tensor ``name`` hold the graph input ``input_ids`` (through reshapes and casts)?"""
+    for _ in range(16):
+        if name == "input_ids":
+            return True
+        source = producer(graph, name)
+        if source is None or source.op_type not in _PASS_THROUGH:
+            return False
+        name = source.input[0]
+    return False
+
+
+def _token_gather(graph, gathers: list):
+    """The embedding ``Gather`` among those reading a ``V×d`` table: the one whose indices are
+    the token ids. A model whose learned position table has as many rows as the vocabulary
+    (GPT-2 with ``n_positions == vocab_size``) has two such Gathers; the one of ``position_ids``
+    is not the token table."""
+    if len(gathers) <= 1:
+        return gathers[0] if gathers else None
+    by_ids = [node for node in gathers if _reads_token_ids(graph, node.input[1])]
+    if len(by_ids) != 1:
+        raise PitError(f"the exported graph has {len(gathers)} Gathers of a vocabulary-by-hidden table and "
+                       f"{len(by_ids)} of them read input_ids; cannot tell the token embedding apart")
+    return by_ids[0]
+
+
+
+# --------------------------------------------------------------------------------------
+# Nodes and initializers
+# --------------------------------------------------------------------------------------
+
+
+def replace_node(graph, old, new_nodes: list) -> None:
+    index = list(graph.node).index(old)
+    graph.node.remove(old)
+    for offset, node in enumerate(new_nodes):
+        graph.node.insert(index + offset, node)
+
+
+def add_initializer(graph, name: str, array: np.ndarray) -> str:
+    from onnx import numpy_helper
+
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+    return name
+
+
+def remove_dead_nodes(graph) -> int:
+    """Remove nodes none of whose outputs is read (by a node or as a graph output), until none
+    is left: a tied head's ``Transpose(E)`` outlives the head it fed, and its fp32 table would
+    otherwise stay in the file. Returns the number removed."""
+    def reads(nodes) -> set[str]:  # inputs of nodes, and of the nodes of their subgraphs
+        names = set()
+        for n in nodes:
+            names.update(n.input)
+            for attr in n.attribute:
+                for sub in [attr.g] * attr.HasField("g") + list(attr.graphs):
+                    names |= reads(sub.node)
+        return names
+
+    removed = 0
+    while True:
+        read = reads(graph.node) | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not any(o in read for o in n.output if o)]
+        if not dead:
+            return removed
+        for node in dead:
+            graph.node.remove(node)
+        removed += len(dead)
+
+
+def remove_unused_initializers(graph) -> None:
+    remove_dead_nodes(graph)
+    used = {i for n in graph.node for i in n.input}
+    keep = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
+def ensure_ms_domain(model) -> None:
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        entry = model.opset_import.add()
+        entry.domain, entry.version = "com.microsoft", 1
+
+
+def gemm_to_matmul(graph) -> int:
+    """Rewrite ``Gemm(A, B, C)`` with a constant ``B`` (α = β = 1, no transposed ``A``) as
+    ``MatMul(A, B) + C``: GPT-2's ``Conv1D`` layers export as ``Gemm``, which the ``MatMulNBits``
+    quantizer does not take. Returns the number of rewritten nodes."""
+    from onnx import helper, numpy_helper
+
+    inits = initializers(graph)
+    count = 0
+    for node in list(graph.node):
+        if node.op_type != "Gemm" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0 or attrs.get("transA", 0):
+            continue
+        weight = node.input[1]
+        if attrs.get("transB", 0):
+            arr = numpy_helper.to_array(inits[weight]).T
+            weight = add_initializer(graph, weight + ".T", arr)
+        product = node.output[0] + "_matmul" if len(node.input) > 2 else node.output[0]
+        new = [helper.make_node("MatMul", [node.input[0], weight], [product], name=node.name + "_MatMul")]
+        if len(node.input) > 2 and node.input[2]:
+            new.append(helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name + "_Add"))
+        replace_node(graph, node, new)
+        count += 1
+    remove_unused_initializers(graph)
+    return count
+
+
+def layer_matmuls(graph, names: tuple[str, ...]) -> list[str]:
+    """Names of the ``MatMul`` nodes of the linears named by ``names``
+    (:func:`~pit_deploy.schemes.names_linear`): optimum names a linear's node
+    ``/model/layers.N/mlp/down_proj/MatMul``, whose module path is ``model.layers.N.mlp.down_proj``."""
+    return [n.name for n in graph.node if n.op_type == "MatMul"
+            and names_linear(".".join(n.name.split("/")[1:-1]), names)]
+
+
+def weight_digest(matrix: np.ndarray) -> str:
+    """The sha256 of a weight matrix ``(K, N)`` as the graph stores it (float32, C order): how a
+    calibrated linear's codes find their ``MatMul`` whatever the exporter named the node."""
+    return hashlib.sha256(np.ascontiguousarray(matrix, dtype=np.float32).tobytes()).hexdigest()
+
+
+def save_deduplicated(model, path: Path, data_name: str) -> None:
+    """Save ``model`` with its large initializers in ``data_name``, each distinct byte string
+    once: initializers with equal bytes (a shared token table read by two ops under two
+    shapes) point at the same range of the data file (ONNX external data ``location`` /
+    ``offset`` / ``length``)."""
+    import onnx
+    from onnx import numpy_helper
+
+    data_path = path.parent / data_name
+    offsets: dict[str, tuple[int, int]] = {}
+    with open(data_path, "wb") as fh:
+        for init in model.graph.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                raise PitError(f"initializer {init.name} still points at external data; load it first")
+            raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
+            if len(raw) < EXTERNAL_MIN_BYTES:
+                continue
+            digest = hashlib.sha256(raw).hexdigest()
+            if digest not in offsets:
+                pad = (-fh.tell()) % 64  # aligned ranges
+                fh.write(b"\0" * pad)
+                offsets[digest] = (fh.tell(), len(raw))
+                fh.write(raw)
+            offset, length = offsets[digest]
+            for fieldname in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                init.ClearField(fieldname)
+            init.ClearField("raw_data")
+            del init.external_data[:]
+            init.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                entry = init.external_data.add()
+                entry.key, entry.value = key, value
+    onnx.save_model(model, str(path))
