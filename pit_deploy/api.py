@@ -531,7 +531,7 @@ def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
             "then `pit-deploy bench --ingest rows.json`")
         return path
     if adb:
-        from .evaluate.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions, bench_adb
+        from .targets.executorch.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions, bench_adb
 
         result = bench_adb(directories, opts, AdbOptions(runner=runner, serial=serial,
                                                          device_dir=device_dir or DEFAULT_DEVICE_DIR), progress=say)

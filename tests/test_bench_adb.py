@@ -18,7 +18,7 @@ import pytest
 
 from pit_deploy.cli import main
 from pit_deploy.evaluate.bench import ROW_FIELDS
-from pit_deploy.evaluate.bench_adb import (DEFAULT_DEVICE_DIR, Adb, parse_peak_rss_kib, parse_stats,
+from pit_deploy.targets.executorch.bench_adb import (DEFAULT_DEVICE_DIR, Adb, parse_peak_rss_kib, parse_stats,
                                            pass_figures, runner_command)
 from pit_deploy.targets.executorch.llm_runner import stats_problem
 from pit_deploy.io.fs import write_json_atomic

@@ -90,7 +90,7 @@ TARGET_SIDES: dict[str, frozenset[str]] = {
                          "runner_tokenizer", "web_fold", "builder_child", "vocab"}),
     "runtime": frozenset({"driver", "decoder", "interface", "interface_weights", "llm_runner",
                           "emulated_pte_runner"}),
-    "evaluate": frozenset({"stock_runner", "web_check"}),
+    "evaluate": frozenset({"stock_runner", "web_check", "bench_adb"}),
 }
 
 

@@ -6,7 +6,7 @@ of ExecuTorch's LLM runner) and the stock runner's ``tokenizer.json``
 (:mod:`pit_deploy.targets.executorch.runner_tokenizer`). Exporter:
 :mod:`pit_deploy.targets.executorch.export`; driver: :mod:`pit_deploy.targets.executorch.driver`;
 on a device: ``PteDecoder`` of :mod:`pit_deploy.runtime.standalone`, or ExecuTorch's own
-``llama_main`` over adb (:mod:`pit_deploy.evaluate.bench_adb`).
+``llama_main`` over adb (:mod:`pit_deploy.targets.executorch.bench_adb`).
 
 What only this target has: ``verify`` also runs every program through ExecuTorch's stock LLM
 runner (:mod:`pit_deploy.targets.executorch.stock_runner`), and ``bench`` times it there too.

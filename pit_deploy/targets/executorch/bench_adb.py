@@ -23,7 +23,6 @@ on ``PATH`` that emulates a device in a temporary directory.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import re
@@ -35,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import PitError
-from ..io.manifest import REFERENCE_DIR, Manifest
-from ..runtime.standalone import _mean_std, _percentile, pte_data_file
-from ..targets import get_target
-from ..targets.executorch import PTE_NAME
-from ..targets.executorch.llm_runner import pass_figures, stats_problem
-from .bench import BenchOptions, BenchResult, prompt_text
-from .bench_rows import check_context, export_names, reference_positions, runner_row, verification_state
+from ...errors import PitError
+from ...evaluate.bench import BenchOptions, BenchResult, prompt_text
+from ...evaluate.bench_rows import check_context, export_names, reference_positions, runner_row, verification_state
+from ...io.manifest import REFERENCE_DIR, Manifest
+from ...runtime.standalone import pte_data_file
+from .. import get_target
+from . import PTE_NAME
+from .llm_runner import pass_figures, stats_problem
 
 Progress = Callable[[str], None]
 
@@ -260,7 +259,7 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
 def load_tokenizer(art: PhoneArtifact) -> Any:
     """The Hugging Face tokenizer that builds the prompt text here: the one beside the file
     pushed to the phone, else the export's reference one."""
-    from ..io.sources import _maybe_tokenizer
+    from ...io.sources import _maybe_tokenizer
 
     tokenizer = (_maybe_tokenizer(art.tokenizer.parent, True, False)
                  or _maybe_tokenizer(art.directory / REFERENCE_DIR, True, False))
