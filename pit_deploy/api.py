@@ -270,7 +270,7 @@ def _heldout(loaded: Any) -> float | None:
 
 
 def train(model: PathLike | None = None, out: PathLike | None = None, *, config: PathLike | None = None,
-          say: Say | None = print_progress, **options: Any) -> TrainResult | None:
+          say: Say | None = print_progress, **options: Any) -> TrainResult:
     """Train as ``pit-deploy train`` does (docs/training.md); returns the run's result.
 
     ``options`` are the fields of :class:`~pit_deploy.train.config.TrainConfig`, the flags of
@@ -278,8 +278,8 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
     ``steps=20``; ``--interface-only`` is ``train_body=False``, ``--no-progress``
     ``progress=False``); ``model`` defaults to ``"default"``, ``out`` (the run directory) is
     required. ``config`` reads every option from a JSON file instead (what ``pit-deploy run``
-    hands a ``torchrun`` child). Under ``torchrun`` only rank 0 returns the result; the other
-    ranks return ``None``.
+    hands a ``torchrun`` child). Under ``torchrun`` every rank returns the run's result (rank 0's,
+    which wrote the model), and only rank 0 reports it through ``say``.
 
     Returns:
         :class:`~pit_deploy.train.loop.TrainResult`: ``out``, ``steps``, ``tokens``,
@@ -316,7 +316,7 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
         check_types(TrainConfig, given, lambda name: f"train(): {name}")
         cfg = TrainConfig(**given)
     result = run_training(cfg, say=say)
-    if result is not None:
+    if int(os.environ.get("RANK", "0")) == 0:
         say(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
             + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
     return result

@@ -297,7 +297,7 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         result = train(say=stage, **{k: v for k, v in vars(args).items() if k in fields})
-    if result is not None:
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the result; one prints it
         print(json_text(dataclasses.asdict(result)))
     return 0
 

@@ -31,7 +31,8 @@ class Recipe(TrainingRecipe):
             os._exit(0)
 
 recipe = Recipe(config(Path({out!r}), Path({model!r}), Path({corpus!r}), **options)).setup()
-recipe.train()
+result = recipe.train()
+assert result.steps == options["steps"], result  # every rank returns the run's result
 """
 
 def _torchrun_two(tmp_path: Path, out: Path, model: Path, corpus: Path, **options) -> None:

@@ -615,7 +615,7 @@ class TrainingRecipe:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def train(self) -> TrainResult | None:
+    def train(self) -> TrainResult:
         """The loop from the current step to the budget, then :meth:`finish`."""
         cfg = self.cfg
         if self.val is not None and self.step == 0:
@@ -707,8 +707,9 @@ class TrainingRecipe:
 
     # ---- artefacts ----------------------------------------------------------------------------
 
-    def finish(self, step_times: list[float], last_loss: float | None) -> TrainResult | None:
-        """The final model (gathered, merged or as adapters), ``summary.json`` and the plot."""
+    def finish(self, step_times: list[float], last_loss: float | None) -> TrainResult:
+        """The final model (gathered, merged or as adapters), ``summary.json`` and the plot,
+        written by rank 0; every rank returns rank 0's result."""
         cfg = self.cfg
         self.close_progress()
         final = self.raw_model
@@ -752,6 +753,9 @@ class TrainingRecipe:
                 plot_runs([RunLog.load(self.out)], self.out / "loss.png")
         if self.ddp:
             dist.barrier()
+            shared = [result]
+            dist.broadcast_object_list(shared, src=0)  # every rank returns rank 0's result
+            result = shared[0]
         return result
 
     def _save_adapter(self) -> None:
@@ -789,8 +793,8 @@ def _clock(seconds: float) -> str:
     return f"{whole // 60}m{whole % 60:02d}s" if whole >= 60 else f"{whole}s"
 
 
-def train(cfg: TrainConfig, say: Callable[[str], None] | None = None) -> TrainResult | None:
-    """Run one training job described by ``cfg``; returns its result on rank 0. ``say`` takes
+def train(cfg: TrainConfig, say: Callable[[str], None] | None = None) -> TrainResult:
+    """Run one training job described by ``cfg``; returns its result (on every rank: rank 0's). ``say`` takes
     a progress line every few seconds when ``cfg.progress`` (the bar) is off.
 
     Raises:
