@@ -8,7 +8,8 @@ The Python API is one call per command (``docs/python-api.md``)::
     manifest = pit_deploy.export("pit/", "exp/", runtime="onnx", dtype=["float32", "int4"])
     assert pit_deploy.verify("exp/").passed
 
-``convert``, ``train``, ``export``, ``verify``, ``bench`` and ``run`` are the functions of
+``convert``, ``train``, ``export``, ``verify``, ``bench`` (with ``bench_bundle``,
+``bench_ingest`` and ``bench_adb`` for the command's other modes) and ``run`` are the functions of
 :mod:`pit_deploy.api`, loaded on first use: ``import pit_deploy`` itself imports no torch and
 no other heavy library. A user's mistake raises :class:`PitError`.
 
@@ -30,7 +31,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 #: the calls of the Python API (:mod:`pit_deploy.api`)
-_CALLS = ("convert", "train", "export", "verify", "bench", "run")
+_CALLS = ("convert", "train", "export", "verify", "bench", "bench_bundle", "bench_ingest", "bench_adb", "run")
 #: the calls whose name is also a sub-package's
 _SUBPACKAGE_CALLS = frozenset(("convert", "train", "export", "run"))
 __all__ = [*_CALLS, "PitError", "__version__"]

@@ -46,7 +46,8 @@ if TYPE_CHECKING:  # the result types, imported where they are used (they pull i
     from .run.pipeline import RunResult
     from .train.loop import TrainResult
 
-__all__ = ["Conversion", "Say", "bench", "convert", "export", "print_progress", "run", "train", "verify"]
+__all__ = ["Conversion", "Say", "bench", "bench_adb", "bench_bundle", "bench_ingest", "convert", "export",
+           "print_progress", "run", "train", "verify"]
 
 Say = Callable[[str], None]
 PathLike = str | os.PathLike
@@ -453,94 +454,34 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
 _BENCH = {f.name: field_default(BenchOptions, f.name) for f in fields(BenchOptions)}
 
 
-def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
-          threads: int | str | Sequence[int] = _BENCH["threads"],
-          prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
-          reps: int = _BENCH["reps"], out: PathLike | None = None, plot: PathLike | None = None,
-          bundle: PathLike | None = None, force: bool = False, ingest: PathLike | Sequence[PathLike] = (),
-          adb: bool = False, runner: str | None = None, serial: str | None = None, device_dir: str | None = None,
-          say: Say | None = print_progress) -> BenchResult | Path:
-    """Latency, memory and size of every artifact of ``directories``, as ``pit-deploy bench``
-    does (docs/bench.md); the defaults are :class:`~pit_deploy.evaluate.bench.BenchOptions`'.
+def _bench_options(call: str, threads: Any, prompt_len: Any, gen_len: Any, reps: Any) -> BenchOptions:
+    """The measuring options of a bench call, checked (their defaults: :class:`BenchOptions`')."""
+    from .evaluate.bench import int_list
 
-    ``torch`` also measures a model in PyTorch eager; ``threads`` and ``prompt_len`` take an
-    integer, a list or a comma list; each cell runs in its own process. ``out`` also writes the
-    rows as JSON, ``plot`` a chart. The other modes of the command are keywords too:
-    ``ingest`` reads the rows a bundle's ``run_bench.py`` wrote instead of measuring; ``adb``
-    (with ``runner``, ``serial``, ``device_dir``) measures the ``.pte`` artifacts on an Android
-    phone; ``bundle`` packs the artifacts for another device instead of measuring (``force``
-    replaces an existing archive) and returns the archive's path.
-
-    Returns:
-        :class:`~pit_deploy.evaluate.bench.BenchResult`: ``rows`` (one dict per cell: artifact,
-        runtime, mode, dtype, tying, threads, prompt_len, gen_len, ``prefill_tok_s``,
-        ``decode_tok_s``, ``ttft_ms``, ``decode_ms_p50``/``p90``, ``load_s``, ``peak_rss_mb``,
-        ``size_mb``, ``verified``, …; a figure that was not measured is NaN), ``ratios()``
-        (PIT/TT), ``warnings``, ``machine``, ``to_json()``, ``plot(path)``; with ``bundle``, the
-        :class:`~pathlib.Path` of the archive written.
-
-    Raises:
-        PitError: options out of range, an unwritable ``out``/``plot``, modes that do not
-            combine, an unusable export directory or rows file.
-    """
-    from .evaluate.bench import bench_directories, ingest_rows, int_list, write_bundle
-
-    directories = tuple(_path_arg("bench", f"directory {i + 1}", d) for i, d in enumerate(directories))
-    out, plot = _path_arg("bench", "out", out, optional=True), _path_arg("bench", "plot", plot, optional=True)
-    bundle = _path_arg("bench", "bundle", bundle, optional=True)
-    ingest = (_path_arg("bench", "ingest", ingest) if isinstance(ingest, (str, os.PathLike)) else
-              [_path_arg("bench", "ingest", i) for i in _sequence_arg("bench", "ingest", ingest)])
-    _bool_args("bench", force=force, adb=adb)
     for name, value in (("threads", threads), ("prompt_len", prompt_len)):
         problem = type_problem(value, "tuple[int, ...]")
         if problem:
-            raise PitError(f"bench(): {name} {problem}, got {describe_value(value)}")
-    _int_arg("bench", "gen_len", gen_len)
-    _int_arg("bench", "reps", reps)
-    for name, value in (("torch", torch), ("runner", runner), ("serial", serial), ("device_dir", device_dir)):
-        _text_arg("bench", name, value, optional=True)
-    _say_arg("bench", say)
-    say = _sayer(say)
-    opts = BenchOptions(threads=int_list(threads, "--threads"), prompt_lens=int_list(prompt_len, "--prompt-len"),
-                        gen_len=gen_len, reps=reps, torch_model=torch)
+            raise PitError(f"{call}(): {name} {problem}, got {describe_value(value)}")
+    _int_arg(call, "gen_len", gen_len)
+    _int_arg(call, "reps", reps)
+    return BenchOptions(threads=int_list(threads, "--threads"), prompt_lens=int_list(prompt_len, "--prompt-len"),
+                        gen_len=gen_len, reps=reps)
+
+
+def _bench_outputs(call: str, out: Any, plot: Any, inputs: tuple) -> tuple[str | None, str | None]:
+    """``out`` and ``plot`` checked before any measuring: writable, not one of the ``inputs``."""
     from .analysis.plotting import check_image_path
     from .io.fs import check_output_file
 
-    ingested = [ingest] if isinstance(ingest, (str, os.PathLike)) else list(ingest or ())
-    inputs = tuple(directories) + tuple(ingested)
+    out, plot = _path_arg(call, "out", out, optional=True), _path_arg(call, "plot", plot, optional=True)
     if out is not None:
         check_output_file(out, "--out", inputs=inputs)
     if plot is not None:
         check_image_path(plot, "--plot", inputs=inputs)
-    if force and not bundle:
-        raise PitError("--force applies to --bundle only (--out and --plot are replaced as they are)")
-    if bundle and ingested:
-        raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
-                       "use one at a time")
-    if adb:
-        clash = [f for f, v in (("--bundle", bundle), ("--ingest", ingested), ("--torch", torch)) if v]
-        if clash:
-            raise PitError(f"--adb measures on a phone; it does not combine with {', '.join(clash)}")
-        if not runner:
-            raise PitError("--adb needs --runner PATH: ExecuTorch's llama_main built for the phone (docs/bench.md)")
-    elif serial or runner or device_dir:
-        raise PitError("--serial, --runner and --device-dir apply to --adb only")
-    if bundle:
-        path = write_bundle(bundle, directories, opts, progress=say, force=force)
-        say(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
-            "then `pit-deploy bench --ingest rows.json`")
-        return path
-    if adb:
-        from .targets.executorch.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions, bench_adb
+    return out, plot
 
-        result = bench_adb(directories, opts, AdbOptions(runner=runner, serial=serial,
-                                                         device_dir=device_dir or DEFAULT_DEVICE_DIR), progress=say)
-    elif ingested:
-        if directories or torch:
-            raise PitError("--ingest reads rows measured elsewhere; do not also pass directories or --torch")
-        result = ingest_rows(ingested)
-    else:
-        result = bench_directories(directories, opts, progress=say)
+
+def _bench_write(result: BenchResult, out: str | None, plot: str | None, say: Say) -> BenchResult:
     if out:
         from .io.fs import write_text_atomic
 
@@ -548,6 +489,126 @@ def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
     if plot:
         say(f"wrote {result.plot(plot)}")
     return result
+
+
+def _directories(call: str, directories: tuple) -> tuple[str, ...]:
+    return tuple(_path_arg(call, f"directory {i + 1}", d) for i, d in enumerate(directories))
+
+
+def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
+          threads: int | str | Sequence[int] = _BENCH["threads"],
+          prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
+          reps: int = _BENCH["reps"], out: PathLike | None = None, plot: PathLike | None = None,
+          say: Say | None = print_progress) -> BenchResult:
+    """Latency, memory and size of every artifact of ``directories`` on this machine, as
+    ``pit-deploy bench`` does (docs/bench.md); the defaults are
+    :class:`~pit_deploy.evaluate.bench.BenchOptions`'.
+
+    ``torch`` also measures a model in PyTorch eager; ``threads`` and ``prompt_len`` take an
+    integer, a list or a comma list; each cell runs in its own process. ``out`` also writes the
+    rows as JSON, ``plot`` a chart. The command's other modes are calls of their own:
+    :func:`bench_bundle`, :func:`bench_ingest`, :func:`bench_adb`.
+
+    Returns:
+        :class:`~pit_deploy.evaluate.bench.BenchResult`: ``rows`` (one dict per cell: artifact,
+        runtime, mode, dtype, tying, threads, prompt_len, gen_len, ``prefill_tok_s``,
+        ``decode_tok_s``, ``ttft_ms``, ``decode_ms_p50``/``p90``, ``load_s``, ``peak_rss_mb``,
+        ``size_mb``, ``verified``, …; a figure that was not measured is NaN), ``ratios()``
+        (PIT/TT), ``warnings``, ``machine``, ``to_json()``, ``plot(path)``.
+
+    Raises:
+        PitError: options out of range, an unwritable ``out``/``plot``, an unusable export
+            directory.
+    """
+    from dataclasses import replace
+
+    from .evaluate.bench import bench_directories
+
+    directories = _directories("bench", directories)
+    _text_arg("bench", "torch", torch, optional=True)
+    _say_arg("bench", say)
+    say = _sayer(say)
+    opts = replace(_bench_options("bench", threads, prompt_len, gen_len, reps), torch_model=torch)
+    out, plot = _bench_outputs("bench", out, plot, directories)
+    return _bench_write(bench_directories(directories, opts, progress=say), out, plot, say)
+
+
+def bench_bundle(*directories: PathLike, out: PathLike, threads: int | str | Sequence[int] = _BENCH["threads"],
+                 prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
+                 reps: int = _BENCH["reps"], force: bool = False, say: Say | None = print_progress) -> Path:
+    """Pack the artifacts of ``directories`` with a self-contained benchmark for another device
+    into the archive ``out`` (``pit-deploy bench --bundle``; ``force`` replaces an existing
+    archive). On the device: ``tar xzf ARCHIVE && python pit-bench/run_bench.py --out
+    rows.json``; read the rows back with :func:`bench_ingest`.
+
+    Returns:
+        the :class:`~pathlib.Path` of the archive written.
+
+    Raises:
+        PitError: options out of range, an existing ``out`` without ``force``, an unusable
+            export directory.
+    """
+    from .evaluate.bench import write_bundle
+
+    directories = _directories("bench_bundle", directories)
+    out = _path_arg("bench_bundle", "out", out)
+    _bool_args("bench_bundle", force=force)
+    _say_arg("bench_bundle", say)
+    say = _sayer(say)
+    opts = _bench_options("bench_bundle", threads, prompt_len, gen_len, reps)
+    path = write_bundle(out, directories, opts, progress=say, force=force)
+    say(f"wrote {path}: on the device, `tar xzf {path.name} && python pit-bench/run_bench.py --out rows.json`, "
+        "then `pit-deploy bench --ingest rows.json`")
+    return path
+
+
+def bench_ingest(*rows: PathLike, out: PathLike | None = None, plot: PathLike | None = None,
+                 say: Say | None = print_progress) -> BenchResult:
+    """The rows a bundle's ``run_bench.py`` measured on a device (``pit-deploy bench --ingest``),
+    as a :class:`~pit_deploy.evaluate.bench.BenchResult`; ``out``/``plot`` as :func:`bench`'s.
+
+    Raises:
+        PitError: no rows file, or one that is not a bundle's rows.
+    """
+    from .evaluate.bench import ingest_rows
+
+    files = [_path_arg("bench_ingest", f"rows {i + 1}", r) for i, r in enumerate(rows)]
+    if not files:
+        raise PitError("bench_ingest() needs at least one rows file (what a bundle's run_bench.py wrote)")
+    _say_arg("bench_ingest", say)
+    say = _sayer(say)
+    out, plot = _bench_outputs("bench_ingest", out, plot, tuple(files))
+    return _bench_write(ingest_rows(files), out, plot, say)
+
+
+def bench_adb(*directories: PathLike, runner: PathLike, serial: str | None = None, device_dir: str | None = None,
+              threads: int | str | Sequence[int] = _BENCH["threads"],
+              prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
+              reps: int = _BENCH["reps"], out: PathLike | None = None, plot: PathLike | None = None,
+              say: Say | None = print_progress) -> BenchResult:
+    """The ``.pte`` artifacts of ``directories`` timed on an Android phone over ``adb`` by
+    ExecuTorch's ``llama_main`` (``runner``: that binary built for the phone; ``serial``: the
+    device, where more than one is attached; ``device_dir``: its working folder), as
+    ``pit-deploy bench --adb`` does (docs/bench.md, "Phones over adb"); ``out``/``plot`` as
+    :func:`bench`'s.
+
+    Raises:
+        PitError: options out of range, no usable runner, device or artifact.
+    """
+    from .targets.executorch.bench_adb import DEFAULT_DEVICE_DIR, AdbOptions
+    from .targets.executorch.bench_adb import bench_adb as measure_on_phone
+
+    directories = _directories("bench_adb", directories)
+    runner = _path_arg("bench_adb", "runner", runner)
+    for name, value in (("serial", serial), ("device_dir", device_dir)):
+        _text_arg("bench_adb", name, value, optional=True)
+    _say_arg("bench_adb", say)
+    say = _sayer(say)
+    opts = _bench_options("bench_adb", threads, prompt_len, gen_len, reps)
+    out, plot = _bench_outputs("bench_adb", out, plot, directories)
+    result = measure_on_phone(directories, opts, AdbOptions(runner=runner, serial=serial,
+                                                             device_dir=device_dir or DEFAULT_DEVICE_DIR), progress=say)
+    return _bench_write(result, out, plot, say)
 
 
 # --------------------------------------------------------------------------------------

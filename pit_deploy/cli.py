@@ -360,14 +360,42 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .api import bench
+    """``bench``'s four modes, one API call each (measure here, ``--bundle``, ``--ingest``,
+    ``--adb``), after the checks of which flags combine."""
+    from . import api
 
-    result = bench(*args.directories, torch=args.torch_model, threads=args.threads, prompt_len=args.prompt_lens,
-                   gen_len=args.gen_len, reps=args.reps, out=args.out, plot=args.plot, bundle=args.bundle,
-                   force=args.force, ingest=args.ingest, adb=args.adb, runner=args.runner, serial=args.serial,
-                   device_dir=args.device_dir, say=stage)
-    if not args.bundle:
-        print(result.to_json(indent=2) if args.json else result)
+    if args.force and not args.bundle:
+        raise PitError("--force applies to --bundle only (--out and --plot are replaced as they are)")
+    if args.bundle and args.ingest:
+        raise PitError("--bundle packs a benchmark for another device and --ingest reads its rows back: "
+                       "use one at a time")
+    if args.adb:
+        clash = [f for f, v in (("--bundle", args.bundle), ("--ingest", args.ingest), ("--torch", args.torch_model)) if v]
+        if clash:
+            raise PitError(f"--adb measures on a phone; it does not combine with {', '.join(clash)}")
+        if not args.runner:
+            raise PitError("--adb needs --runner PATH: ExecuTorch's llama_main built for the phone (docs/bench.md)")
+    elif args.serial or args.runner or args.device_dir:
+        raise PitError("--serial, --runner and --device-dir apply to --adb only")
+    if args.ingest and (args.directories or args.torch_model):
+        raise PitError("--ingest reads rows measured elsewhere; do not also pass directories or --torch")
+    shape = dict(threads=args.threads, prompt_len=args.prompt_lens, gen_len=args.gen_len, reps=args.reps)
+    if args.bundle:
+        if args.torch_model:
+            raise PitError("--bundle packs exported artifacts only; a --torch row needs this package (run it here)")
+        if args.out or args.plot:
+            raise PitError("--bundle writes an archive and measures nothing: --out and --plot do not apply")
+        api.bench_bundle(*args.directories, out=args.bundle, force=args.force, say=stage, **shape)
+        return 0
+    if args.adb:
+        result = api.bench_adb(*args.directories, runner=args.runner, serial=args.serial, device_dir=args.device_dir,
+                               out=args.out, plot=args.plot, say=stage, **shape)
+    elif args.ingest:
+        result = api.bench_ingest(*args.ingest, out=args.out, plot=args.plot, say=stage)
+    else:
+        result = api.bench(*args.directories, torch=args.torch_model, out=args.out, plot=args.plot, say=stage,
+                           **shape)
+    print(result.to_json(indent=2) if args.json else result)
     return 0
 
 

@@ -156,6 +156,15 @@ def test_bench_returns_the_rows(exported, tmp_path):
         pit_deploy.bench(out, threads="one", say=None)
     with pytest.raises(PitError, match="--gen-len"):
         pit_deploy.bench(out, gen_len=1, say=None)
+    # the command's other modes are calls of their own, each with one return type
+    archive = pit_deploy.bench_bundle(out, out=tmp_path / "b.tar.gz", prompt_len=8, gen_len=4, reps=1, say=None)
+    assert isinstance(archive, Path) and archive.is_file()
+    again = pit_deploy.bench_ingest(rows_file, say=None)
+    assert [r["artifact"] for r in again.rows] == [r["artifact"] for r in result.rows]
+    with pytest.raises(PitError, match="at least one rows file"):
+        pit_deploy.bench_ingest(say=None)
+    with pytest.raises(TypeError):
+        pit_deploy.bench(out, bundle=tmp_path / "x.tar.gz", say=None)  # no second return type on bench
 
 
 def test_run_returns_the_exit_code_and_the_report(assets, tmp_path):
