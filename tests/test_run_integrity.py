@@ -31,7 +31,7 @@ from pit_deploy.io.fs import atomic_directory, remove_stale_partials, write_json
 from pit_deploy.run import pipeline, validate
 from pit_deploy.run.pipeline import StageFailed
 from pit_deploy.run.recipe import STAGES
-from pit_deploy.run.stages import StageRecord, digest_path, stage_dir
+from pit_deploy.run.stage_records import StageRecord, digest_path, stage_dir
 
 from train_fixtures import make_corpus
 
@@ -280,7 +280,7 @@ def test_a_checkpoint_of_other_settings_or_of_a_copied_run_is_not_resumed(tmp_pa
     from dataclasses import asdict, replace
 
     from pit_deploy.run.pipeline import checkpoint_mismatch
-    from pit_deploy.run.stages import jsonable
+    from pit_deploy.run.stage_records import jsonable
     from pit_deploy.train.loop import TrainConfig
 
     cfg = TrainConfig(out=str(tmp_path / "2-train" / "pit"), model=str(tmp_path / "1-convert" / "model"), data="default")

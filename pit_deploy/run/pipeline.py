@@ -1,6 +1,6 @@
 """``pit-deploy run``: convert → train → export → verify → bench → report in one run directory.
 
-Each stage lives in its own sub-directory with a ``stage.json`` record (:mod:`.stages`). The
+Each stage lives in its own sub-directory with a ``stage.json`` record (:mod:`.stage_records`). The
 pipeline walks the stages in order; a stage whose settings, input digests and outputs are
 unchanged since it last finished is skipped (and says so), ``from_stage`` redoes a stage and
 everything after it, and a stage that was interrupted runs again — training resumes from its
@@ -33,7 +33,7 @@ from ..io.fs import (LOCK_NAME, RUN_FORMAT, check_apart, json_text, lock_directo
                      write_json_atomic, write_text_atomic)
 from .recipe import STAGES, RunRecipe
 from .report import REPORT_NAME, isa_tag
-from .stages import StageRecord, digest_path, fingerprint, jsonable, relative_outputs, resolved_outputs, stage_dir
+from .stage_records import StageRecord, digest_path, fingerprint, jsonable, relative_outputs, resolved_outputs, stage_dir
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]

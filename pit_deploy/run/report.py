@@ -18,7 +18,7 @@ from typing import Any
 
 from ..io.fs import write_text_atomic
 from .recipe import STAGES, RunRecipe
-from .stages import StageRecord, resolved_outputs, stage_dir
+from .stage_records import StageRecord, resolved_outputs, stage_dir
 
 REPORT_NAME = "report.md"  #: the report a run writes (and ``report.html`` beside it)
 Block = tuple  # ("h2", text) | ("p", text) | ("table", headers, rows) | ("img", path, alt) | ("pre", text)
