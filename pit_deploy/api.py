@@ -11,8 +11,9 @@ alike and raise the same errors.
 * A user's mistake (a path, a model, an option) raises :class:`~pit_deploy.errors.PitError`
   before any slow work, with the message the command prints (it names the flag); the command
   turns it into exit code 2.
-* Progress lines go to ``say``: by default :func:`print_progress` (stderr, as the commands
-  print them); ``say=None`` is silent, any callable taking one string receives them.
+* Progress lines go to ``say``: by default :func:`log_progress` (the ``pit_deploy`` logger at
+  INFO: nothing shows until logging is configured); :func:`print_progress` prints them on stderr
+  as the commands do; ``say=None`` is silent, any callable taking one string receives them.
 * The return value is what a program reads: the conversion's figures, the training result,
   the export manifest, the verify report, the bench rows, the run's exit code and report.
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # the result types, imported where they are used (they pull i
     from .train.loop import TrainResult
 
 __all__ = ["Conversion", "Say", "bench", "bench_adb", "bench_bundle", "bench_ingest", "convert", "export",
-           "print_progress", "run", "train", "verify"]
+           "log_progress", "print_progress", "run", "train", "verify"]
 
 Say = Callable[[str], None]
 PathLike = str | os.PathLike
@@ -57,6 +58,13 @@ log = logging.getLogger(__name__)
 def print_progress(message: str) -> None:
     """A progress line on stderr, time-stamped as the commands print it (stdout stays clean)."""
     print(f"[pit-deploy {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def log_progress(message: str) -> None:
+    """A progress line to the ``pit_deploy`` logger at INFO: the calls' default, so a library
+    user sees nothing unless they configure logging (``logging.basicConfig(level=logging.INFO)``);
+    the commands print the lines themselves."""
+    logging.getLogger("pit_deploy").info(message)
 
 
 def _sayer(say: Say | None) -> Say:
@@ -164,7 +172,7 @@ class Conversion:
 def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib: str = "default",
             calib_tokens: int = 4096, diagonal: str = "softplus", train_z: bool = False, force: bool = False,
             max_loss_rise: float = MAX_LOSS_RISE, accept_loss: bool = False,
-            trust_remote_code: bool = False, say: Say | None = print_progress) -> Conversion:
+            trust_remote_code: bool = False, say: Say | None = log_progress) -> Conversion:
     """Convert a causal LM into a PIT checkpoint in ``out`` (``pit-deploy convert``, docs/conversion.md).
 
     ``model`` is ``"default"``, a GGUF file, a Hugging Face directory or a hub id; ``t_init``
@@ -271,7 +279,7 @@ def _heldout(loaded: Any) -> float | None:
 
 
 def train(model: PathLike | None = None, out: PathLike | None = None, *, config: PathLike | None = None,
-          say: Say | None = print_progress, **options: Any) -> TrainResult:
+          say: Say | None = log_progress, **options: Any) -> TrainResult:
     """Train as ``pit-deploy train`` does (docs/training.md); returns the run's result.
 
     ``options`` are the fields of :class:`~pit_deploy.train.config.TrainConfig`, the flags of
@@ -334,7 +342,7 @@ _RECIPE_FLAG_NAMES = {"runtimes": "runtime", "modes": "mode"}
 def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = None,
            runtime: str | Sequence[str] | None = None, mode: str | Sequence[str] | None = None,
            dtype: str | Sequence[str] | None = None, t_init: str | None = None, keep_tying: bool = False,
-           force: bool = False, say: Say | None = print_progress, **recipe_fields: Any) -> Manifest:
+           force: bool = False, say: Say | None = log_progress, **recipe_fields: Any) -> Manifest:
     """Export a model for its runtimes as ``pit-deploy export`` does (docs/export.md).
 
     ``model`` is a PIT directory or a plain model (converted first, ``t_init`` as in
@@ -406,7 +414,7 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
            dtype: str | Sequence[str] | None = None, record: bool = True, expect_sha256: str | None = None,
            web: str | Sequence[str] | None = None, isa: str | Sequence[str] | None = None,
            arm_cpu: str | Sequence[str] | None = None, kleidiai: str | Sequence[str] | None = None,
-           full: bool = False, say: Say | None = print_progress) -> VerifyReport:
+           full: bool = False, say: Say | None = log_progress) -> VerifyReport:
     """Run every artifact of an export directory on its runtime against the PyTorch reference,
     as ``pit-deploy verify`` does (docs/verify.md).
 
@@ -499,7 +507,7 @@ def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
           threads: int | str | Sequence[int] = _BENCH["threads"],
           prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
           reps: int = _BENCH["reps"], out: PathLike | None = None, plot: PathLike | None = None,
-          say: Say | None = print_progress) -> BenchResult:
+          say: Say | None = log_progress) -> BenchResult:
     """Latency, memory and size of every artifact of ``directories`` on this machine, as
     ``pit-deploy bench`` does (docs/bench.md); the defaults are
     :class:`~pit_deploy.evaluate.bench.BenchOptions`'.
@@ -535,7 +543,7 @@ def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
 
 def bench_bundle(*directories: PathLike, out: PathLike, threads: int | str | Sequence[int] = _BENCH["threads"],
                  prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
-                 reps: int = _BENCH["reps"], force: bool = False, say: Say | None = print_progress) -> Path:
+                 reps: int = _BENCH["reps"], force: bool = False, say: Say | None = log_progress) -> Path:
     """Pack the artifacts of ``directories`` with a self-contained benchmark for another device
     into the archive ``out`` (``pit-deploy bench --bundle``; ``force`` replaces an existing
     archive). On the device: ``tar xzf ARCHIVE && python pit-bench/run_bench.py --out
@@ -563,7 +571,7 @@ def bench_bundle(*directories: PathLike, out: PathLike, threads: int | str | Seq
 
 
 def bench_ingest(*rows: PathLike, out: PathLike | None = None, plot: PathLike | None = None,
-                 say: Say | None = print_progress) -> BenchResult:
+                 say: Say | None = log_progress) -> BenchResult:
     """The rows a bundle's ``run_bench.py`` measured on a device (``pit-deploy bench --ingest``),
     as a :class:`~pit_deploy.evaluate.bench.BenchResult`; ``out``/``plot`` as :func:`bench`'s.
 
@@ -585,7 +593,7 @@ def bench_adb(*directories: PathLike, runner: PathLike, serial: str | None = Non
               threads: int | str | Sequence[int] = _BENCH["threads"],
               prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
               reps: int = _BENCH["reps"], out: PathLike | None = None, plot: PathLike | None = None,
-              say: Say | None = print_progress) -> BenchResult:
+              say: Say | None = log_progress) -> BenchResult:
     """The ``.pte`` artifacts of ``directories`` timed on an Android phone over ``adb`` by
     ExecuTorch's ``llama_main`` (``runner``: that binary built for the phone; ``serial``: the
     device, where more than one is attached; ``device_dir``: its working folder), as
@@ -618,7 +626,7 @@ def bench_adb(*directories: PathLike, runner: PathLike, serial: str | None = Non
 
 def run(recipe: PathLike = "default", *, model: PathLike | None = None, data: PathLike | None = None,
         out: PathLike | None = None, overrides: Mapping[str, Any] | Sequence[str] | str | None = None,
-        from_stage: str | None = None, force: bool = False, say: Say | None = print_progress) -> RunResult:
+        from_stage: str | None = None, force: bool = False, say: Say | None = log_progress) -> RunResult:
     """convert → train → export → verify → bench → report in one run directory, as
     ``pit-deploy run`` does (docs/run.md).
 

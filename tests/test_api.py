@@ -4,6 +4,7 @@ a tiny model: each call returns what a program reads, and a user's mistake is a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -143,6 +144,16 @@ def test_verify_passes_an_honest_export_and_fails_a_corrupted_one(exported, tmp_
     rehash(bad)
     report = pit_deploy.verify(bad, say=None)
     assert report.passed is False and report.artifacts[0].failures
+
+
+def test_progress_goes_to_the_logger_by_default(exported, caplog, capsys):
+    """A library call prints nothing by default: its progress lines go to the ``pit_deploy``
+    logger at INFO, where a program that configures logging sees them."""
+    _, out = exported
+    with caplog.at_level(logging.INFO, logger="pit_deploy"):
+        assert pit_deploy.verify(out, record=False).passed
+    assert any(r.name == "pit_deploy" and "verifying" in r.getMessage() for r in caplog.records)
+    assert "[pit-deploy" not in capsys.readouterr().err
 
 
 def test_bench_returns_the_rows(exported, tmp_path):
