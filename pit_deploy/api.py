@@ -326,7 +326,8 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
         cfg = TrainConfig(**given)
     result = run_training(cfg, say=say)
     if int(os.environ.get("RANK", "0")) == 0:
-        say(f"done: {result.steps} steps, final train loss {result.final_train_loss:.4f}"
+        say(f"done: {result.steps} steps"
+            + (f", final train loss {result.final_train_loss:.4f}" if result.final_train_loss is not None else "")
             + (f", validation loss {result.final_val_loss:.4f}" if result.final_val_loss is not None else ""))
     return result
 

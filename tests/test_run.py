@@ -288,13 +288,15 @@ def test_a_torchrun_child_reads_the_whole_config_from_a_file(tmp_path, monkeypat
 
     import pit_deploy.train.loop as loop
     from pit_deploy.train.config import write_config
-    from pit_deploy.train.loop import TrainConfig
+    from pit_deploy.train.loop import TrainConfig, TrainResult
 
     cfg = TrainConfig(out=str(tmp_path / "o"), model="m", tying="tt", steps=7, lr=2e-5, lr_t=0.0, streaming=False,
                       plot=False, lora=True, lora_targets=["q_proj", "v_proj"], grad_clip=0.5, resume=True, seed=3,
                       betas=(0.8, 0.99))
     seen = []
-    monkeypatch.setattr(loop, "train", lambda c, say=None: seen.append(c))
+    done = TrainResult(out=cfg.out, steps=0, tokens=0, final_train_loss=None, final_val_loss=None,
+                       initial_val_loss=None, median_step_time_s=None, tokens_per_s=None)
+    monkeypatch.setattr(loop, "train", lambda c, say=None: seen.append(c) or done)  # train returns a result
     assert main(["train", "--config", str(write_config(cfg, tmp_path / "cfg.json"))]) == 0
     assert seen == [cfg]
     assert {f.name for f in dataclasses.fields(TrainConfig)} == set(dataclasses.asdict(seen[0]))
