@@ -19,30 +19,24 @@ import numpy as np
 import torch
 
 from ..errors import PitError
-from .core import POLAR_CHUNK_ROWS, row_chunks
+from .core import rotate_rows, row_chunks
 
 #: a quantized table whose Gram matrix is worse conditioned than this has lost rank
 MAX_GRAM_COND = 1e12
 
 
-#: rows of a ``V×d`` table taken to float64 at a time: the products below are summed by row
-#: chunks, so a 262k-token table is never copied to float64 whole (1.3 GB per copy at d = 640)
-CHUNK_ROWS = POLAR_CHUNK_ROWS
-
-
 def cross_gram(a: Any, b: Any) -> Any:
     """``aᵀ b`` in float64 for ``a`` ``(V, d₁)`` and ``b`` ``(V, d₂)`` (numpy arrays or torch
-    tensors on one device, any float dtype), summed by :data:`CHUNK_ROWS`-row chunks."""
-    if isinstance(a, torch.Tensor):
-        total = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
-        for part, chunk in row_chunks(a):
-            total += chunk.T @ b[part].to(torch.float64)
-        return total
-    total = np.zeros((a.shape[1], b.shape[1]))
-    for start in range(0, a.shape[0], CHUNK_ROWS):
-        part = slice(start, start + CHUNK_ROWS)
-        total += np.asarray(a[part], dtype=np.float64).T @ np.asarray(b[part], dtype=np.float64)
-    return total
+    tensors on one device, any float dtype), summed by row chunks
+    (:func:`~pit_deploy.model.core.row_chunks`: a 262k-token table is never copied to float64
+    whole, 1.3 GB per copy at d = 640); numpy in, numpy out."""
+    as_numpy = not isinstance(a, torch.Tensor)
+    ta = torch.from_numpy(np.asarray(a)) if as_numpy else a
+    tb = torch.from_numpy(np.asarray(b)) if as_numpy else b
+    total = torch.zeros(ta.shape[1], tb.shape[1], dtype=torch.float64, device=ta.device)
+    for part, chunk in row_chunks(ta):
+        total += chunk.T @ tb[part].to(torch.float64)
+    return total.numpy() if as_numpy else total
 
 
 def identity_defect(e: Any, w_out: Any) -> float:
@@ -91,8 +85,4 @@ def corrected_table(head: np.ndarray, scale: float = 1.0) -> np.ndarray:
     inv = np.linalg.solve(chol.T, np.linalg.solve(chol, np.eye(gram.shape[0])))
     if scale != 1.0:
         inv = inv / scale
-    table = np.empty(head.shape, dtype=np.float32)
-    for start in range(0, head.shape[0], CHUNK_ROWS):
-        part = slice(start, start + CHUNK_ROWS)
-        table[part] = np.asarray(head[part], dtype=np.float64) @ inv
-    return table
+    return rotate_rows(torch.from_numpy(np.asarray(head)), torch.from_numpy(inv)).numpy()

@@ -382,12 +382,6 @@ def table_scale(config: Any) -> np.float32:
     return np.float32(1.0)
 
 
-def stored_table(head: np.ndarray, scale: np.float32) -> np.ndarray:
-    """The float32 table to store beside the dequantized ``head``: the pseudo-inverse of the head
-    (what the model must gather), divided by the ``scale`` llama.cpp multiplies the rows by."""
-    return corrected_table(head, float(scale))
-
-
 def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | None,
                    scale: np.float32) -> dict[str, Any]:
     """``delta_ti`` of the dequantized ``head`` with the table quantized as the source
@@ -400,7 +394,7 @@ def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | 
     out = {"delta_ti_uncorrected": identity_defect(plain_table * scale, head.T)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
     if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
-        rounded = dequantize(quantize(stored_table(head, scale), qtype), qtype)
+        rounded = dequantize(quantize(corrected_table(head, scale), qtype), qtype)
         out["delta_ti_corrected_table_rounded"] = identity_defect(rounded * scale, head.T)
     return out
 
@@ -430,7 +424,7 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
         plain = quantize(tensors[EMBED], body_t)
         info.update(_table_figures(head, dequantize(plain, body_t), kind, scale))
         if correction:
-            tensors = {**tensors, EMBED: stored_table(head, scale)}
+            tensors = {**tensors, EMBED: corrected_table(head, scale)}
             info["table_type"] = "F32"
             info["delta_ti_corrected"] = identity_defect(tensors[EMBED] * scale, head.T)
         else:
@@ -462,7 +456,7 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
         if HEAD not in read or not correction:
             first.replace(path)
             return info
-        write_gguf(f32, model, tokenizer, {**tensors, EMBED: stored_table(read[HEAD], scale)})
+        write_gguf(f32, model, tokenizer, {**tensors, EMBED: corrected_table(read[HEAD], scale)})
         llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
         if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
             raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
