@@ -32,6 +32,7 @@ keeps every round plus the medians.
 Usage::
 
     python benchmarks/genai_side_by_side.py [--model default] [--ours EXPORT_DIR]
+        [--folder NAME=PATH ...] [--only-folders]
         [--work bench_work/genai] [--threads 1,2] [--rounds 3] [--prompt-len 64] [--gen-len 128]
         [--out benchmarks/results/genai_side_by_side.json]
 """
@@ -167,6 +168,22 @@ def builder_folders(model: str, work: Path, extra: dict[str, str]) -> tuple[dict
     return folders, seconds, loaded.tokenizer, int(loaded.model.config.vocab_size)
 
 
+def _named_folder(spec: str) -> tuple[str, Path]:
+    """``NAME=PATH`` of ``--folder``."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        sys.exit(f"error: --folder takes NAME=PATH, got {spec!r}")
+    return name, Path(path)
+
+
+def _is_quantized(folder: Path) -> bool:
+    """Whether an onnx-genai folder's decoder holds ``MatMulNBits`` (the builder's int4/int8)."""
+    import onnx
+
+    decoder = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    return any(n.op_type == "MatMulNBits" for n in decoder.graph.node)
+
+
 def prompt_ids(tokenizer, vocab: int, length: int) -> list[int]:
     if tokenizer is not None:
         text, ids = PROMPT_TEXT, []
@@ -190,6 +207,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--folder", action="append", default=[], metavar="NAME=PATH",
+                        help="time this onnx-genai folder of ours too, under NAME (repeatable; int4 folders are "
+                             "compared with the builder's int4, the others with its fp32)")
+    parser.add_argument("--only-folders", action="store_true",
+                        help="time the --folder ones and the builder's, not the --ours directory's")
     parser.add_argument("--out", default=str(RESULTS / "genai_side_by_side.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
@@ -201,7 +223,12 @@ def main(argv=None) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    extra_folders = dict(_named_folder(spec) for spec in args.folder)
+    if args.only_folders and not extra_folders:
+        parser.error("--only-folders needs at least one --folder")
     ours = Path(args.ours) if args.ours else work / "ours"
+    if args.only_folders:
+        ours = next(iter(extra_folders.values())).parent
     export_s = None
     if not (ours / "manifest.json").is_file():
         export_s = pit_deploy("export", args.model, "--runtime", "onnx-genai", "--mode", "factorized",
@@ -214,11 +241,17 @@ def main(argv=None) -> int:
     # (not our fuse_qkv=false and int8 overrides, which keep the scheme's 8-bit layers)
     extra = {k: v for k, v in ours_extra.items() if k in ("block_size", "accuracy_level", "is_symmetric")}
     builders, build_s, tokenizer, vocab = builder_folders(args.model, work, extra)
-    artifacts = {"builder-int4": builders["builder-int4"],
-                 **{f"ours-factorized-{s}": ours / f"onnx-genai-factorized-{s}" for s in OUR_INT4},
-                 "builder-fp32": builders["builder-fp32"], "ours-factorized-fp32": ours / "onnx-genai-factorized"}
+    if args.only_folders:  # the builder's fp32 only where one of the folders is fp32
+        artifacts = {"builder-int4": builders["builder-int4"]}
+        if not all(_is_quantized(folder) for folder in extra_folders.values()):
+            artifacts["builder-fp32"] = builders["builder-fp32"]
+    else:
+        artifacts = {"builder-int4": builders["builder-int4"],
+                     **{f"ours-factorized-{s}": ours / f"onnx-genai-factorized-{s}" for s in OUR_INT4},
+                     "builder-fp32": builders["builder-fp32"], "ours-factorized-fp32": ours / "onnx-genai-factorized"}
+    artifacts.update({f"ours-{name}": folder for name, folder in extra_folders.items()})
     # each of ours against the builder's build of the same precision
-    peers = {name: "builder-fp32" if name.endswith("fp32") else "builder-int4" for name in artifacts}
+    peers = {name: "builder-int4" if _is_quantized(folder) else "builder-fp32" for name, folder in artifacts.items()}
     for name, folder in artifacts.items():
         if not (folder / "genai_config.json").is_file():
             sys.exit(f"{name}: {folder} is not an onnxruntime-genai folder; export --ours with `pit-deploy export "

@@ -18,7 +18,8 @@ interleaved; medians):
   (``genai_side_by_side.py``'s build and timing);
 * ``ours-pte-<scheme>`` — ``executorch-factorized-<scheme>`` of ``--ours`` in ExecuTorch's stock
   ``TextLLMRunner`` (its own tokenizer and decode loop, its ``Stats``), prompt = the same ids
-  decoded to text.
+  decoded to text;
+* ``ours-genai-<label>`` — one of our onnx-genai folders (``--genai``), timed as the builder's is.
 
 Memory: ``peak_rss_mb`` is the child's ``VmHWM`` (MiB); ``baseline_rss_mb`` its ``VmRSS`` once
 the runtime is imported and before the model loads (for the stock runner that includes PyTorch,
@@ -28,6 +29,7 @@ running add, over the model's files: the figure a memory budget on a phone is ab
 Usage::
 
     python benchmarks/pte_anchors.py --ours EXPORT_DIR [--schemes int4-shared,int4] [--pte LABEL=FOLDER ...]
+        [--genai LABEL=FOLDER ...]
         [--model default]
         [--work bench_work/pte_anchors] [--threads 1,2] [--rounds 3] [--prompt-len 64] [--gen-len 128]
         [--out benchmarks/results/pte_anchors.json]
@@ -150,6 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pte", action="append", default=[], metavar="LABEL=FOLDER",
                         help="one more .pte folder to time, under the row name ours-pte-LABEL (repeatable): e.g. an "
                              "export made with other settings")
+    parser.add_argument("--genai", action="append", default=[], metavar="LABEL=FOLDER",
+                        help="one of our onnx-genai folders to time too, under the row name ours-genai-LABEL "
+                             "(repeatable): e.g. the default run's onnx-genai-factorized-int4")
     parser.add_argument("--model", default="default")
     parser.add_argument("--gguf", help="the source as a GGUF file for the llama.cpp anchor (default: the default "
                                        "model's own file when --model is default)")
@@ -182,6 +187,14 @@ def main(argv=None) -> int:
         if not label or not folder:
             parser.error(f"--pte takes LABEL=FOLDER, got {item!r}")
         pte_folders[f"ours-pte-{label}"] = Path(folder)
+    genai_folders = {}
+    for item in args.genai:
+        label, _, folder = item.partition("=")
+        if not label or not folder:
+            parser.error(f"--genai takes LABEL=FOLDER, got {item!r}")
+        if not (Path(folder) / "genai_config.json").is_file():
+            parser.error(f"--genai {item}: {folder} is no onnx-genai folder (no genai_config.json)")
+        genai_folders[f"ours-genai-{label}"] = Path(folder)
     for name, folder in pte_folders.items():
         if not (folder / "model.pte").is_file():
             sys.exit(f"{name}: no {folder / 'model.pte'}; export it with `pit-deploy export MODEL --runtime executorch "
@@ -198,6 +211,7 @@ def main(argv=None) -> int:
     prompt_text = tokenizer.decode(prompt)
     threads = [int(t) for t in args.threads.split(",")]
     artifacts: dict[str, tuple[str, Path]] = {name: ("runner", folder) for name, folder in pte_folders.items()}
+    artifacts.update({name: ("genai", folder) for name, folder in genai_folders.items()})
     if gguf is not None:
         artifacts["llama.cpp-Q4_0"] = ("llama", gguf)
     artifacts["genai-builder-int4"] = ("genai", builders["builder-int4"])
@@ -231,7 +245,7 @@ def main(argv=None) -> int:
     ratios = []
     peers = [n for n in artifacts if not n.startswith("ours-")]
     for t in threads:
-        for name in pte_folders:
+        for name in (*pte_folders, *genai_folders):
             mine = next(r for r in rows if r["threads"] == t and r["artifact"] == name)
             for peer in peers:
                 other = next(r for r in rows if r["threads"] == t and r["artifact"] == peer)

@@ -37,6 +37,8 @@ GROUP_SIZES = (16, 32, 64, 128, 256)
 DTYPES = ("float32", "float16", "int8", "int4")
 #: how a scheme's weights are rounded (``Scheme.rounding``)
 ROUNDINGS = ("rtn", "gptq")
+#: what a quantized factorized ONNX head multiplies its table with (``Scheme.head_activations``)
+HEAD_ACTIVATIONS = ("float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,10 @@ SETTINGS: tuple[SchemeSetting, ...] = (
                   "feedback from calibration text, in PyTorch; the exporter writes those codes) (default: the "
                   "scheme's)", values=ROUNDINGS, values_text="one of " + ", ".join(ROUNDINGS), cli_choices=True,
                   coded=True),
+    SchemeSetting("head_activations", "str", "float32", "quantized factorized ONNX: the head's MatMulNBits "
+                  "with float32 activations, or int8 ones (faster; its d x d factor is put on the int8 grid so "
+                  "that W_out E = I still holds on the runtime) (default: the scheme's)",
+                  values=HEAD_ACTIVATIONS, values_text="float32 or int8", cli_choices=True),
     SchemeSetting("rotate_residual", "bool", False, "quantized .pte: round the body without first rotating the "
                   "residual stream by a randomized Hadamard matrix (int4's default rotates)",
                   flag="--no-rotate-residual", coded=True),
@@ -199,6 +205,11 @@ class Scheme:
             quantizer); ``gptq`` rounds the body linears in PyTorch with error feedback from
             calibration text (:mod:`pit_deploy.export.calibrated_rounding`) and the exporter
             writes those codes as they are.
+        head_activations: quantized factorized ONNX (``onnx``, ``onnx-genai``): ``float32`` runs the
+            head's ``MatMulNBits`` on float32 activations, ``int8`` on int8 ones per block
+            (``accuracy_level`` 4, the body's kernel), with the head's ``d×d`` factor on that grid so
+            that ``W_out E = I`` holds on the runtime
+            (:func:`pit_deploy.export.onnx_tables.int8_block_grid_rows`).
         rotate_residual: quantized ``.pte``: rotate the residual stream by a randomized Hadamard
             matrix before the body is rounded (:mod:`pit_deploy.export.residual_rotation`; the
             float32 model computes the same, the interface is untouched).
@@ -234,6 +245,9 @@ class Scheme:
                            "rounding); drop it for float32")
         if not isinstance(self.fold_at_load, bool):
             raise PitError(f"fold_at_load must be true or false, got {self.fold_at_load!r}")
+        if self.head_activations != "float32" and self.fold_at_load:
+            raise PitError(f"scheme {self.name}: head_activations {self.head_activations} applies to MatMulNBits "
+                           "heads; a scheme folded at load has float32 kernels only; drop it")
         if self.rounding != "rtn" and (self.fold_at_load or not self.quantized):
             raise PitError(f"scheme {self.name}: rounding {self.rounding} applies to the int8/int4 schemes that "
                            "store codes (not float32, not the web schemes folded at load); drop it for this dtype")
@@ -290,6 +304,8 @@ class Scheme:
             if self.rotate_residual:
                 out["rotate_residual"] = True
             out["rounding"] = self.rounding
+            if self.head_activations != "float32":
+                out["head_activations"] = self.head_activations
         return out
 
 
@@ -361,7 +377,10 @@ register_scheme(Scheme("float32", "float32", ParityBounds(), "full precision"))
 # model .pte: 4.3× the expected kl_mean); studies/quantized-scaling.md.
 register_scheme(Scheme("int8", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1,
                                                        expected_factor=10.0, expected_factor_p99=10.0),
-                       "8-bit weights and token tables"))
+                       "8-bit weights and token tables", head_activations="int8"))
+# The ONNX targets' factorized heads read int8 activations in int8, int4 and int4-compact (the body's
+# kernel, faster at the same held-out KL, the head's d x d factor on that kernel's grid so that
+# W_out E = I holds: studies/onnx-genai-int4.md, "A head with int8 activations").
 # int4's .pte: the head an 8-bit linear over the gather's own 8-bit table, stored once (model.ptd);
 # measured on the default model: the fp32 head's KL at 104.6 MB instead of 222.9 (studies/pte-head-and-table.md).
 # int4's body is GPTQ-rounded where the target writes calibrated codes (.pte, onnx, and onnx-genai into
@@ -373,12 +392,13 @@ register_scheme(Scheme("int4", "int4", INT4_BOUNDS,
                        "4-bit linears in groups of 32 rounded by GPTQ, v_proj/down_proj and the token tables at 8 "
                        "bits (a .pte's head and gather read one 8-bit table, GPTQ-rounded too)",
                        int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True, rounding="gptq",
-                       rotate_residual=True, gptq_bounds=INT4_GPTQ_BOUNDS))
+                       rotate_residual=True, gptq_bounds=INT4_GPTQ_BOUNDS, head_activations="int8"))
 register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the smallest int4 within the int4 bounds: a 4-bit token table stored once, only "
                        "v_proj at 8 bits (ONNX, onnxruntime-genai; on a .pte the same settings measured over "
                        "the bound)",
-                       table_bits=4, int4_8bit_layers=("v_proj",), rounding="gptq", runtimes=("onnx", "onnx-genai")))
+                       table_bits=4, int4_8bit_layers=("v_proj",), rounding="gptq", runtimes=("onnx", "onnx-genai"),
+                       head_activations="int8"))
 # int4 with one 4-bit token table for the .pte's gather and head (studies/pte-head-and-table.md, "One token
 # table for the gather and the head"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
 # stored once in model.ptd; smaller than int4's .pte, at a higher KL. Rotated and GPTQ-rounded (the table

@@ -74,8 +74,9 @@ def test_factorized_table_is_stored_once(quantized_export):
     size = {p: a_bytes(a) for p, a in arts.items()}
     for mode in ("materialized", "factorized"):
         assert size[f"onnx-{mode}-int4"] < size[f"onnx-{mode}-int8"] < size[f"onnx-{mode}"]
-    # on disk the head's MatMulNBits and the embedding's GatherBlockQuantized read one byte range
-    # per plane (the 8-bit table as two nibble planes: two of each op)
+    # on disk the head's MatMulNBits and the embedding's GatherBlockQuantized read one byte range:
+    # the 8-bit table read whole by a head with int8 activations (the schemes' default), the
+    # 8-bit kernel being fast there
     import onnx
 
     for dtype in QUANTIZED:
@@ -84,9 +85,10 @@ def test_factorized_table_is_stored_once(quantized_export):
         where = {i.name: {e.key: e.value for e in i.external_data} for i in graph.initializer}
         heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("pit_q.head.")]
         embeds = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
-        assert len(heads) == len(embeds) == 2
+        assert len(heads) == len(embeds) == 1
         for head, embed in zip(heads, embeds):
-            assert all(a.i == 4 for a in head.attribute if a.name == "bits")
+            attrs = {a.name: a.i for a in head.attribute}
+            assert attrs["bits"] == 8 and attrs["accuracy_level"] == 4
             assert where[head.input[1]]["offset"] == where[embed.input[0]]["offset"]
 
 
@@ -257,6 +259,81 @@ def test_rotated_table_computes_the_same_interface_on_onnxruntime():
     emb, _ = session.run(None, {"ids": np.arange(v)[None], "h": np.zeros((1, v, d), np.float32)})
     _, w_out = session.run(None, {"ids": np.zeros((1, d), np.int64), "h": np.eye(d, dtype=np.float32)[None]})
     assert np.abs(w_out[0].astype(np.float64) @ emb[0] - np.eye(d)).max() < 1e-4
+
+
+def test_int8_grid_rows_pass_the_int8_activation_kernel_unrounded():
+    """A row on the grid of int8_block_grid_rows goes through MatMulNBits' int8 activations
+    (accuracy_level 4) as through its float32 ones; a row off the grid does not (the premise)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pit_deploy.export.onnx_tables import block_quantize, int8_block_grid_rows
+
+    rng = np.random.default_rng(0)
+    k, n, block = 128, 96, 32
+    table = block_quantize(rng.standard_normal((n, k)).astype(np.float32), 4, block)
+    x = rng.standard_normal((16, k)) * np.exp(2 * rng.standard_normal(k))  # outlier channels
+    snapped = int8_block_grid_rows(x, block)
+    assert np.abs(snapped - x).max() <= np.abs(x).max() / 254 + 1e-12
+    blocks = np.abs(snapped.reshape(16, -1, block))
+    steps = blocks.max(axis=2, keepdims=True) / 127
+    assert np.abs(blocks / steps - np.round(blocks / steps)).max() < 1e-9
+
+    def run(a: np.ndarray, level: int) -> np.ndarray:
+        node = helper.make_node("MatMulNBits", ["a", "b", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n,
+                                bits=4, block_size=block, accuracy_level=level)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, k])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+                                  [numpy_helper.from_array(table.packed, "b"), numpy_helper.from_array(table.scales, "s"),
+                                   numpy_helper.from_array(table.zero_points, "z")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)], ir_version=8)
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run(None, {"a": a.astype(np.float32)})[0].astype(np.float64)
+
+    def gap(a: np.ndarray) -> float:
+        return float(np.linalg.norm(run(a, 4) - run(a, 0)) / np.linalg.norm(run(a, 0)))
+
+    assert gap(x) > 1e-3
+    assert gap(snapped) < 1e-5
+
+
+def test_int8_head_keeps_the_identity_on_onnxruntime():
+    """head_int8: the head's MatMulNBits read int8 activations (accuracy_level 4), its d×d factor
+    is on their grid, and with the correction W_out E = I holds through that kernel; the logits of
+    a general hidden state stay those of the float32 head up to the activations' rounding."""
+    import onnx
+    import onnxruntime as ort
+
+    from pit_deploy.export.onnx_graph import find_graph_interface
+    from pit_deploy.export.quantize_onnx import rewrite_interface
+
+    v, d = 200, 64
+    results = {}
+    for bits, head_int8 in ((4, False), (4, True), (8, True)):
+        model = _factorized_interface_graph(v, d)
+        details = rewrite_interface(model, find_graph_interface(model.graph, v, d), bits, 32, correct=True,
+                                    head_int8=head_int8)
+        heads = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        levels = {a.i for n in heads for a in n.attribute if a.name == "accuracy_level"}
+        assert levels == ({4} if head_int8 else set())
+        # int8 activations read an 8-bit table whole (a fast kernel), not as two nibble planes
+        assert len(heads) == 1 and details["table_planes"] == 1
+        assert details["head_activations"].startswith("int8" if head_int8 else "float32")
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        emb, _ = session.run(None, {"ids": np.arange(v)[None], "h": np.zeros((1, v, d), np.float32)})
+        _, w_out = session.run(None, {"ids": np.zeros((1, d), np.int64), "h": np.eye(d, dtype=np.float32)[None]})
+        assert np.abs(w_out[0].astype(np.float64) @ emb[0] - np.eye(d)).max() < 1e-4
+        h = np.random.default_rng(2).standard_normal((1, 8, d)).astype(np.float32)
+        results[bits, head_int8] = session.run(None, {"ids": np.zeros((1, 8), np.int64), "h": h})[1].astype(np.float64)
+        onnx.checker.check_model(model)
+    reference = _factorized_interface_graph(v, d)
+    want = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"ids": np.zeros((1, 8), np.int64), "h": h})[1].astype(np.float64)
+    rel = {key: np.linalg.norm(got - want) / np.linalg.norm(want) for key, got in results.items()}
+    # the 4-bit table's rounding dominates; int8 activations add little to it, and an 8-bit table
+    # with int8 activations is closer than either
+    assert rel[4, True] < 1.2 * rel[4, False] and rel[8, True] < 0.3 * rel[4, False], rel
 
 
 def test_without_the_correction_the_identity_drifts(tmp_path):

@@ -173,7 +173,28 @@ def calibrated_table(graph, iface: Interface, bits: int, block: int, moments: np
     return table
 
 
-def rotate_table(graph, iface: Interface) -> bool:
+def int8_block_grid_rows(a: np.ndarray, block: int) -> np.ndarray:
+    """``a`` (``n×d``) with each block of ``block`` entries of each row moved to the nearest point
+    ``c · k`` (``k`` integers, ``max |k| = 127``) of the grid that ``MatMulNBits``' int8 activations
+    (``accuracy_level`` 4) represent exactly.
+
+    onnxruntime's int8-activation kernel quantizes its input per block of ``block_size`` entries,
+    symmetrically: scale ``max |x| / 127``, codes ``round(x / scale)``. With ``c`` that block's
+    ``max |x| / 127``, the block's largest entry is ``±127 c`` and every entry ``c k``, so the kernel
+    finds the scale ``c`` again and the codes ``k``: nothing is rounded (measured: a row on the grid
+    goes through the int8 kernel as through the float32 one, relative difference 2e-7, where an
+    input off the grid differs by 7e-3). Each entry moves by at most ``c / 2``."""
+    a = np.asarray(a, dtype=np.float64)
+    n, d = a.shape
+    if d % block:
+        raise PitError(f"group size {block} does not divide the hidden size {d}")
+    blocks = a.reshape(n, d // block, block)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    step = np.where(amax > 0, amax / 127, 1.0)  # a zero block stays zero
+    return (np.round(blocks / step) * step).reshape(n, d)
+
+
+def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool:
     """Turn a factorized graph's token table by ``R`` before it is quantized: the table's rows
     become ``Z R``, the head's factor ``T R`` and the embedding's ``Rᵀ T⁻¹`` (``R`` the
     randomized Hadamard matrix of :func:`.residual_rotation.rotation_matrix`), so that
@@ -181,6 +202,15 @@ def rotate_table(graph, iface: Interface) -> bool:
     function, with nothing added at run time (``T`` and ``T⁻¹`` are ``d×d`` products it has
     anyway), and the correction computed afterwards from the graph's own factor keeps
     ``W_out E = I``.
+
+    With ``int8_block`` (a head whose ``MatMulNBits`` rounds its input to int8 in blocks of that
+    many entries), the head's factor is ``S``, ``T R`` with each row on that rounding's grid
+    (:func:`int8_block_grid_rows`), and the table ``Z Tᵀ S⁻ᵀ`` (``Z R`` up to the snapping), so
+    that ``h S (Z Tᵀ S⁻ᵀ)ᵀ = h T Zᵀ`` still; the embedding's factor is ``Sᵀ T⁻ᵀ T⁻¹``
+    (``Rᵀ T⁻¹`` when ``S = T R``). A row of ``S`` — what the head is fed for a basis vector,
+    which is how ``verify`` measures ``W_out`` — then passes the int8 rounding unchanged, and
+    ``W_out E = I`` holds on the runtime; the same device as the ``.pte``'s quantized head
+    (:mod:`pit_deploy.targets.executorch.head`), for onnxruntime's grid.
 
     Why: a token's row has a few large coordinates, and one 4-bit scale a block of 32 spends its
     range on them; ``R`` spreads them over every coordinate (incoherence processing, as in QuIP,
@@ -217,8 +247,15 @@ def rotate_table(graph, iface: Interface) -> bool:
 
     t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
     t_inv = numpy_helper.to_array(inits[iface.t_inv_name]).astype(np.float64)
-    put(iface.t_name, t @ r)
-    put(iface.t_inv_name, r.T @ t_inv)
+    if int8_block:
+        # S on the float32 grid it is stored with, so that the kernel reads the snapped rows
+        s = int8_block_grid_rows(t @ r, int8_block).astype(np.float32).astype(np.float64)
+        r = t.T @ np.linalg.inv(s).T  # the table's map Z -> Z Tᵀ S⁻ᵀ
+        put(iface.t_name, s)
+        put(iface.t_inv_name, s.T @ np.linalg.solve(t.T, t_inv))
+    else:
+        put(iface.t_name, t @ r)
+        put(iface.t_inv_name, r.T @ t_inv)
     r64 = torch.from_numpy(r).to(torch.float64)
     iface.embed_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.embed_rows)), r64).numpy()
     iface.head_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.head_rows)), r64).numpy()

@@ -58,6 +58,8 @@ from .onnx_tables import BITS, Planes, block_quantize, block_table_from_codes, c
 
 #: ``accuracy_level`` of the body's ``MatMulNBits``: 4 = int8 activations (MLAS CompInt8)
 BODY_ACCURACY_LEVEL = 4
+#: ``accuracy_level`` of a head with int8 activations (``head_int8``)
+HEAD_INT8_ACCURACY_LEVEL = 4
 
 
 def _sum_nodes(graph, name: str, terms: list[tuple[str, float]], output: str) -> list:
@@ -96,7 +98,7 @@ def _plane_names(graph, prefix: str, planes: Planes, gather: bool) -> list[list[
 
 def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: bool,
                       head_moments: np.ndarray | None = None,
-                      table_cache: dict[str, Any] | None = None) -> dict[str, Any]:
+                      table_cache: dict[str, Any] | None = None, head_int8: bool = False) -> dict[str, Any]:
     """Replace the embedding Gather by ``GatherBlockQuantized`` and the head MatMul by
     ``MatMulNBits``; in factorized mode with ``correct``, replace ``T⁻¹`` by ``M``.
 
@@ -118,22 +120,25 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
 
     graph = model.graph
     ensure_ms_domain(model)
-    rotated = rotate_table(graph, iface)
+    rotated = rotate_table(graph, iface, int8_block=block if head_int8 else None)
+    head_int8 = head_int8 and rotated  # only a turned factorized table has its factor on the grid
     shared = np.array_equal(iface.embed_rows, iface.head_rows)
     head_q = block_quantize(iface.head_rows, bits, block) if head_moments is None else \
         calibrated_table(graph, iface, bits, block, head_moments, table_cache)
     emb_q = head_q if shared else block_quantize(iface.embed_rows, bits, block)
     v, d = iface.head_rows.shape
     prefix = "pit_q"
-    head_planes = table_planes(head_q)
+    # int8 activations have a fast 8-bit kernel, so an 8-bit table is read whole there
+    head_planes = [(head_q, 1.0)] if head_int8 else table_planes(head_q)
     emb_planes = head_planes if shared else [(emb_q, 1.0)]
     head_names = _plane_names(graph, f"{prefix}.head", head_planes, gather=False)
     # head: MatMulNBits(A, B (N, kb, blob), scales, zero points) per plane, summed
     head_name = iface.head.name or "head"
     outs = [iface.head.output[0]] if len(head_planes) == 1 else \
         [f"{head_name}_plane{k}" for k in range(len(head_planes))]
+    level = {"accuracy_level": HEAD_INT8_ACCURACY_LEVEL} if head_int8 else {}
     nodes = [helper.make_node("MatMulNBits", [iface.head.input[0], *names], [out], name=f"{head_name}_Q{k}",
-                              domain="com.microsoft", K=d, N=v, bits=table.bits, block_size=table.block)
+                              domain="com.microsoft", K=d, N=v, bits=table.bits, block_size=table.block, **level)
              for k, ((table, _), names, out) in enumerate(zip(head_planes, head_names, outs))]
     nodes += _sum_nodes(graph, f"{head_name}_planes", list(zip(outs, [f for _, f in head_planes])),
                         iface.head.output[0])
@@ -159,7 +164,9 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     if remove is not None:
         graph.node.remove(remove)
     details: dict[str, Any] = {"token_table_shared": bool(shared), "table_bits": bits, "group_size": block,
-                               "head_activations": "float32",
+                               "head_activations": f"int8 per block of {block} (accuracy_level "
+                                                   f"{HEAD_INT8_ACCURACY_LEVEL}), its d x d factor on that grid"
+                                                   if head_int8 else "float32",
                                "table_planes": len(head_planes),
                                "table_rounding": "to nearest" if head_moments is None else
                                "GPTQ against the head input's second moments on the calibration text"}
@@ -269,7 +276,7 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
                    body: bool, table_bits: int | None = None,
                    keep_8bit: tuple[str, ...] = (), codes: dict[str, Any] | None = None,
                    head_moments: np.ndarray | None = None,
-                   table_cache: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+                   table_cache: dict[str, Any] | None = None, head_int8: bool = False) -> tuple[Any, dict[str, Any]]:
     """Quantize one exported graph in memory: its token interface (``table_bits``, default
     the dtype's bits; ``head_moments``, ``table_cache``: see :func:`rewrite_interface`) and, with ``body``, every
     other weight matrix (``keep_8bit``, ``codes``: see :func:`quantize_body`).
@@ -281,7 +288,7 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
     iface = find_graph_interface(model.graph, vocab, hidden)
     keep_fp32 = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
                  {iface.t_name, iface.t_inv_name}]
-    details = rewrite_interface(model, iface, bits, block, correct, head_moments, table_cache)
+    details = rewrite_interface(model, iface, bits, block, correct, head_moments, table_cache, head_int8)
     kept = 0
     if body:
         model, kept = quantize_body(model, dtype, block, keep_fp32, keep_8bit, codes)

@@ -88,7 +88,7 @@ class OnnxOptimumTarget(Target):
 
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         return decoder_file(folder), interface_file(folder)
-    scheme_settings = Target.scheme_settings + ("rounding",)
+    scheme_settings = Target.scheme_settings + ("rounding", "head_activations")
 
     def primary_path(self, folder: Path) -> str:
         return decoder_file(folder).relative_to(folder).as_posix()

@@ -41,10 +41,11 @@ ONNX_TASK = "text-generation-with-past"
 def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: int | None = None,
                 dtype: str = "float32", group_size: int = 32, pit_correction: bool = True,
                 table_bits: int | None = None, keep_8bit: tuple[str, ...] = (),
-                fold_at_load: bool = False) -> dict:
+                fold_at_load: bool = False, head_int8: bool = False) -> dict:
     """Write the decoder (+ config, generation config, tokenizer) and the interface graph;
     for ``int8``/``int4`` quantize both graphs (:mod:`pit_deploy.export.quantize_onnx`; with ``fold_at_load``,
-    codes that onnxruntime folds to float32 at load, :mod:`.web_fold`).
+    codes that onnxruntime folds to float32 at load, :mod:`.web_fold`; ``head_int8``: a factorized
+    head with int8 activations).
 
     Returns:
         a dict with the task, the opset, the ONNX file names (and the quantization details).
@@ -107,7 +108,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         # second finds the first's codes in table_cache)
         quantize = fold_graph if fold_at_load else \
             partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
-                    table_cache={})
+                    table_cache={}, head_int8=head_int8)
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit)
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
@@ -206,4 +207,5 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
     """The ``onnx`` target's exporter (:mod:`pit_deploy.targets.onnx`)."""
     return export_onnx(model, out_dir, tokenizer, opset, dtype=scheme.dtype, group_size=scheme.group_size,
                        pit_correction=scheme.pit_correction, table_bits=scheme.table_bits,
-                       keep_8bit=scheme.int4_8bit_layers, fold_at_load=scheme.fold_at_load)
+                       keep_8bit=scheme.int4_8bit_layers, fold_at_load=scheme.fold_at_load,
+                       head_int8=scheme.head_activations == "int8")

@@ -137,7 +137,7 @@ class OnnxGenaiTarget(Target):
     #: the builder quantizes the body with the scheme's block size and keeps the scheme's 8-bit
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
-    scheme_settings = Target.scheme_settings + ("rounding",)
+    scheme_settings = Target.scheme_settings + ("rounding", "head_activations")
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``

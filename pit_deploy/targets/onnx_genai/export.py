@@ -403,10 +403,12 @@ def save_decoder(model: Any, folder: Path) -> None:
 @torch.no_grad()
 def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, dtype: str = "float32",
                  group_size: int = 32, table_bits: int | None = None, pit_correction: bool = True,
-                 int8_layers: tuple[str, ...] = (), head_moments: Any = None) -> dict[str, Any]:
+                 int8_layers: tuple[str, ...] = (), head_moments: Any = None,
+                 head_int8: bool = False) -> dict[str, Any]:
     """Build the genai folder of ``model`` (materialized, or factorized: see the module
     docstring) into ``out_dir``; returns the manifest details. ``int8_layers``: at int4, the
-    linears kept at 8 bits (:func:`int8_overrides`)."""
+    linears kept at 8 bits (:func:`int8_overrides`); ``head_int8``: a factorized quantized head
+    with int8 activations (:func:`factorize_graph`)."""
     import onnx
 
     from ...export.calibrated_rounding import rounded_weights, split_fused
@@ -443,7 +445,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     calibrated = split_fused(rounded_weights(model)) if dtype != "float32" else {}
     if factorized:  # the codes go in while the interface is rewritten: the decoder is read and written once
         rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size,
-                                  table_bits, pit_correction, head_moments, calibrated)
+                                  table_bits, pit_correction, head_moments, calibrated, head_int8)
     else:
         rewrite = {}
         if calibrated:
@@ -473,7 +475,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
 
 def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
                     table_bits: int | None = None, pit_correction: bool = True,
-                    head_moments: Any = None, codes: dict[str, Any] | None = None) -> dict[str, Any]:
+                    head_moments: Any = None, codes: dict[str, Any] | None = None,
+                    head_int8: bool = False) -> dict[str, Any]:
     """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors
     (and, with ``codes``, its body's rounding by a calibrated model's: :func:`write_calibrated_body`).
 
@@ -565,7 +568,7 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     quant_details: dict[str, Any] | None = None
     if dtype != "float32":
         model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
-                                      table_bits=table_bits, head_moments=head_moments)
+                                      table_bits=table_bits, head_moments=head_moments, head_int8=head_int8)
         if quant.get("pit_correction") and a * b != 1.0:
             # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
             init = next(i for i in model.graph.initializer if i.name == names["M"])
@@ -610,4 +613,5 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = N
     return export_genai(model, out_dir, tokenizer, dtype=scheme.dtype, group_size=scheme.group_size,
                         table_bits=scheme.table_bits, pit_correction=scheme.pit_correction,
                         int8_layers=scheme.int4_8bit_layers if scheme.dtype == "int4" else (),
-                        head_moments=head_moments_array(model) if scheme.quantized and factorized else None)
+                        head_moments=head_moments_array(model) if scheme.quantized and factorized else None,
+                        head_int8=scheme.head_activations == "int8")
