@@ -12,7 +12,9 @@ own commands:
 3. ``pit-deploy export MODEL --keep-tying --dtype float32,int8,int4`` (the TT baseline) — ``tied/``;
    with ``--baselines all4`` also factorized int4 with every body linear at 4 bits (a recipe with
    ``int4_8bit_layers = []``) — ``all4/``; with ``--baselines compact`` the shipped ``int4-compact``
-   recipe (ONNX: 4-bit token table stored once, only ``v_proj`` at 8 bits) — ``compact/``;
+   recipe (ONNX: 4-bit token table stored once, only ``v_proj`` at 8 bits) — ``compact/``; with
+   ``--baselines f32head`` the factorized quantized exports with ``--head-activations float32``
+   (the ONNX head on float32 activations instead of the schemes' int8 ones) — ``f32head/``;
 4. ``pit-deploy verify`` of each (KL figures for quantized artifacts, logit bounds for fp32);
 5. ``pit-deploy bench`` of every artifact, all in one run (side by side, same prompt);
 6. with ``--pte-head-bits 8,4``: factorized ExecuTorch exports whose head is quantized behind a
@@ -98,18 +100,21 @@ def main(argv=None) -> int:
         "all4": ["export", args.model, "--out", str(work / "all4"), "--mode", "factorized", "--dtype", "int4",
                  "--recipe", str(work / "all4.toml"), *common],
         "compact": ["export", args.model, "--out", str(work / "compact"), "--recipe", "int4-compact", *common],
+        "f32head": ["export", args.model, "--out", str(work / "f32head"), "--mode", "factorized",
+                    "--dtype", quantized, "--head-activations", "float32", *common],
     }
     for bits in (b for b in args.pte_head_bits.split(",") if b):
         exports[f"head{bits}"] = ["export", args.model, "--out", str(work / f"head{bits}"), "--mode", "factorized",
                                   "--dtype", quantized, "--pte-head-bits", bits, *common]
     wanted = {b for b in args.baselines.split(",") if b and b != "none"}
-    unknown = wanted - {"uncorrected", "tied", "all4", "compact"}
+    unknown = wanted - {"uncorrected", "tied", "all4", "compact", "f32head"}
     if unknown:
-        parser.error(f"--baselines: unknown {sorted(unknown)}; choose from uncorrected, tied, all4, compact, none")
+        parser.error(f"--baselines: unknown {sorted(unknown)}; choose from uncorrected, tied, all4, compact, "
+                     "f32head, none")
     if "all4" in wanted:
         (work / "all4.toml").write_text("int4_8bit_layers = []\n")
     if "factorized" not in args.mode.split(",") or not quantized:
-        wanted.discard("uncorrected")
+        wanted -= {"uncorrected", "f32head"}
     exports = {k: v for k, v in exports.items() if k == "pit" or k.startswith("head") or k in wanted}
     timings, verify = {}, {}
     for name, cmd in exports.items():

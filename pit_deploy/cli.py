@@ -191,7 +191,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", help=f"export recipe: {' | '.join(available_recipes())}, a name in ./export/ or a "
                    ".toml/.json path (flags override it)")
     for flag in dataclass_flags(Recipe, defaults=False):
-        p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
+        p.add_argument(*flag.names, dest=flag.dest, **flag.kwargs)
     from .model.choices import CONVERSIONS
 
     p.add_argument("--t-init", default=None,
@@ -224,7 +224,8 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("directory", help="export directory written by `pit-deploy export`")
     p.add_argument("--runtime", help="comma list of runtimes to verify (default: all in the manifest)")
     p.add_argument("--mode", help="comma list of modes to verify (default: all in the manifest)")
-    p.add_argument("--dtype", help="comma list of dtypes to verify (default: all in the manifest)")
+    p.add_argument("--dtype", "--scheme", dest="dtype", metavar="SCHEMES",
+                   help="comma list of schemes to verify (default: all in the manifest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-record", action="store_true", help="do not write the results into manifest.json")
     p.add_argument("--expect-sha256", default=None, metavar="HASH",
@@ -278,7 +279,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     )
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for flag in config_flags():
-        groups[flag.group].add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
+        groups[flag.group].add_argument(*flag.names, dest=flag.dest, **flag.kwargs)
     p.add_argument("--config", default=None, metavar="FILE",
                    help="read every option from a JSON file of them (what `pit-deploy run` hands a torchrun child)")
     p.set_defaults(handler=run_train)
@@ -340,7 +341,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="latency, memory and size of exported artifacts on this machine")
     p.add_argument("directories", nargs="*", help="export directories written by `pit-deploy export`")
     for flag in dataclass_flags(BenchOptions):  # --torch, --threads, --prompt-len, --gen-len, --reps
-        p.add_argument(flag.flag, dest=flag.dest, **flag.kwargs)
+        p.add_argument(*flag.names, dest=flag.dest, **flag.kwargs)
     p.add_argument("--json", action="store_true", help="print one JSON object with a `rows` list")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
     p.add_argument("--plot", default=None, help="write a PNG chart")

@@ -17,15 +17,16 @@ from typing import Any
 
 def opt(default: Any, help: str = "", *, group: str = "options", flag: str | None = None,
         choices: tuple[str, ...] | None = None, cli: bool = True, parse: str | None = None,
-        metavar: str | None = None) -> Any:
+        metavar: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field with what its command-line flag needs.
 
     ``flag`` names a flag other than ``--field-name`` (e.g. ``--no-progress`` for a field that
     defaults to true); ``cli=False`` keeps a field off the command line; ``parse`` names the
     parser of :data:`PARSERS` when the field's annotation does not say it; ``metavar`` names the
-    flag's value in ``--help`` (default: the field name in capitals)."""
+    flag's value in ``--help`` (default: the field name in capitals); ``aliases``: other spellings
+    of the flag that argparse takes as the same option (``--scheme`` for ``--dtype``)."""
     meta = {"help": help, "group": group, "flag": flag, "choices": choices, "cli": cli, "parse": parse,
-            "metavar": metavar}
+            "metavar": metavar, "aliases": tuple(aliases)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -53,6 +54,13 @@ class Flag:
     dest: str
     group: str
     kwargs: dict[str, Any]
+    #: other spellings of the flag (``argparse`` option strings after the first)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every option string of the flag, the main one first."""
+        return (self.flag, *self.aliases)
 
 
 def comma_list(text: str) -> list[str]:
@@ -102,7 +110,8 @@ def dataclass_flags(cls: type, *, defaults: bool = True, required: tuple[str, ..
                 kwargs["metavar"] = meta["metavar"]
             if f.name in required:
                 kwargs["required"] = True
-        flags.append(Flag(flag=meta.get("flag") or flag_name(f.name), dest=f.name, group=meta["group"], kwargs=kwargs))
+        flags.append(Flag(flag=meta.get("flag") or flag_name(f.name), dest=f.name, group=meta["group"], kwargs=kwargs,
+                          aliases=tuple(meta.get("aliases") or ())))
     return flags
 
 

@@ -213,3 +213,14 @@ def test_help_list_and_argument_errors_load_no_heavy_library(argv):
     assert all(line.startswith(("usage:", "error:", "pit-deploy", "  ")) for line in others), others
     rc = last.rsplit("RC", 1)[1].strip()
     assert rc in ("0", "None") if argv[-1] in ("--help", "list") else rc == "2"
+
+
+@pytest.mark.parametrize("command", ["export", "verify"])
+def test_scheme_is_the_same_option_as_dtype(command):
+    """``--scheme`` (what the value names) and ``--dtype`` (its older name) set the same option."""
+    from pit_deploy.cli import build_parser
+
+    head = ["export", "DIR", "--out", "OUT"] if command == "export" else ["verify", "DIR"]
+    parser = build_parser()
+    assert parser.parse_args([*head, "--scheme", "int4,q4_k_m"]).dtype == parser.parse_args(
+        [*head, "--dtype", "int4,q4_k_m"]).dtype

@@ -66,8 +66,9 @@ class Recipe:
     modes: tuple[str, ...] = opt(MODES, "comma list of materialized, factorized (default: both)", flag="--mode",
                                  group="what", parse="tuple[str, ...]")
     dtype: tuple[str, ...] = opt(("float32",), f"comma list of quantization schemes: {', '.join(scheme_names())} (default "
-                                 "float32; one artifact each; `pit-deploy list schemes` says which target takes which)",
-                                 group="what", parse="tuple[str, ...]")
+                                 "float32; one artifact each; `pit-deploy list schemes` says which target takes which; "
+                                 "--scheme is the same option)",
+                                 group="what", parse="tuple[str, ...]", metavar="SCHEMES", aliases=("--scheme",))
     max_seq_len: int = opt(DEFAULT_MAX_SEQ_LEN, "static KV cache length of the .pte (default 256)", group="what")
     description: str = opt("", cli=False)
     name: str = opt("builtin-default", cli=False)
