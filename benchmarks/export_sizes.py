@@ -10,7 +10,7 @@ For the default model (SmolLM2-135M-Instruct, or ``--model``) this script
 1. exports the *plain tied* source model the stock way — optimum ONNX (which stores a tied
    table once) and an ExecuTorch/XNNPACK ``.pte`` with the same static-KV ``forward`` and
    metadata methods (which keeps two copies of a tied table) — as the TT baseline;
-2. converts it to PIT and runs ``pit_deploy.export.export_model`` for every runtime × mode
+2. converts it to PIT and runs ``pit_deploy.exporters.export_model`` for every runtime × mode
    (or reads an existing export directory given with ``--pit-export``);
 3. writes ``benchmarks/results/export_sizes.json``: bytes per artifact (all files of the
    artifact folder), export seconds, the ratio to the TT baseline of the same runtime, and the
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "export_sizes.json"))
     args = parser.parse_args(argv)
 
-    from pit_deploy.export.pipeline import export_model, load_pit_source
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.pipeline import export_model, load_pit_source
+    from pit_deploy.exporters.recipes import Recipe
     from pit_deploy.io.manifest import Manifest
 
     runtimes = tuple(r for r in args.runtime.split(",") if r)

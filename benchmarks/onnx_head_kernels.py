@@ -4,7 +4,7 @@ Why: the quantized ONNX exports' token table is 8-bit, and the head must keep fp
 (the PIT identity; the KL of the materialized head). This measures, side by side in one run,
 what each way of writing that head costs per call: fp32 ``MatMul``; ``MatMulNBits`` with 8-bit
 and 4-bit weights at accuracy levels 0 (fp32 activations) and 4 (int8 activations); and the
-8-bit table as two 4-bit nibble planes (``pit_deploy.export.onnx_tables.split_nibbles``),
+8-bit table as two 4-bit nibble planes (``pit_deploy.exporters.onnx_tables.split_nibbles``),
 which is what the exporter writes. Also checks that the planes compute the 8-bit product. The
 exporter's choice of the nibble planes rests on onnxruntime's kernels as measured here: re-run
 it when onnxruntime changes (a fast 8-bit kernel with fp32 activations would make them moot).
@@ -59,7 +59,7 @@ def variants(rows: np.ndarray) -> tuple[dict[str, bytes], np.ndarray]:
     dequantized rows."""
     from onnx import helper
 
-    from pit_deploy.export.onnx_tables import block_quantize, split_nibbles
+    from pit_deploy.exporters.onnx_tables import block_quantize, split_nibbles
 
     shape = rows.shape
     q8, q4 = block_quantize(rows, 8, BLOCK), block_quantize(rows, 4, BLOCK)

@@ -40,7 +40,7 @@ def interleaved_step_times(args, device: torch.device) -> dict:
     """Median training-step time of PIT and TT, alternating on one fixed batch. Each step is
     the training loop's own ``TrainingRecipe.train_step`` (accumulation, clipping, AdamW,
     retraction), on recipes built without a run directory."""
-    from pit_deploy.train.loop import TrainConfig, TrainingRecipe
+    from pit_deploy.training.loop import TrainConfig, TrainingRecipe
 
     runs = {}
     for tying in ("pit", "tt"):
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from pit_deploy.analysis.plotting import RunLog, plot_runs
-    from pit_deploy.train.loop import TrainConfig, train
+    from pit_deploy.training.loop import TrainConfig, train
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-vs-tt-"))
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         )
         summary = work / tying / "summary.json"
         if args.reuse_runs and summary.is_file():
-            from pit_deploy.train.loop import TrainResult
+            from pit_deploy.training.loop import TrainResult
 
             res = TrainResult(**json.loads(summary.read_text()))
         else:

@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the result types, imported where they are used (they pull i
     from .evaluate.bench import BenchResult
     from .evaluate.verify import VerifyReport
     from .io.manifest import Manifest
-    from .run.pipeline import RunResult
-    from .train.loop import TrainResult
+    from .workflow.pipeline import RunResult
+    from .training.loop import TrainResult
 
 __all__ = ["Conversion", "Say", "bench", "bench_adb", "bench_bundle", "bench_ingest", "convert", "export",
            "log_progress", "print_progress", "run", "train", "verify"]
@@ -211,7 +211,7 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
     from .io.fs import check_output_dir
 
     check_output_dir(out, force, protect=(model,))  # fail before the slow load
-    from .convert.conversion import convert_model, default_conversion
+    from .converters.conversion import convert_model, default_conversion
     from .io.checkpoint import save_model
     from .io.sources import load_source
     from .model.core import PITSpec
@@ -268,7 +268,7 @@ def _heldout(loaded: Any) -> float | None:
     """Held-out NLL on the default corpus (what a conversion cost), when there is a tokenizer."""
     if loaded.tokenizer is None:
         return None
-    from .train.evaluation import heldout_nll
+    from .training.evaluation import heldout_nll
 
     return heldout_nll(loaded.model, loaded.tokenizer, "default", 256, 8)
 
@@ -282,7 +282,7 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
           say: Say | None = log_progress, **options: Any) -> TrainResult:
     """Train as ``pit-deploy train`` does (docs/training.md); returns the run's result.
 
-    ``options`` are the fields of :class:`~pit_deploy.train.config.TrainConfig`, the flags of
+    ``options`` are the fields of :class:`~pit_deploy.training.config.TrainConfig`, the flags of
     ``pit-deploy train`` by their field names (``tying="pit"``, ``data="default"``,
     ``steps=20``; ``--interface-only`` is ``train_body=False``, ``--no-progress``
     ``progress=False``); ``model`` defaults to ``"default"``, ``out`` (the run directory) is
@@ -291,7 +291,7 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
     which wrote the model), and only rank 0 reports it through ``say``.
 
     Returns:
-        :class:`~pit_deploy.train.loop.TrainResult`: ``out``, ``steps``, ``tokens``,
+        :class:`~pit_deploy.training.loop.TrainResult`: ``out``, ``steps``, ``tokens``,
         ``final_train_loss``, ``initial_val_loss``/``final_val_loss`` (``None`` without
         evaluation), ``median_step_time_s``, ``tokens_per_s``.
 
@@ -300,8 +300,8 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
             its subclass ``IdentityLost`` (exit 1 on the command line) when ``delta_ti`` exceeds
             ``max_delta_ti``.
     """
-    from .train.config import TrainConfig, read_config
-    from .train.loop import train as run_training
+    from .training.config import TrainConfig, read_config
+    from .training.loop import train as run_training
 
     _say_arg("train", say)
     say = _sayer(say)
@@ -348,7 +348,7 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
 
     ``model`` is a PIT directory or a plain model (converted first, ``t_init`` as in
     :func:`convert`). ``recipe`` names an export recipe (or is a path, or an
-    :class:`~pit_deploy.export.recipes.Recipe`); the keywords override it: ``runtime``, ``mode``
+    :class:`~pit_deploy.exporters.recipes.Recipe`); the keywords override it: ``runtime``, ``mode``
     and ``dtype`` take a list or a comma list (``runtime="onnx"``, ``dtype=["float32", "int4"]``),
     and ``recipe_fields`` are the recipe's other fields by name (``max_seq_len=64``,
     ``group_size=32``, ``pit_correction=False`` for ``--no-pit-correction``, …). A keyword left
@@ -363,8 +363,8 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
         PitError: an unknown runtime, mode, scheme or recipe field, an inconsistent recipe, an
             ``out`` that exists without ``force``, an unusable model.
     """
-    from .export.recipes import Recipe, load_recipe
-    from .export.recipes import recipe_fields as names
+    from .exporters.recipes import Recipe, load_recipe
+    from .exporters.recipes import recipe_fields as names
 
     model, out = _path_arg("export", "model", model), _path_arg("export", "out", out)
     _bool_args("export", keep_tying=keep_tying, force=force)
@@ -391,7 +391,7 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
     from .io.fs import check_output_dir
 
     check_output_dir(out, force, protect=(model,))  # fail before the slow load
-    from .export.pipeline import export_model, load_pit_source
+    from .exporters.pipeline import export_model, load_pit_source
 
     say(f"loading {model}")
     if keep_tying:
@@ -637,7 +637,7 @@ def run(recipe: PathLike = "default", *, model: PathLike | None = None, data: Pa
     ``{"train.steps": 5, "bench.enabled": False}``; ``from_stage`` is ``--from``.
 
     Returns:
-        :class:`~pit_deploy.run.pipeline.RunResult`: ``exit_code`` (0, or the failed stage's:
+        :class:`~pit_deploy.workflow.pipeline.RunResult`: ``exit_code`` (0, or the failed stage's:
         1 a verification bound, 2 unusable input, 3 an internal error), ``failed_stage`` and
         ``message``, ``stages`` (each stage's ``ran``/``skipped``/``failed``…), ``report`` (the
         path of ``report.md``, ``None`` if none was written), ``out``. A failed stage is a result,
@@ -648,8 +648,8 @@ def run(recipe: PathLike = "default", *, model: PathLike | None = None, data: Pa
             ``from_stage``, a run directory that belongs to another recipe (without ``force``) or
             that another run holds.
     """
-    from .run.pipeline import run_pipeline
-    from .run.recipe import load_run_recipe
+    from .workflow.pipeline import run_pipeline
+    from .workflow.recipe import load_run_recipe
 
     recipe = _path_arg("run", "recipe", recipe)
     model, data = _path_arg("run", "model", model, optional=True), _path_arg("run", "data", data, optional=True)

@@ -173,9 +173,9 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 def add_export(sub: argparse._SubParsersAction) -> None:
-    """The recipe flags are generated from :class:`~pit_deploy.export.recipes.Recipe`'s fields;
+    """The recipe flags are generated from :class:`~pit_deploy.exporters.recipes.Recipe`'s fields;
     a flag that is not given leaves the recipe's value (or the scheme's) as it is."""
-    from .export.recipes import Recipe
+    from .exporters.recipes import Recipe
     from .options import dataclass_flags
 
     from .targets import get_target, target_names
@@ -186,7 +186,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
                        "targets, schemes and recipes.")
     p.add_argument("model", help="PIT directory | default | GGUF file | HF directory | hub id (plain models are converted first)")
     p.add_argument("--out", required=True, help="export directory (written atomically)")
-    from .export.recipes import available_recipes
+    from .exporters.recipes import available_recipes
 
     p.add_argument("--recipe", help=f"export recipe: {' | '.join(available_recipes())}, a name in ./export/ or a "
                    ".toml/.json path (flags override it)")
@@ -204,7 +204,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from .api import export
-    from .export.recipes import recipe_fields
+    from .exporters.recipes import recipe_fields
 
     recipe = {name: getattr(args, name) for name in recipe_fields() if hasattr(args, name)}
     terminate_like_interrupt()
@@ -267,9 +267,9 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
-    """The flags are generated from :class:`~pit_deploy.train.config.TrainConfig`: each field's
+    """The flags are generated from :class:`~pit_deploy.training.config.TrainConfig`: each field's
     default, help text, group and (where it differs from ``--field-name``) flag live there."""
-    from .train.config import GROUPS, config_flags
+    from .training.config import GROUPS, config_flags
 
     p = sub.add_parser(
         "train",
@@ -290,7 +290,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from .api import train
     from .io.fs import json_text
-    from .train.config import TrainConfig
+    from .training.config import TrainConfig
 
     terminate_like_interrupt()
     if args.config:
@@ -406,7 +406,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
-    from .run.recipe import available_run_recipes
+    from .workflow.recipe import available_run_recipes
 
     p = sub.add_parser("run", help="convert → train → export → verify → bench → report, in one run directory")
     p.add_argument("recipe", nargs="?", default="default",
@@ -416,7 +416,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default: runs/<recipe>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="override a recipe key, e.g. --set train.steps=50 (repeatable)")
-    from .run.recipe import STAGES
+    from .workflow.recipe import STAGES
 
     p.add_argument("--from", dest="from_stage", default=None,
                    help=f"redo this stage and every later one: {' | '.join(STAGES)}")
@@ -443,7 +443,7 @@ def run_run(args: argparse.Namespace) -> int:
 
 
 def add_list(sub: argparse._SubParsersAction) -> None:
-    from .run.catalog import KINDS
+    from .workflow.catalog import KINDS
 
     p = sub.add_parser("list", help=f"what the registries hold: {', '.join(KINDS)}")
     p.add_argument("kind", nargs="?", default=None, help=f"{' | '.join(KINDS)} (default: all four)")
@@ -451,7 +451,7 @@ def add_list(sub: argparse._SubParsersAction) -> None:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from .run.catalog import KINDS, listing
+    from .workflow.catalog import KINDS, listing
 
     print(listing([args.kind] if args.kind else KINDS))
     return 0

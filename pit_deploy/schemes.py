@@ -82,7 +82,7 @@ class QuantizedBounds:
 
     def scaled_kl_bound(self, expected_mean: float, expected_p99: float) -> tuple[float, float]:
         """``(kl_mean, kl_p99)`` an artifact may reach given the KL its weight rounding alone
-        costs (measured at export, :mod:`pit_deploy.export.expected_error`). Why a factor: the
+        costs (measured at export, :mod:`pit_deploy.exporters.expected_error`). Why a factor: the
         runtimes also quantize activations, which the expected figure leaves out; why a floor:
         an expected error near zero would otherwise leave no room for that rounding. Both were
         set from measurements (``docs/quantization.md``, "Verification bounds")."""
@@ -96,7 +96,7 @@ class SchemeSetting:
     export``'s flag and the Python API may override for every quantized scheme of an export.
 
     Declared once, in :data:`SETTINGS`: the :class:`Scheme` field and its default, the export
-    recipe's field, flag and help (:class:`pit_deploy.export.recipes.Recipe`), the check of a
+    recipe's field, flag and help (:class:`pit_deploy.exporters.recipes.Recipe`), the check of a
     value and whether only the schemes that store int8/int4 codes read it all derive from the
     entry (:func:`declare_settings`). Which targets read a setting is said by each target
     (``Target.scheme_settings``, next to its exporter), so that a new target stays in its own
@@ -203,15 +203,15 @@ class Scheme:
             ``GatherBlockQuantized``.
         rounding: ``rtn`` rounds each weight to its nearest grid point (in the runtime's own
             quantizer); ``gptq`` rounds the body linears in PyTorch with error feedback from
-            calibration text (:mod:`pit_deploy.export.calibrated_rounding`) and the exporter
+            calibration text (:mod:`pit_deploy.exporters.calibrated_rounding`) and the exporter
             writes those codes as they are.
         head_activations: quantized factorized ONNX (``onnx``, ``onnx-genai``): ``float32`` runs the
             head's ``MatMulNBits`` on float32 activations, ``int8`` on int8 ones per block
             (``accuracy_level`` 4, the body's kernel), with the head's ``d×d`` factor on that grid so
             that ``W_out E = I`` holds on the runtime
-            (:func:`pit_deploy.export.onnx_tables.int8_block_grid_rows`).
+            (:func:`pit_deploy.exporters.onnx_tables.int8_block_grid_rows`).
         rotate_residual: quantized ``.pte``: rotate the residual stream by a randomized Hadamard
-            matrix before the body is rounded (:mod:`pit_deploy.export.residual_rotation`; the
+            matrix before the body is rounded (:mod:`pit_deploy.exporters.residual_rotation`; the
             float32 model computes the same, the interface is untouched).
         runtimes: the targets this scheme is meant for (``None``: every target of its dtype).
         gptq_bounds: the bounds of an artifact whose body carries GPTQ codes (its manifest says

@@ -167,7 +167,7 @@ def tiny_pit_model(family: str, seed: int = 0, t_seed: int = 1, **kwargs) -> Pre
     A fresh conversion has ``T = I``, which would let a test pass that forgot to apply ``T``
     (or ``T⁻¹``) at all; the perturbation makes ``T`` dense and far from the identity.
     """
-    from .convert.conversion import convert_model
+    from .converters.conversion import convert_model
     from .model.inspect import find_interface
 
     model = convert_model(tiny_model(family, seed=seed, **kwargs))

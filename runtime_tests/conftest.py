@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pit_deploy.export.recipes import MODES, Recipe
+from pit_deploy.exporters.recipes import MODES, Recipe
 from pit_deploy.targets import default_target_names
 from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
 
@@ -103,7 +103,7 @@ class _Exports:
 
     def tiny(self, family: str):
         if family not in self.reports:
-            from pit_deploy.export.pipeline import export_model
+            from pit_deploy.exporters.pipeline import export_model
             from pit_deploy.io.sources import LoadedModel
             from pit_deploy.evaluate.verify import verify_directory
 
@@ -118,7 +118,7 @@ class _Exports:
 
     def real(self):
         if "real" not in self.reports:
-            from pit_deploy.export.pipeline import export_model, load_pit_source
+            from pit_deploy.exporters.pipeline import export_model, load_pit_source
             from pit_deploy.evaluate.verify import verify_directory
 
             out = self.root / "real-default"

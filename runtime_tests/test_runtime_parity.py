@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pit_deploy.export.recipes import MODES
+from pit_deploy.exporters.recipes import MODES
 from pit_deploy.targets import default_target_names
 from pit_deploy.tiny import FAMILIES
 from pit_deploy.evaluate.verify import DELTA_TI_BOUND, GREEDY_TOKENS, REL_L2_BOUND

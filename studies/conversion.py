@@ -19,7 +19,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pit_deploy.convert import convert_model  # noqa: E402
+from pit_deploy.converters import convert_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import interface_delta_ti  # noqa: E402
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pit_deploy.analysis.diagnostics import diagnose_model
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.io.sources import load_source
 from pit_deploy.model.core import T_INITS
 

@@ -4,7 +4,7 @@ and warm-ups; writes JSON + PNG.
 
 The question (issue: training from the preserved start): at which learning rate and warm-up do
 PIT and TT continued pretraining *both* end below their step-0 validation loss, so the defaults
-never undo what the conversion kept? Each run is ``pit_deploy.train.loop.train`` on the default
+never undo what the conversion kept? Each run is ``pit_deploy.training.loop.train`` on the default
 model and corpus (LM loss only, all weights, ``Z`` frozen for PIT), evaluated on the same
 held-out blocks every ``--eval-every`` steps.
 
@@ -29,7 +29,7 @@ from pit_deploy.io.result_file import write_result  # noqa: E402
 
 def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
     from pit_deploy.analysis.plotting import RunLog
-    from pit_deploy.train.loop import TrainConfig, train
+    from pit_deploy.training.loop import TrainConfig, train
 
     name = f"{tying}-lr{lr:g}-wu{warmup}"
     cfg = TrainConfig(
@@ -41,7 +41,7 @@ def run_one(args, tying: str, lr: float, warmup: int, work: Path) -> dict:
     start = time.perf_counter()
     summary = work / name / "summary.json"
     if args.reuse_runs and summary.is_file():  # a finished run of an earlier invocation
-        from pit_deploy.train.loop import TrainResult
+        from pit_deploy.training.loop import TrainResult
 
         res = TrainResult(**json.loads(summary.read_text()))
     else:

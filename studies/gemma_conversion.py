@@ -34,8 +34,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pit_deploy.convert import convert_model  # noqa: E402
-from pit_deploy.convert.preserve import PRESERVE_FAMILIES, calibration_set, calibration_stats, fit_symmetric_grouped  # noqa: E402
+from pit_deploy.converters import convert_model  # noqa: E402
+from pit_deploy.converters.preserve import PRESERVE_FAMILIES, calibration_set, calibration_stats, fit_symmetric_grouped  # noqa: E402
 from pit_deploy.data.calibration import heldout_sets  # noqa: E402
 from pit_deploy.io.result_file import write_result  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402

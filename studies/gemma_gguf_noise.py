@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemma_conversion import blocks, logprobs, scores  # noqa: E402
 
-from pit_deploy.convert import convert_model  # noqa: E402
-from pit_deploy.export.passes import materialize  # noqa: E402
+from pit_deploy.converters import convert_model  # noqa: E402
+from pit_deploy.exporters.passes import materialize  # noqa: E402
 from pit_deploy.io.result_file import write_result  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.schemes import get_scheme  # noqa: E402

@@ -4,7 +4,7 @@
 Each configuration is the ExecuTorch program's own numerics run in PyTorch eager: the body
 linears through torchao's ``8da4w``/``8da8w`` tensors (int8 dynamic activations, as XNNPACK
 computes them) holding either torchao's own HQQ rounding (``rtn``, what ``--rounding rtn``
-exports) or the GPTQ codes (``gptq``, :mod:`pit_deploy.export.calibrated_rounding`), and the
+exports) or the GPTQ codes (``gptq``, :mod:`pit_deploy.exporters.calibrated_rounding`), and the
 token table the exporter builds (:func:`pit_deploy.targets.executorch.token_table.quantize_token_table`:
 one shared 8- or 4-bit table for the gather and the head). Figures against the fp32 PIT model,
 per held-out kind (:func:`pit_deploy.data.calibration.heldout_sets`: code from the corpus's
@@ -30,8 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
 from pit_deploy.data.heldout import kl_parity  # noqa: E402
-from pit_deploy.export.calibrated_rounding import calibrated_model, head_moments  # noqa: E402
-from pit_deploy.export.passes import prepare  # noqa: E402
+from pit_deploy.exporters.calibrated_rounding import calibrated_model, head_moments  # noqa: E402
+from pit_deploy.exporters.passes import prepare  # noqa: E402
 from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
 from pit_deploy.targets.executorch.export import quantize_linears  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
@@ -115,7 +115,7 @@ def measure_config(setup: Setup, body: nn.Module, rounding: str, eight: tuple[st
     """Round ``body`` (the prepared model, or one derived from it) as the ``.pte`` does and
     measure it: the figures of one row. ``table_gptq``: the shared token table rounded by GPTQ
     against the head input's moments on the calibration text, as the exporter now does for a
-    GPTQ body (:func:`pit_deploy.export.calibrated_rounding.head_moments`); else to nearest.
+    GPTQ body (:func:`pit_deploy.exporters.calibrated_rounding.head_moments`); else to nearest.
     ``stages``: also measured, by held-out kind, into it on the way: the rounded body alone
     (float activations, float table) and with the int8 dynamic activations."""
     scheme = get_scheme("int4").with_settings(int4_8bit_layers=eight, table_bits=table_bits, rounding=rounding)

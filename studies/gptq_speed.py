@@ -6,7 +6,7 @@ where the arithmetic is a few GFLOP. The question is where the time goes and whe
 implementation keeps the codes: both implementations round the same converted model on the same
 calibration blocks, and the digests of their codes, scales and zero points are compared.
 
-The earlier implementation is read from git (``git show REV:pit_deploy/export/calibrated_rounding.py``)
+The earlier implementation is read from git (``git show REV:pit_deploy/exporters/calibrated_rounding.py``)
 and loaded as a module beside the current one. ``--load`` runs the measurement a second time with
 a child process keeping the machine's cores busy with float32 matrix products (torch, as many
 threads as cores), as a test suite, a second export or a browser would.
@@ -31,7 +31,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = "pit_deploy/export/calibrated_rounding.py"
+MODULE = "pit_deploy/exporters/calibrated_rounding.py"
 
 
 def load_revision(rev: str) -> types.ModuleType:
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import pit_deploy.export.calibrated_rounding as current
+    import pit_deploy.exporters.calibrated_rounding as current
     from pit_deploy.data.calibration import calibration_blocks
-    from pit_deploy.export.pipeline import load_pit_source
-    from pit_deploy.export.recipes import load_recipe
+    from pit_deploy.exporters.pipeline import load_pit_source
+    from pit_deploy.exporters.recipes import load_recipe
     from pit_deploy.io.result_file import write_result
     from pit_deploy.model.families import adapter_for
     from pit_deploy.schemes import get_scheme

@@ -7,7 +7,7 @@ table by GPTQ), run with the program's own numerics in eager mode as ``studies/g
 runs its configurations, changed in one way:
 
 - ``act-order``: columns visited by decreasing input energy, group scales chosen up front
-  (:func:`pit_deploy.export.calibrated_rounding.gptq`'s ``act_order``; GPTQ's "act-order" with
+  (:func:`pit_deploy.exporters.calibrated_rounding.gptq`'s ``act_order``; GPTQ's "act-order" with
   "static groups", the form that keeps the runtimes' adjacent-column groups);
 - ``calibration ×4``: four times the calibration text (32 768 tokens of the training split, the
   same chat prompts);
@@ -41,9 +41,9 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pit_deploy.data.calibration as calibration  # noqa: E402
-import pit_deploy.export.calibrated_rounding as calibrated_rounding  # noqa: E402
-from pit_deploy.export.calibrated_rounding import RoundedWeight  # noqa: E402
-from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
+import pit_deploy.exporters.calibrated_rounding as calibrated_rounding  # noqa: E402
+from pit_deploy.exporters.calibrated_rounding import RoundedWeight  # noqa: E402
+from pit_deploy.exporters.residual_rotation import rotate_residual  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gptq_frontier  # noqa: E402
@@ -154,7 +154,7 @@ def _patched(module, name: str, value):
 
 
 def _calibrated(act_order: bool, tune: tuple[int, float] | None):
-    """:func:`~pit_deploy.export.calibrated_rounding.calibrated_model` with ``act_order``,
+    """:func:`~pit_deploy.exporters.calibrated_rounding.calibrated_model` with ``act_order``,
     followed by :func:`tune_scales` for ``tune`` ``(steps, lr)`` if given."""
 
     def calibrated_model(body, scheme, grid, blocks):

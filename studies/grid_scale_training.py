@@ -41,10 +41,10 @@ from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.families import adapter_for  # noqa: E402
 from pit_deploy.model.inspect import find_interface  # noqa: E402
-from pit_deploy.train.config import TrainConfig, with_start_defaults  # noqa: E402
-from pit_deploy.train.evaluation import block_nll  # noqa: E402
-from pit_deploy.train.loop import cosine_lr  # noqa: E402
-from pit_deploy.train.loss import token_loss  # noqa: E402
+from pit_deploy.training.config import TrainConfig, with_start_defaults  # noqa: E402
+from pit_deploy.training.evaluation import block_nll  # noqa: E402
+from pit_deploy.training.loop import cosine_lr  # noqa: E402
+from pit_deploy.training.loss import token_loss  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import source_grid  # noqa: E402

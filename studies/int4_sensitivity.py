@@ -3,7 +3,7 @@ and the ``.pte``'s int4 configurations that spend a size budget on the most sens
 
 1. **Sensitivity.** For every body linear in turn, the fp32 PIT model (factorized, as the ``.pte``
    is exported) with that linear alone rounded to the ``.pte``'s 4-bit grid (symmetric, groups
-   of 32, weights only: :func:`pit_deploy.export.expected_error.fake_quantize`), run in eager
+   of 32, weights only: :func:`pit_deploy.exporters.expected_error.fake_quantize`), run in eager
    mode on held-out blocks of the three kinds (:func:`pit_deploy.data.calibration.heldout_sets`:
    code, prose, chat); its sensitivity is the mean KL from the fp32 model, averaged over the
    kinds. What keeping it at 8 bits costs is its weights' bytes at 8 bits (one byte a weight and a
@@ -12,7 +12,7 @@ and the ``.pte``'s int4 configurations that spend a size budget on the most sens
    of sensitivity per byte until the budget of weight bytes is spent
    (``int4_8bit_layers`` naming each one, ``layers.N.mlp.down_proj``).
 3. **Measured.** Each configuration is then calibrated (GPTQ,
-   :mod:`pit_deploy.export.calibrated_rounding`) and run with the program's own numerics in
+   :mod:`pit_deploy.exporters.calibrated_rounding`) and run with the program's own numerics in
    eager mode, as ``studies/gptq_frontier.py`` runs its configurations (torchao ``8da4w``/``8da8w``
    linears, the exporter's shared token table), on all the held-out blocks.
 
@@ -38,9 +38,9 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
-from pit_deploy.export.calibrated_rounding import calibrated_model  # noqa: E402
-from pit_deploy.export.expected_error import fake_quantize  # noqa: E402
-from pit_deploy.export.passes import prepare  # noqa: E402
+from pit_deploy.exporters.calibrated_rounding import calibrated_model  # noqa: E402
+from pit_deploy.exporters.expected_error import fake_quantize  # noqa: E402
+from pit_deploy.exporters.passes import prepare  # noqa: E402
 from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
 from pit_deploy.targets.executorch.export import quantize_linears  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402

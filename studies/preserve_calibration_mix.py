@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
-from pit_deploy.convert.preserve import calibration_set, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
+from pit_deploy.converters.preserve import calibration_set, calibration_stats, fit_symmetric, chat_rows, CALIB_PROMPTS
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
 from pit_deploy.io.result_file import write_result  # noqa

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
-from pit_deploy.convert.preserve import CALIB_PROMPTS, calibration_set, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
+from pit_deploy.converters.preserve import CALIB_PROMPTS, calibration_set, calibration_stats, chat_rows, fit_symmetric, _sym_sqrt_inv
 from preserve_probe import SourceHead  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
 from pit_deploy.io.result_file import write_result  # noqa

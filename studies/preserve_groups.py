@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conversion import chat_sequences  # noqa
 from preserve_probe import SourceHead  # noqa
-import pit_deploy.convert.preserve as pp  # noqa
+import pit_deploy.converters.preserve as pp  # noqa
 from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks  # noqa
 from pit_deploy.io.result_file import write_result  # noqa
 

@@ -24,10 +24,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pit_deploy.export.passes import factorize  # noqa: E402
+from pit_deploy.exporters.passes import factorize  # noqa: E402
 from pit_deploy.targets.executorch.head import RotatedQuantizedHead  # noqa: E402
 from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
-from pit_deploy.export.recipes import Recipe  # noqa: E402
+from pit_deploy.exporters.recipes import Recipe  # noqa: E402
 from pit_deploy.targets.executorch.export import quantize_linears  # noqa: E402
 
 from executorch_int4_schemes import export_run, kl_figures  # noqa: E402

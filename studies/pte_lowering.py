@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "studies" / "results" / "pte_lowering.json"))
     args = parser.parse_args(argv)
 
-    from pit_deploy.export.passes import prepare
+    from pit_deploy.exporters.passes import prepare
     from pit_deploy.io.sources import load_source
 
     seconds = _timers()

@@ -41,7 +41,7 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pit_deploy.errors import PitError  # noqa: E402
-from pit_deploy.export.onnx_tables import block_quantize  # noqa: E402
+from pit_deploy.exporters.onnx_tables import block_quantize  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
 from pit_deploy.model.inspect import find_interface  # noqa: E402

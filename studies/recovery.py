@@ -30,7 +30,7 @@ def source_val_loss(args) -> float:
     """Validation loss of the unconverted source (TT) model on the runs' held-out blocks."""
     from pit_deploy.data.corpus import DataConfig, TextSource, validation_blocks
     from pit_deploy.io.sources import load_source
-    from pit_deploy.train.loss import token_loss
+    from pit_deploy.training.loss import token_loss
 
     loaded = load_source(args.model)
     dcfg = DataConfig(args.data, seq_len=args.seq_len, seed=args.seed)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from pit_deploy.analysis.plotting import RunLog, plot_runs
-    from pit_deploy.train.loop import TrainConfig, train
+    from pit_deploy.training.loop import TrainConfig, train
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pit-recovery-"))
     report = {

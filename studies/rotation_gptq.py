@@ -4,7 +4,7 @@ kinds.
 
 A pre-norm RMSNorm block reads the residual stream only through its norms; once their gains are
 folded into the linears that read them, an orthogonal ``Q`` is an exact symmetry of the body
-(readers ``W → W Q``, writers ``W → Qᵀ W``; :func:`pit_deploy.convert.preserve.fold_and_rotate`,
+(readers ``W → W Q``, writers ``W → Qᵀ W``; :func:`pit_deploy.converters.preserve.fold_and_rotate`,
 the conversion's own step). The PIT interface is left alone: the embedding's ``d×d`` matrix takes
 ``Q`` (``T⁻¹ → T⁻¹ Q``, and the quantized gather's correction ``M → M Q``, both free at run
 time), and one ``d×d`` matmul ``Qᵀ`` before the final norm returns to the interface's basis (the
@@ -15,7 +15,7 @@ matters here because XNNPACK's ``8da4w`` quantizes each linear's input to int8 p
 that it pays off together with GPTQ.
 
 ``Q`` is the exporter's randomized Hadamard matrix (``H₁₂ ⊗ H₁₂ ⊗ H₄`` for d = 576, fixed random
-signs; :func:`pit_deploy.export.residual_rotation.rotate_residual` makes the rotated model and
+signs; :func:`pit_deploy.exporters.residual_rotation.rotate_residual` makes the rotated model and
 :func:`~pit_deploy.targets.executorch.token_table.quantize_token_table` folds ``Q`` into the gather's
 correction). Each configuration runs torchao's ``8da4w``/``8da8w`` emulation in eager as
 :mod:`studies.gptq_frontier` does (same calibration, held-out sets, byte counts; the ``d×d``
@@ -35,7 +35,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
+from pit_deploy.exporters.residual_rotation import rotate_residual  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gptq_frontier import load_setup, measure_config, report_row, study_args, study_result  # noqa: E402

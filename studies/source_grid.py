@@ -53,10 +53,10 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pit_deploy.convert.preserve as preserve  # noqa: E402
+import pit_deploy.converters.preserve as preserve  # noqa: E402
 from pit_deploy.data.calibration import calibration_blocks, heldout_sets  # noqa: E402
-from pit_deploy.export.calibrated_rounding import BLOCKS_ATTR, head_moments  # noqa: E402
-from pit_deploy.export.passes import prepare  # noqa: E402
+from pit_deploy.exporters.calibrated_rounding import BLOCKS_ATTR, head_moments  # noqa: E402
+from pit_deploy.exporters.passes import prepare  # noqa: E402
 from pit_deploy.targets.executorch.token_table import quantize_token_table  # noqa: E402
 from pit_deploy.io.checkpoint import load_pit_model  # noqa: E402
 from pit_deploy.io.sources import load_source  # noqa: E402
@@ -169,7 +169,7 @@ class GridLinear(nn.Module):
 def per_token_int8(x: torch.Tensor) -> torch.Tensor:
     """XNNPACK's dynamic activation quantization: asymmetric int8 over ``[min(x, 0), max(x, 0)]``,
     one scale a token, in float32 as the runtime computes it. (The project's
-    :func:`~pit_deploy.export.expected_error.fake_quantize` rounds the same grid in float64, which
+    :func:`~pit_deploy.exporters.expected_error.fake_quantize` rounds the same grid in float64, which
     moves a few codes at half steps: on the ``--interface-only`` model's int8-activation row, chat's
     KL 0.0252 becomes 0.0232.)"""
     lo = x.amin(-1, keepdim=True).clamp(max=0)

@@ -43,7 +43,7 @@ from pit_deploy.io.result_file import write_result  # noqa: E402
 
 from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.model.core import PITInterface  # noqa: E402
-from pit_deploy.train.loop import TrainConfig, TrainingRecipe  # noqa: E402
+from pit_deploy.training.loop import TrainConfig, TrainingRecipe  # noqa: E402
 from pit_deploy.io.metrics import read_metrics  # noqa: E402
 
 Hook = Callable[[PITInterface], None]
@@ -110,7 +110,7 @@ class Candidate(TrainingRecipe):
 def converted_model(work: Path) -> Path:
     """The tiny Llama with the default model's embedding scale, converted with ``preserve``
     once and saved, so every run starts from the same PIT checkpoint."""
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
     from pit_deploy.tiny import tiny_model, tiny_tokenizer, widen_embedding_spectrum
 
     path = work / "tiny-llama-pit"
@@ -178,7 +178,7 @@ def families(args: argparse.Namespace, work: Path) -> dict:
     steps at ``--family-lr`` without warm-up, with and without the floor: what the tests'
     high-rate check guards against."""
     from pit_deploy.tiny import ALL_FAMILIES, tiny_model, tiny_tokenizer
-    from pit_deploy.train.loop import train
+    from pit_deploy.training.loop import train
 
     rows: dict[str, dict] = {}
     for family in ALL_FAMILIES:

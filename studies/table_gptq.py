@@ -4,10 +4,10 @@ frontier of the default model's int4 program sit once it does?
 
 The shared table is the head's weight ``Y ≈ Z R`` (``V×d``), which the head multiplies by
 ``u = h S`` (:mod:`pit_deploy.targets.executorch.head`). Rounding it to nearest treats every direction of
-``d`` alike; GPTQ (:mod:`pit_deploy.export.calibrated_rounding`) moves each row's rounding error
+``d`` alike; GPTQ (:mod:`pit_deploy.exporters.calibrated_rounding`) moves each row's rounding error
 along the directions ``u`` rarely takes on real text, from ``Σ uᵀu = Sᵀ (Σ hᵀh) S`` with ``h`` the
 hidden states the head reads on the calibration blocks, the body already rounded
-(:func:`~pit_deploy.export.calibrated_rounding.head_moments`). The gather reads the same codes and
+(:func:`~pit_deploy.exporters.calibrated_rounding.head_moments`). The gather reads the same codes and
 its correction matrix is computed from them, so ``W_out E = I`` still holds.
 
 Every configuration rotates the residual stream (``rotate_residual``, ``studies/rotation_gptq.py``)
@@ -30,7 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pit_deploy.export.residual_rotation import rotate_residual  # noqa: E402
+from pit_deploy.exporters.residual_rotation import rotate_residual  # noqa: E402
 from pit_deploy.schemes import get_scheme  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.model.inspect import find_interface
 from pit_deploy.tiny import tiny_model

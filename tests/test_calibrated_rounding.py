@@ -12,8 +12,8 @@ import torch
 
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
-from pit_deploy.export.calibrated_rounding import RoundingGrid, calibrate, gptq, round_to_nearest
-from pit_deploy.export.onnx_tables import block_table_from_codes
+from pit_deploy.exporters.calibrated_rounding import RoundingGrid, calibrate, gptq, round_to_nearest
+from pit_deploy.exporters.onnx_tables import block_table_from_codes
 from pit_deploy.io.manifest import MANIFEST_NAME
 from pit_deploy.schemes import get_scheme
 from pit_models import dense_t_pit_dir
@@ -90,8 +90,8 @@ def test_8bit_layers_name_every_layer_or_one():
     ``MatMul`` nodes pick the same linears, and ``layers.1`` is not ``layers.11``."""
     import onnx
 
-    from pit_deploy.export.calibrated_rounding import scheme_grids
-    from pit_deploy.export.onnx_graph import layer_matmuls
+    from pit_deploy.exporters.calibrated_rounding import scheme_grids
+    from pit_deploy.exporters.onnx_graph import layer_matmuls
     from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.targets import get_target
     from pit_deploy.tiny import tiny_model
@@ -209,8 +209,8 @@ def test_onnx_table_by_gptq_beats_onnxruntime_rounding():
     rounding, and the table dequantizes as a ``MatMulNBits`` block table."""
     import onnx
 
-    from pit_deploy.export.onnx_graph import Interface
-    from pit_deploy.export.onnx_tables import block_quantize, calibrated_table
+    from pit_deploy.exporters.onnx_graph import Interface
+    from pit_deploy.exporters.onnx_tables import block_quantize, calibrated_table
 
     d, v = 64, 256
     rows = torch.randn(v, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64).numpy() * 0.05
@@ -224,14 +224,14 @@ def test_onnx_table_by_gptq_beats_onnxruntime_rounding():
 
 
 # --------------------------------------------------------------------------------------
-# the codes kept between exports (pit_deploy/export/gptq_cache.py)
+# the codes kept between exports (pit_deploy/exporters/gptq_cache.py)
 # --------------------------------------------------------------------------------------
 
 
 def test_cached_codes_come_back_exactly_and_a_damaged_entry_is_not_used(tmp_path, monkeypatch):
     """Codes on every grid (signed 4-bit, unsigned 8-bit with zero points, per-row) read back
     bit for bit; an entry whose file was changed, or with the cache off, reads as no entry."""
-    from pit_deploy.export import gptq_cache
+    from pit_deploy.exporters import gptq_cache
     from pit_deploy.io.cache_dir import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
@@ -265,7 +265,7 @@ def test_the_cache_key_changes_with_every_input_of_the_rounding():
     each is another key; a copy of the same model on the same text is the same key."""
     import copy
 
-    from pit_deploy.export.gptq_cache import codes_key
+    from pit_deploy.exporters.gptq_cache import codes_key
     from pit_deploy.tiny import tiny_model
 
     model = tiny_model("llama")
@@ -306,7 +306,7 @@ def test_a_second_export_reads_the_codes_from_the_cache(tmp_path, monkeypatch, c
 
 def test_progress_line_says_the_layer_and_the_time_left():
     """GPTQ prints one line a layer with the time left (the mean layer time × the layers left)."""
-    from pit_deploy.export.calibrated_rounding import progress_line
+    from pit_deploy.exporters.calibrated_rounding import progress_line
 
     assert progress_line("gptq", 3, 30, 7, 12.0) == "GPTQ: layer 3/30 (7 linears), 12 s, about 1 min 48 s left"
     assert progress_line("gptq", 30, 30, 7, 120.0).endswith("120 s, done")

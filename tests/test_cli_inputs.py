@@ -309,7 +309,7 @@ def test_plot_paths_and_escape_sequences(tmp_path, capsys, monkeypatch):
 
 
 def test_a_static_cache_too_short_to_verify_is_refused(tmp_path, capsys):
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.recipes import Recipe
 
     with pytest.raises(PitError, match="needs at least 33"):
         Recipe(runtimes=("executorch",), max_seq_len=32)

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from pit_deploy.io.checkpoint import WEIGHTS_NAME, load_pit_model, save_model
 from pit_deploy.model.modules import PITEmbedding, PITHead
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.model.inspect import effective_interface, find_interface
-from pit_deploy.convert.materialize import materialize_model
+from pit_deploy.converters.materialize import materialize_model
 from pit_deploy.errors import PitError
 from pit_deploy.tiny import tiny_model
 

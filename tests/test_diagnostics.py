@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.analysis.diagnostics import METRIC_KEYS, diagnose_model, interface_metrics, pseudo_inverse_rows
 from pit_deploy.tiny import tiny_model
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
 from pit_deploy.cli import main
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.model.inspect import find_interface
 from pit_deploy.tiny import tiny_model
 

@@ -7,7 +7,7 @@ import torch
 
 from pit_deploy.model.inspect import find_interface
 from pit_deploy.errors import PitError
-from pit_deploy.export.passes import InterfaceProbe, PITFactors, factorize, materialize, prepare
+from pit_deploy.exporters.passes import InterfaceProbe, PITFactors, factorize, materialize, prepare
 from pit_deploy.model.modules import PITEmbedding, PITHead
 from pit_deploy.tiny import FAMILIES, tiny_model, tiny_pit_model
 

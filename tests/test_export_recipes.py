@@ -8,7 +8,7 @@ import pytest
 
 from pit_deploy.errors import PitError
 from pit_deploy.io.manifest import Manifest
-from pit_deploy.export.recipes import Recipe, available_recipes, load_recipe, parse_list
+from pit_deploy.exporters.recipes import Recipe, available_recipes, load_recipe, parse_list
 
 
 def test_shipped_recipes_load():
@@ -75,7 +75,7 @@ def test_a_scheme_setting_is_declared_once():
     value; every target reads only declared settings."""
     import dataclasses
 
-    from pit_deploy.run.recipe import table_keys
+    from pit_deploy.workflow.recipe import table_keys
     from pit_deploy.schemes import SETTINGS, Scheme
     from pit_deploy.targets import get_target, target_names
 

@@ -130,7 +130,7 @@ def test_tanh_gelu_is_spelled_out_for_the_lowering():
 def test_special_tokens_past_the_vocabulary_are_allowed(caplog):
     """Gemma 3's tokenizer keeps its multimodal ``<image_soft_token>`` one id past the text
     model's table: a special token there is allowed with a warning; a plain token is refused."""
-    from pit_deploy.convert.conversion import check_tokenizer_fits
+    from pit_deploy.converters.conversion import check_tokenizer_fits
     from pit_deploy.errors import PitError
 
     tok = tiny_tokenizer()

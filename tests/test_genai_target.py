@@ -237,7 +237,7 @@ def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
     import onnx
     import torch
 
-    from pit_deploy.export.calibrated_rounding import RoundingGrid, round_to_nearest
+    from pit_deploy.exporters.calibrated_rounding import RoundingGrid, round_to_nearest
     from pit_deploy.targets.onnx_genai.export import write_calibrated_body
     from pit_deploy.targets.onnx_genai import DECODER_NAME
 

@@ -19,8 +19,8 @@ import torch
 from train_fixtures import config, make_corpus, make_model_dir, read_metrics
 
 from pit_deploy.errors import PitError
-from pit_deploy.train.config import validate, with_start_defaults
-from pit_deploy.train.loop import train
+from pit_deploy.training.config import validate, with_start_defaults
+from pit_deploy.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
@@ -57,7 +57,7 @@ def test_bf16_autocast_keeps_t_and_its_solves_in_fp32():
 
 def test_flops_per_token_and_mfu():
     from pit_deploy.tiny import tiny_model
-    from pit_deploy.train.throughput import flops_per_token, mfu, parameter_count, peak_flops, peak_memory_mb
+    from pit_deploy.training.throughput import flops_per_token, mfu, parameter_count, peak_flops, peak_memory_mb
 
     model = tiny_model("llama")
     c = model.config
@@ -69,7 +69,7 @@ def test_flops_per_token_and_mfu():
     assert peak_flops(cpu, "bf16") is None and peak_memory_mb(cpu) is None
     assert peak_flops(cpu, "bf16", 2.0) == 2e12
     # an fp32 CPU run: threads x fp32 FLOPs a cycle of the widest vector ISA x the clock
-    from pit_deploy.train.throughput import cpu_peak_flops
+    from pit_deploy.training.throughput import cpu_peak_flops
 
     info = "flags\t\t: fpu sse2 avx2 fma avx512f\ncpu MHz\t\t: 2300.0\n"
     assert cpu_peak_flops(2, info) == pytest.approx(2 * 64 * 2.3e9)
@@ -140,7 +140,7 @@ def test_compile_uses_the_compiled_model(tmp_path, assets, monkeypatch):
 def test_gpu_recipes_compare_pit_and_tt_offline(name):
     """Offline (the default corpus), both tyings, bf16 with compile, a token budget that the aimed-at
     throughput trains within the run's time limit, held-out prose evaluated."""
-    from pit_deploy.run.recipe import load_run_recipe
+    from pit_deploy.workflow.recipe import load_run_recipe
 
     driver = _load_driver()
     recipe = load_run_recipe(name)

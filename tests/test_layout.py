@@ -49,11 +49,11 @@ def _package_files(sub: str) -> list[Path]:
 TARGET_DECLARATIONS = tuple(BUILTIN.values())
 
 
-@pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.export.recipes",
+@pytest.mark.parametrize("light", ["pit_deploy.io.manifest", "pit_deploy.io.fs", "pit_deploy.exporters.recipes",
                                    "pit_deploy.targets", "pit_deploy.targets.base", *TARGET_DECLARATIONS,
                                    "pit_deploy.runtime.base", "pit_deploy.runtime.drivers",
                                    "pit_deploy.schemes", "pit_deploy.options", "pit_deploy.io.hub",
-                                   "pit_deploy.train.config", "pit_deploy.io.metrics", "pit_deploy.run.recipe"])
+                                   "pit_deploy.training.config", "pit_deploy.io.metrics", "pit_deploy.workflow.recipe"])
 def test_light_modules_import_without_torch(light):
     """A manifest is read on a device: the standard library must be enough."""
     code = (
@@ -105,7 +105,7 @@ def _target_side(module: str) -> tuple[str, str] | None:
 
 def _export_side(module: str) -> bool:
     side = _target_side(module)
-    return module.startswith("pit_deploy.export") or (side is not None and side[1] == "export")
+    return module.startswith("pit_deploy.exporters") or (side is not None and side[1] == "export")
 
 
 def test_every_target_module_has_a_side():
@@ -119,8 +119,8 @@ def test_every_target_module_has_a_side():
 #: a ``.pte``'s quantized head and shared gather read the rotated table and the nibble order that
 #: the ``.pte``'s ``head`` and ``token_table`` make)
 EVALUATE_MAY_IMPORT = {
-    "pit_deploy/evaluate/*": {"pit_deploy.export.recipes"},
-    "pit_deploy/evaluate/weight_check.py": {"pit_deploy.export.passes", "pit_deploy.export.residual_rotation",
+    "pit_deploy/evaluate/*": {"pit_deploy.exporters.recipes"},
+    "pit_deploy/evaluate/weight_check.py": {"pit_deploy.exporters.passes", "pit_deploy.exporters.residual_rotation",
                                             "pit_deploy.targets.gguf.export", "pit_deploy.targets.executorch.head",
                                             "pit_deploy.targets.executorch.token_table"},
 }
@@ -174,15 +174,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("io",),
     ("data",),
-    ("convert", "analysis"),
-    ("train",),
+    ("converters", "analysis"),
+    ("training",),
     ("runtime",),
     ("targets/*/runtime",),
-    ("export",),
+    ("exporters",),
     ("targets/*/export",),
     ("evaluate",),
     ("targets/*/evaluate",),
-    ("run",),
+    ("workflow",),
     ("api",),
     ("cli", "tiny"),
     ("__main__",),
@@ -293,7 +293,7 @@ def test_no_reference_to_documents_outside_the_repository():
     climbs out of it: the project stands on its own."""
     import re
 
-    from pit_deploy.run.report import REPORT_NAME
+    from pit_deploy.workflow.report import REPORT_NAME
 
     in_repo = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts} | {REPORT_NAME}  # + what a run writes
     hits = []
@@ -311,7 +311,7 @@ def test_no_reference_to_documents_outside_the_repository():
 
 
 def test_recipes_are_package_data():
-    from pit_deploy.export.recipes import PACKAGE_RECIPES, available_recipes
+    from pit_deploy.exporters.recipes import PACKAGE_RECIPES, available_recipes
 
     assert PACKAGE_RECIPES.is_relative_to(PACKAGE)
     assert {"default", "tiny-ci", "onnx-fp32", "executorch-xnnpack-fp32"} <= set(available_recipes())

@@ -8,11 +8,11 @@ import torch
 from train_fixtures import config, make_corpus, make_pairs, read_metrics
 
 from pit_deploy.io.checkpoint import load_pit_model, save_model
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.errors import PitError
-from pit_deploy.train.lora import apply_lora, default_targets, merge
+from pit_deploy.training.lora import apply_lora, default_targets, merge
 from pit_deploy.tiny import tiny_model, tiny_tokenizer
-from pit_deploy.train.loop import train
+from pit_deploy.training.loop import train
 
 
 @pytest.fixture(scope="module")

@@ -138,8 +138,8 @@ def test_run_refuses_a_sequence_past_the_positions_before_convert(llama_dir, tmp
 
 
 def test_run_refuses_layers_and_targets_that_do_not_fit(llama_dir, tmp_path):
-    from pit_deploy.run.recipe import load_run_recipe
-    from pit_deploy.run.validate import check_run_fits
+    from pit_deploy.workflow.recipe import load_run_recipe
+    from pit_deploy.workflow.validate import check_run_fits
 
     recipe = load_run_recipe("smoke", [f"run.model='{llama_dir}'", "export.int4_8bit_layers=['layers.7.mlp.down_proj']"])
     with pytest.raises(PitError, match=r"int4_8bit_layers: 'layers.7.mlp.down_proj' matches no linear"):
@@ -158,7 +158,7 @@ def test_run_refuses_layers_and_targets_that_do_not_fit(llama_dir, tmp_path):
 def test_int4_layers_are_named_as_the_family_names_them():
     """A scheme's 8-bit linears (``v_proj``, ``down_proj``) are GPT-2's ``attn.c_attn`` and
     ``mlp.c_proj``, each naming linears of the model; names a recipe gives stay as they are."""
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.recipes import Recipe
     from pit_deploy.model.families import body_linears, skeleton
     from pit_deploy.schemes import get_scheme, names_linear
     from pit_deploy.tiny import tiny_config
@@ -180,8 +180,8 @@ def test_the_default_models_settings_come_from_its_own_recipe():
     """The default run resolves table_bits and int4_8bit_layers from ``smollm2-135m`` (the bundled
     model, or a config of its shape); another model's run leaves them to the schemes; a key the
     run sets wins."""
-    from pit_deploy.export.recipes import MODEL_RECIPES, load_recipe, model_recipe
-    from pit_deploy.run.recipe import load_run_recipe
+    from pit_deploy.exporters.recipes import MODEL_RECIPES, load_recipe, model_recipe
+    from pit_deploy.workflow.recipe import load_run_recipe
 
     tuned = load_recipe("smollm2-135m")
     default = load_run_recipe("default").export_recipe()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import pytest
 
-from pit_deploy.convert import convert_model
-from pit_deploy.convert.preserve import PRESERVE_FAMILIES, fit_symmetric, weighted_misfit
+from pit_deploy.converters import convert_model
+from pit_deploy.converters.preserve import PRESERVE_FAMILIES, fit_symmetric, weighted_misfit
 from pit_deploy.errors import PitError
 from pit_deploy.io.checkpoint import load_pit_model, save_model
 from pit_deploy.model.families import adapter_for
@@ -169,7 +169,7 @@ def test_post_norm_families_keep_the_body_and_fit_a_diagonal_gain(family):
 
 def test_diagonal_fit_solves_the_summed_problem():
     """The diagonal fit's gradient on the diagonal vanishes and it beats diagonal perturbations."""
-    from pit_deploy.convert.preserve import fit_diagonal_grouped, grouped_misfit
+    from pit_deploy.converters.preserve import fit_diagonal_grouped, grouped_misfit
 
     gen = torch.Generator().manual_seed(2)
     d = 6
@@ -212,7 +212,7 @@ def test_grouped_fit_solves_the_summed_problem():
     """With one term the grouped fit is the closed form; with several, its gradient projected on
     symmetric matrices vanishes, it beats symmetric perturbations of itself and both the
     pooled closed form and each term's own fit on the summed objective."""
-    from pit_deploy.convert.preserve import fit_symmetric_grouped, grouped_misfit
+    from pit_deploy.converters.preserve import fit_symmetric_grouped, grouped_misfit
 
     gen = torch.Generator().manual_seed(1)
     d = 7
@@ -239,7 +239,7 @@ def test_position_groups_and_the_shared_chat_prefix():
     """A chat row's positions split into prompt, first answer token and answer; a plain row is
     all text; the chat template's shared prefix counts once: left out of every chat row after
     the first."""
-    from pit_deploy.convert.preserve import (ANSWER, FIRST_ANSWER, PROMPT, TEXT, CalibrationSet, _shared_prefix,
+    from pit_deploy.converters.preserve import (ANSWER, FIRST_ANSWER, PROMPT, TEXT, CalibrationSet, _shared_prefix,
                                              position_groups)
 
     assert position_groups(4, None) == [TEXT] * 4
@@ -258,7 +258,7 @@ def test_conversion_study_holds_out_the_calibration_prompts():
     import ast
     from pathlib import Path
 
-    from pit_deploy.convert.preserve import CALIB_PROMPTS
+    from pit_deploy.converters.preserve import CALIB_PROMPTS
 
     tree = ast.parse((Path(__file__).parents[1] / "studies" / "conversion.py").read_text())
     held_out = next(ast.literal_eval(node.value) for node in tree.body
@@ -271,7 +271,7 @@ def test_chat_rows_batched_equal_one_by_one_generation():
     """Calibration chat rows are generated in left-padded batches; each row must be what greedy
     generation of that prompt alone gives (prompt + answer up to its end-of-sequence token), and
     the budget stops adding rows once reached."""
-    from pit_deploy.convert.preserve import CALIB_PROMPTS, chat_rows
+    from pit_deploy.converters.preserve import CALIB_PROMPTS, chat_rows
     from pit_deploy.tiny import tiny_model, tiny_tokenizer
 
     model = tiny_model("llama").eval()
@@ -296,7 +296,7 @@ def test_generation_states_give_the_forward_pass_statistics(family):
     generation computed (no second pass): they must equal the statistics of a forward pass
     over each row (fp32 rounding apart), with only the last position of a row still
     generating at the final step left out."""
-    from pit_deploy.convert.preserve import (CALIB_PROMPTS, CalibrationSet, _shared_prefix, calibration_stats,
+    from pit_deploy.converters.preserve import (CALIB_PROMPTS, CalibrationSet, _shared_prefix, calibration_stats,
                                              chat_calibration)
     from pit_deploy.model.core import polar_factor
     from pit_deploy.tiny import tiny_tokenizer

@@ -9,7 +9,7 @@ import torch
 
 from pit_deploy.cli import main
 from pit_deploy.io.checkpoint import save_model
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.analysis.probe import logit_lens
 from pit_deploy.tiny import tiny_model
 

@@ -89,7 +89,7 @@ def shared_export(tmp_path_factory) -> Path:
 def _table_bytes(directory: Path, bits: int = 4) -> bytes:
     """The shared table's packed codes, rebuilt from the reference checkpoint as the exporter builds
     them (the same deterministic quantization)."""
-    from pit_deploy.export.passes import prepare
+    from pit_deploy.exporters.passes import prepare
     from pit_deploy.targets.executorch.token_table import quantize_token_table
     from pit_deploy.targets.executorch.export import quantize_linears
     from pit_deploy.io.checkpoint import load_pit_model

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pit_deploy.cli import main
-from pit_deploy.convert.conversion import convert_model
+from pit_deploy.converters.conversion import convert_model
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.onnx_tables import block_quantize, split_nibbles
+from pit_deploy.exporters.onnx_tables import block_quantize, split_nibbles
 from pit_deploy.model.quantized_interface import correction_matrix
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.fs import sha256_file
@@ -228,9 +228,9 @@ def test_rotated_table_computes_the_same_interface_on_onnxruntime():
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from pit_deploy.export.onnx_graph import find_graph_interface
-    from pit_deploy.export.onnx_tables import rotate_table
-    from pit_deploy.export.quantize_onnx import rewrite_interface
+    from pit_deploy.exporters.onnx_graph import find_graph_interface
+    from pit_deploy.exporters.onnx_tables import rotate_table
+    from pit_deploy.exporters.quantize_onnx import rewrite_interface
 
     v, d = 200, 64
     model = _factorized_interface_graph(v, d)
@@ -267,7 +267,7 @@ def test_int8_grid_rows_pass_the_int8_activation_kernel_unrounded():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from pit_deploy.export.onnx_tables import block_quantize, int8_block_grid_rows
+    from pit_deploy.exporters.onnx_tables import block_quantize, int8_block_grid_rows
 
     rng = np.random.default_rng(0)
     k, n, block = 128, 96, 32
@@ -305,8 +305,8 @@ def test_int8_head_keeps_the_identity_on_onnxruntime():
     import onnx
     import onnxruntime as ort
 
-    from pit_deploy.export.onnx_graph import find_graph_interface
-    from pit_deploy.export.quantize_onnx import rewrite_interface
+    from pit_deploy.exporters.onnx_graph import find_graph_interface
+    from pit_deploy.exporters.quantize_onnx import rewrite_interface
 
     v, d = 200, 64
     results = {}
@@ -402,7 +402,7 @@ def test_pte_token_table_correction_keeps_the_interface_exact(tmp_path, correct)
     """The 8-bit embedding of a factorized ExecuTorch export, in eager PyTorch: with
     ``M = (ZᵀẐ)⁻¹T⁻¹`` the head (fp32 ``Zᵀ``) undoes the embedding to fp32 rounding; with
     ``T⁻¹`` it drifts by the table's quantization error."""
-    from pit_deploy.export.passes import InterfaceProbe, prepare
+    from pit_deploy.exporters.passes import InterfaceProbe, prepare
     from pit_deploy.targets.executorch.token_table import quantize_token_table
     from pit_deploy.io.checkpoint import load_pit_model
 
@@ -443,7 +443,7 @@ def test_executorch_int4_scheme_keeps_named_layers_at_8_bits():
 
 
 def test_recipe_refuses_a_bad_int4_8bit_layers():
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.recipes import Recipe
 
     with pytest.raises(PitError, match="int4_8bit_layers must be a list"):
         Recipe(int4_8bit_layers="down_proj")
@@ -475,7 +475,7 @@ def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
     the fp32 model's (the rotation changes nothing but the rounding), the weights keep
     ``W_out E = I`` exactly, and so does the head on basis vectors: its per-token rounding leaves
     the grid rows of ``S`` unchanged."""
-    from pit_deploy.export.passes import FACTORS_ATTR, InterfaceProbe, prepare
+    from pit_deploy.exporters.passes import FACTORS_ATTR, InterfaceProbe, prepare
     from pit_deploy.targets.executorch.head import random_rotation
     from pit_deploy.targets.executorch.token_table import dequantize_rows, quantize_token_table
     from pit_deploy.io.checkpoint import load_pit_model
@@ -530,7 +530,7 @@ def test_executorch_rotated_quantized_head_exports_and_verifies(tmp_path):
 
 
 def test_recipe_refuses_a_bad_pte_head_bits():
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.recipes import Recipe
 
     for bad in (2, 16, True, "8"):
         with pytest.raises(PitError, match="pte_head_bits must be 0"):
@@ -606,7 +606,7 @@ def test_the_token_gather_is_told_from_a_position_table_of_the_same_shape(tmp_pa
     quantizer must rewrite the one of ``input_ids``, never the position table's."""
     from onnx import load
 
-    from pit_deploy.export.onnx_graph import _reads_token_ids, find_graph_interface
+    from pit_deploy.exporters.onnx_graph import _reads_token_ids, find_graph_interface
 
     model = convert_model(tiny_model("gpt2", max_positions=512))  # vocabulary 512 too
     assert model.config.n_positions == model.config.vocab_size

@@ -23,7 +23,7 @@ import torch
 
 from pit_deploy.cli import main
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.expected_error import fake_quantize
+from pit_deploy.exporters.expected_error import fake_quantize
 from pit_deploy.io.checkpoint import save_model
 from pit_deploy.io.manifest import MANIFEST_NAME
 from pit_deploy.schemes import QuantizedBounds, bounds_for
@@ -158,7 +158,7 @@ def test_the_rounding_reproduces_both_runtimes_grids():
     onnxruntime's asymmetric blocks and on the symmetric grid of the ``.pte`` token table, up to
     float32 rounding of the scales (a rare tie may round one code the other way)."""
     from pit_deploy.targets.executorch.token_table import dequantize_rows, quantize_rows
-    from pit_deploy.export.onnx_tables import block_quantize
+    from pit_deploy.exporters.onnx_tables import block_quantize
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((48, 64)).astype(np.float32)

@@ -497,7 +497,7 @@ def test_a_quantization_setting_without_a_quantized_dtype_is_exit_2(source, tmp_
 def test_a_run_that_exports_float32_beside_a_quantized_scheme_gives_each_its_own_settings():
     """``pit-deploy run`` writes one export directory a scheme: the float32 one gets none of the
     quantization settings (which it would refuse), the int4 one all of them."""
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.recipes import Recipe
 
     recipe = Recipe(runtimes=("onnx",), dtype=("float32", "int4"), group_size=64, rounding="rtn",
                     bounds={"int4": {"kl_mean": 1.0}})
@@ -510,7 +510,7 @@ def test_a_max_seq_len_past_the_model_positions_is_exit_2_on_every_target(source
     from types import SimpleNamespace
 
     from pit_deploy.errors import PitError
-    from pit_deploy.export.recipes import MAX_SEQ_LEN_CEILING, Recipe
+    from pit_deploy.exporters.recipes import MAX_SEQ_LEN_CEILING, Recipe
 
     out = tmp_path / "exp"
     _refused(["export", str(source), "--out", str(out), "--runtime", "gguf", "--mode", "materialized",
@@ -532,8 +532,8 @@ def test_a_linear_the_genai_builder_has_no_node_for_is_refused_before_gptq(sourc
     """A linear the model has but the builder does not write (simulated: the model-side name
     check passes) is refused by the target's precheck, before calibration or GPTQ starts."""
     pytest.importorskip("onnxruntime_genai")
-    from pit_deploy.export import pipeline, recipes
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters import pipeline, recipes
+    from pit_deploy.exporters.recipes import Recipe
     from pit_deploy.targets import get_target
 
     def no_gptq(*args, **kwargs):
@@ -613,7 +613,7 @@ def train_assets(tmp_path_factory):
 def test_a_resumed_run_records_the_values_it_used_and_which_changed(train_assets, tmp_path, capsys):
     from train_fixtures import config
 
-    from pit_deploy.train.loop import train
+    from pit_deploy.training.loop import train
 
     model, corpus = train_assets  # identity: a conversion of no cost, the same on resume
     run = tmp_path / "r"
@@ -635,7 +635,7 @@ def test_a_changed_interface_only_on_resume_is_named_by_its_flag(train_assets, t
     from train_fixtures import config
 
     from pit_deploy.errors import PitError
-    from pit_deploy.train.loop import train
+    from pit_deploy.training.loop import train
 
     model, corpus = train_assets  # identity: a conversion of no cost, the same on resume
     run = tmp_path / "r"

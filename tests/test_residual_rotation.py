@@ -13,8 +13,8 @@ import torch
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.evaluate.verify import verify_directory
-from pit_deploy.export.passes import InterfaceProbe, prepare
-from pit_deploy.export.residual_rotation import (Unrotate, hadamard, rotate_residual, rotation_matrix,
+from pit_deploy.exporters.passes import InterfaceProbe, prepare
+from pit_deploy.exporters.residual_rotation import (Unrotate, hadamard, rotate_residual, rotation_matrix,
                                                  rotation_of)
 from pit_deploy.io.manifest import MANIFEST_NAME
 from pit_deploy.schemes import get_scheme
@@ -68,7 +68,7 @@ def test_rotation_leaves_the_logits_and_the_interface_unchanged(family, mode):
 
 
 def test_rotation_refuses_families_without_the_symmetry():
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
 
     gpt2 = prepare(convert_model(tiny_model("gpt2")), "factorized")
     with pytest.raises(PitError, match="rotate_residual"):
@@ -107,7 +107,7 @@ def test_models_without_the_symmetry_are_named_and_exported_unrotated(tmp_path):
     """A family outside the pre-norm RMSNorm ones, or a tied embedding and head (which would turn
     with the table), is not rotated: :func:`rotation_blocker` says why, and ``int4``'s default
     rotation gives way in the export instead of failing it."""
-    from pit_deploy.export.residual_rotation import rotation_blocker
+    from pit_deploy.exporters.residual_rotation import rotation_blocker
 
     assert rotation_blocker(prepare(tiny_pit_model("llama"), "factorized")) is None
     assert "tied" in rotation_blocker(prepare(tiny_model("llama", tie_word_embeddings=True), "tied"))

@@ -309,7 +309,7 @@ def test_a_million_layers_over_a_two_layer_checkpoint_is_refused_before_any_laye
 def test_a_vocabulary_smaller_than_the_hidden_size_is_exit_2(tmp_path, capsys):
     """PIT's Z (vocab_size × hidden_size) has orthonormal columns: a model of 2 tokens and 64
     dimensions (config and weights agreeing) cannot be converted, by any conversion."""
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
     from pit_deploy.errors import PitError
 
     src = tmp_path / "two-tokens"

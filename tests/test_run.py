@@ -16,8 +16,8 @@ import pytest
 
 from pit_deploy.cli import main
 from pit_deploy.errors import PitError
-from pit_deploy.run import report as report_module
-from pit_deploy.run.recipe import load_run_recipe
+from pit_deploy.workflow import report as report_module
+from pit_deploy.workflow.recipe import load_run_recipe
 
 from train_fixtures import make_corpus, make_model_dir
 
@@ -231,7 +231,7 @@ def test_a_failing_stage_stops_the_run_and_the_report_lists_it(assets, tmp_path,
     """A static cache too long for the model: export fails (exit 2), verify never runs. The run's
     up-front check refuses this case before any stage (tested in tests/test_own_model.py); it is
     switched off here so that the case reaches the export stage, whose failure is under test."""
-    from pit_deploy.run import validate
+    from pit_deploy.workflow import validate
 
     monkeypatch.setattr(validate, "check_run_fits", lambda recipe: None)
     model, corpus = assets
@@ -286,9 +286,9 @@ def test_a_torchrun_child_reads_the_whole_config_from_a_file(tmp_path, monkeypat
     field comes back as it was, so a renamed flag cannot silently drop an option."""
     import dataclasses
 
-    import pit_deploy.train.loop as loop
-    from pit_deploy.train.config import write_config
-    from pit_deploy.train.loop import TrainConfig, TrainResult
+    import pit_deploy.training.loop as loop
+    from pit_deploy.training.config import write_config
+    from pit_deploy.training.loop import TrainConfig, TrainResult
 
     cfg = TrainConfig(out=str(tmp_path / "o"), model="m", tying="tt", steps=7, lr=2e-5, lr_t=0.0, streaming=False,
                       plot=False, lora=True, lora_targets=["q_proj", "v_proj"], grad_clip=0.5, resume=True, seed=3,

@@ -28,10 +28,10 @@ import pytest
 from pit_deploy.cli import main
 from pit_deploy.errors import WriteError, as_write_error
 from pit_deploy.io.fs import atomic_directory, remove_stale_partials, write_json_atomic, write_text_atomic
-from pit_deploy.run import pipeline, validate
-from pit_deploy.run.pipeline import StageFailed
-from pit_deploy.run.recipe import STAGES
-from pit_deploy.run.stage_records import StageRecord, digest_path, stage_dir
+from pit_deploy.workflow import pipeline, validate
+from pit_deploy.workflow.pipeline import StageFailed
+from pit_deploy.workflow.recipe import STAGES
+from pit_deploy.workflow.stage_records import StageRecord, digest_path, stage_dir
 
 from train_fixtures import make_corpus
 
@@ -279,9 +279,9 @@ def test_a_checkpoint_of_other_settings_or_of_a_copied_run_is_not_resumed(tmp_pa
     instead of failing ("--resume with different options")."""
     from dataclasses import asdict, replace
 
-    from pit_deploy.run.pipeline import checkpoint_mismatch
-    from pit_deploy.run.stage_records import jsonable
-    from pit_deploy.train.loop import TrainConfig
+    from pit_deploy.workflow.pipeline import checkpoint_mismatch
+    from pit_deploy.workflow.stage_records import jsonable
+    from pit_deploy.training.loop import TrainConfig
 
     cfg = TrainConfig(out=str(tmp_path / "2-train" / "pit"), model=str(tmp_path / "1-convert" / "model"), data="default")
     checkpoint = tmp_path / "step-0000004"

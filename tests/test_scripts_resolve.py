@@ -78,15 +78,15 @@ def test_script_compiles_and_its_imports_resolve(script):
 
 
 def test_a_moved_module_is_caught(tmp_path):
-    """The check fails on an import of a module that moved (as ``pit_deploy.train.metrics``
+    """The check fails on an import of a module that moved (as ``pit_deploy.training.metrics``
     did), on a name a module lacks, and on a name a neighbouring script lacks."""
     (tmp_path / "helper.py").write_text("def shared():\n    return 1\n")
     script = tmp_path / "study.py"
-    script.write_text("from pit_deploy.train.metrics import read_metrics\n"
+    script.write_text("from pit_deploy.training.metrics import read_metrics\n"
                       "from pit_deploy.io.metrics import no_such_name\n"
                       "from helper import shared, gone\n")
     problems = unresolved_imports(script, root=tmp_path)
     text = "\n".join(problems)
-    assert "pit_deploy.train.metrics cannot be imported" in text
+    assert "pit_deploy.training.metrics cannot be imported" in text
     assert "pit_deploy.io.metrics has no no_such_name" in text
     assert "defines no gone" in text and "defines no shared" not in text

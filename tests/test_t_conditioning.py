@@ -18,8 +18,8 @@ from pit_deploy.model.core import FLOOR_MARGIN, PITInterface, init_random
 from pit_deploy.model.quantized_interface import identity_defect
 from pit_deploy.model.inspect import find_interface
 from pit_deploy.tiny import ALL_FAMILIES
-from pit_deploy.train.interface_guard import IdentityLost, InterfaceGuard
-from pit_deploy.train.loop import train
+from pit_deploy.training.interface_guard import IdentityLost, InterfaceGuard
+from pit_deploy.training.loop import train
 
 
 def _interface(log_spread: float, d: int = 32, v: int = 300, seed: int = 0) -> PITInterface:
@@ -151,7 +151,7 @@ def test_identity_holds_at_a_high_learning_rate(tmp_path, corpus, family) -> Non
 def wide(tmp_path_factory) -> Path:
     """The issue's model: a tiny Llama with the default model's embedding scale, converted with
     ``preserve`` and saved, so each run starts from the same PIT checkpoint."""
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
     from pit_deploy.tiny import tiny_model, tiny_tokenizer, widen_embedding_spectrum
 
     path = tmp_path_factory.mktemp("wide") / "pit"

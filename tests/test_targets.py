@@ -121,7 +121,7 @@ def test_a_scheme_is_refused_where_it_was_not_measured_and_a_setting_no_target_r
 
 @pytest.mark.parametrize("bounds", [{"kl_mean": float("inf")}, {"kl_mean": float("nan")}, {"kl_mean": "0.1"}])
 def test_non_finite_bounds_are_refused(bounds):
-    from pit_deploy.export.recipes import Recipe
+    from pit_deploy.exporters.recipes import Recipe
 
     with pytest.raises(PitError, match="must be a finite number"):
         Recipe(dtype="int4", bounds={"int4": bounds})
@@ -143,7 +143,7 @@ def test_targets_declare_what_generic_code_asks():
 
 
 def _run_recipe(*overrides: str) -> Any:
-    from pit_deploy.run.recipe import load_run_recipe
+    from pit_deploy.workflow.recipe import load_run_recipe
 
     return load_run_recipe("smoke", list(overrides))
 
@@ -186,8 +186,8 @@ def test_old_run_recipes_spell_dtypes_and_still_load():
 
 
 def test_the_train_table_is_the_training_config():
-    from pit_deploy.run.recipe import table_keys
-    from pit_deploy.train.config import TrainConfig, default_of
+    from pit_deploy.workflow.recipe import table_keys
+    from pit_deploy.training.config import TrainConfig, default_of
     from dataclasses import fields
 
     keys = set(table_keys("train"))
@@ -198,7 +198,7 @@ def test_the_train_table_is_the_training_config():
 
 
 def test_a_torchrun_child_gets_its_config_as_a_file(tmp_path):
-    from pit_deploy.train.config import TrainConfig, read_config, write_config
+    from pit_deploy.training.config import TrainConfig, read_config, write_config
 
     cfg = TrainConfig(out=str(tmp_path / "o"), steps=3, betas=(0.8, 0.9), lora_targets=["q_proj"], lr=1e-4)
     path = write_config(cfg, tmp_path / "cfg.json")

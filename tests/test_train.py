@@ -20,7 +20,7 @@ from pit_deploy.cli import main
 from pit_deploy.errors import PitError
 from pit_deploy.io.sources import load_source
 from pit_deploy.data.corpus import TextSource, validation_blocks
-from pit_deploy.train.loop import TrainingRecipe, param_groups, train
+from pit_deploy.training.loop import TrainingRecipe, param_groups, train
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_tiny_model_learns(tmp_path, assets, tying):
 
 
 def test_weight_decay_spares_interface(assets):
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
     from pit_deploy.model.core import PITSpec
     from pit_deploy.tiny import tiny_model
 
@@ -98,7 +98,7 @@ def test_train_z_stays_on_stiefel(tmp_path, assets):
     recs = [r for r in read_metrics(out) if r["kind"] == "train"]
     assert all(r["z_orthogonality_error"] <= 1e-5 and r["delta_ti"] <= 1e-5 for r in recs)
     before = load_pit_model  # Z moved away from its conversion value
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
     from pit_deploy.io.sources import load_source
 
     z0 = convert_model(load_source(str(model)).model).pit_interface.Z
@@ -218,7 +218,7 @@ def test_sigterm_leaves_no_partial_directory(tmp_path, assets):
     leftovers = [p.name for p in run.rglob("*") if ".partial-" in p.name or ".old-" in p.name]
     assert leftovers == []
     assert not (run / "model").exists()
-    from pit_deploy.train.checkpointer import load_latest
+    from pit_deploy.training.checkpointer import load_latest
 
     assert load_latest(run).path.name == (run / "checkpoints" / "LATEST").read_text()
 
@@ -332,7 +332,7 @@ def test_interface_only_keeps_the_converted_body(tmp_path, assets):
     """``--interface-only``: the body's linears and block norms leave training as converted (what
     keeps a source's 4-bit grid), while T and the final norm learn. Converting again differs by
     float noise (≈ 4e-7 here); four Adam steps at 1e-2 would move a trained weight by ≈ 1e-2."""
-    from pit_deploy.convert.conversion import convert_model, default_conversion
+    from pit_deploy.converters.conversion import convert_model, default_conversion
 
     model, corpus = assets
     out = tmp_path / "iface"
@@ -347,7 +347,7 @@ def test_interface_only_keeps_the_converted_body(tmp_path, assets):
 
 
 def test_interface_only_refuses_what_has_no_interface_or_trains_the_body():
-    from pit_deploy.train.config import TrainConfig, validate, with_start_defaults
+    from pit_deploy.training.config import TrainConfig, validate, with_start_defaults
 
     for kw, needle in (({"tying": "tt"}, "--tying tt"), ({"lora": True}, "--lora"),
                        ({"from_scratch": True}, "--from-scratch")):

@@ -13,14 +13,14 @@ from train_fixtures import config, make_corpus, make_model_dir, read_metrics
 
 from pit_deploy.io.checkpoint import load_pit_model
 from pit_deploy.model.inspect import find_interface
-from pit_deploy.train.loop import train
+from pit_deploy.training.loop import train
 
 WORKER = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from train_fixtures import config
-from pit_deploy.train.loop import TrainingRecipe
+from pit_deploy.training.loop import TrainingRecipe
 options = dict(batch_size=2, steps=3, eval_every=3, save_every=3, lr=3e-3)
 options.update({options!r})
 crash_at = options.pop("crash_at", None)

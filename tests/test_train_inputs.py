@@ -10,9 +10,9 @@ import pytest
 from train_fixtures import config, make_corpus, make_model_dir, read_metrics
 
 from pit_deploy.cli import build_parser, main
-from pit_deploy.train.config import TrainConfig, default_of
+from pit_deploy.training.config import TrainConfig, default_of
 from pit_deploy.data.corpus import DataConfig, TextSource, TrainStream
-from pit_deploy.train.loop import param_groups, train
+from pit_deploy.training.loop import param_groups, train
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_bad_training_flags_are_exit_2_before_loading(tmp_path, capsys, flags, m
 def test_lr_t_zero_freezes_the_rate_of_t(assets):
     """``--lr-t 0`` means a rate of 0 for T's factors, not "unset" (which means ``--lr``)."""
     model, corpus = assets
-    from pit_deploy.convert.conversion import convert_model
+    from pit_deploy.converters.conversion import convert_model
     from pit_deploy.io.sources import load_source
 
     pit = convert_model(load_source(str(model)).model)
@@ -146,7 +146,7 @@ def test_learning_rate_and_warmup_follow_the_start():
     """Left out, --lr and --warmup-steps follow where training starts: the measured continued-
     pretraining rate from a pretrained model (PIT from preserve, or TT), the from-scratch rate
     from scratch, for LoRA and from a paper init; given, they are kept as given."""
-    from pit_deploy.train.config import CPT_LR, CPT_WARMUP, SCRATCH_LR, TrainConfig, with_start_defaults
+    from pit_deploy.training.config import CPT_LR, CPT_WARMUP, SCRATCH_LR, TrainConfig, with_start_defaults
 
     def resolved(**kw):
         cfg = with_start_defaults(TrainConfig(out="o", steps=1, **kw))

@@ -780,7 +780,7 @@ def test_a_weight_is_paired_once_and_every_recorded_digest_is_held():
     once), and so does a digest recorded for a weight that no tensor paired with it holds; the
     honest pair passes. On the tiny model's own weights, stored exactly."""
     from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, compare, onnx_pairing, table_candidates
-    from pit_deploy.export.passes import prepare
+    from pit_deploy.exporters.passes import prepare
 
     prepared = prepare(_model("llama"), "materialized")
     vocab = prepared.config.vocab_size
@@ -815,7 +815,7 @@ def test_the_roles_of_a_models_linears_come_from_its_forward_pass(family):
     straight into the product; ``q`` and ``k`` through the rotary embedding (Qwen3's through
     their norm first), ``v`` through neither."""
     from pit_deploy.evaluate.weight_check import NONLINEAR, PLAIN, SELF_SUM, _body_linears
-    from pit_deploy.export.passes import prepare
+    from pit_deploy.exporters.passes import prepare
 
     groups, roles = _body_linears(prepare(_model(family), "materialized"))
     attention = NONLINEAR if family == "qwen3" else SELF_SUM
@@ -833,7 +833,7 @@ def test_members_of_one_shape_in_a_pte_group_are_paired_by_their_role():
     named."""
     from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, _body_linears, compare, pte_pairing, \
         table_candidates
-    from pit_deploy.export.passes import prepare
+    from pit_deploy.exporters.passes import prepare
 
     prepared = prepare(_model("llama"), "materialized")
     vocab = prepared.config.vocab_size

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pit_deploy.targets.executorch import llm_ops
-from pit_deploy.export.passes import prepare
+from pit_deploy.exporters.passes import prepare
 from pit_deploy.targets.executorch.export import StaticKVDecoder, _kv_geometry, lower_to_edge
 from pit_deploy.targets.executorch.xnnpack_rewrites import LinearRMSNorm, rotate_half_matrix, xnnpack_friendly
 from pit_deploy.tiny import tiny_pit_model

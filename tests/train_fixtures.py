@@ -13,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from pit_deploy.io.checkpoint import save_model  # noqa: E402
 from pit_deploy.tiny import tiny_model, tiny_tokenizer  # noqa: E402
-from pit_deploy.train.loop import TrainConfig  # noqa: E402
+from pit_deploy.training.loop import TrainConfig  # noqa: E402
 from pit_deploy.io.metrics import read_metrics  # noqa: E402,F401  (re-exported for the tests)
 
 
@@ -62,7 +62,7 @@ import os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from train_fixtures import config
-from pit_deploy.train.loop import TrainingRecipe
+from pit_deploy.training.loop import TrainingRecipe
 
 class CrashAt(TrainingRecipe):
     def on_step_end(self, step):

@@ -1,4 +1,4 @@
-"""The calibration text of calibrated rounding (:mod:`pit_deploy.export.calibrated_rounding`).
+"""The calibration text of calibrated rounding (:mod:`pit_deploy.exporters.calibrated_rounding`).
 
 Calibrated rounding fits the rounding to the inputs each layer sees, so what it sees must be
 text the model will read, and never the held-out text quantization is judged on: blocks of the

@@ -14,7 +14,7 @@ reference's and ``Q`` the compared model's softmax (float64):
 
 :func:`kl_parity` lives here, below both stages that use it: ``verify`` compares a runtime with
 the fp32 reference, and the export measures the error its quantization grid is expected to
-cost (:mod:`pit_deploy.export.expected_error`) on the same tokens with the same figures.
+cost (:mod:`pit_deploy.exporters.expected_error`) on the same tokens with the same figures.
 """
 
 

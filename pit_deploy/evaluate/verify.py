@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import PitError, WriteError
-from ..export.recipes import MODES, parse_list
+from ..exporters.recipes import MODES, parse_list
 from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, json_text, lock_target, write_json_atomic
 from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests, pin_sha256,
@@ -406,7 +406,7 @@ def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, 
 
 def expected_figures(directory: Path, art) -> dict[str, float] | None:
     """``{"kl_mean", "kl_p99"}`` of the artifact's expected quantization error as the export
-    recorded it (``details["expected"]``, :mod:`pit_deploy.export.expected_error`), or ``None``
+    recorded it (``details["expected"]``, :mod:`pit_deploy.exporters.expected_error`), or ``None``
     for a manifest written before it was recorded.
 
     Raises:

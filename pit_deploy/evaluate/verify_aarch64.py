@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..errors import PitError
-from ..export.recipes import parse_list
+from ..exporters.recipes import parse_list
 from ..runtime.base import Driver
 from ..runtime.emulated import (ARMV8_0_CPUS, EXECUTORCH, KLEIDIAI_SETTINGS, ONNXRUNTIME, OTHER_CPUS, PROFILES,
                                 SETUP_COMMAND, Aarch64Setup, check_emulates, find_setup, kleidiai_applies, run_job)

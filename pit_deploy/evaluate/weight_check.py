@@ -23,7 +23,7 @@ error). This check does not depend on the model's sensitivity:
   those were recorded has them listed in the check's ``note`` as not covered, never counted as
   checked.
 * **What it is compared with.** The export directory's ``reference/`` checkpoint, prepared as
-  the exporter prepared it (:func:`pit_deploy.export.passes.prepare`), each stored tensor with
+  the exporter prepared it (:func:`pit_deploy.exporters.passes.prepare`), each stored tensor with
   the weight of **its own name**, once:
 
   - ONNX (:func:`onnx_pairing`): the module path the nodes that read the tensor are named for
@@ -712,7 +712,7 @@ def table_candidates(prepared: Any, vocab: int, rotated_table: bool) -> list[tup
     weight with ``vocab`` rows or columns, as rows (``Zᵀ`` of a factorized model gives ``Z``),
     and with ``rotated_table`` (a factorized ONNX graph's table, which the exporter turns by
     ``R``) the same times ``R``."""
-    from ..export.residual_rotation import rotation_matrix
+    from ..exporters.residual_rotation import rotation_matrix
 
     found = []
     for name, array in _float_weights(prepared).items():
@@ -976,7 +976,7 @@ def _mode(art: Any) -> str:
 def check_onnx_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     """An ONNX artifact (either ONNX target): each of its decoder's quantized tensors against the
     weight of the prepared reference its nodes are named for (:func:`onnx_pairing`)."""
-    from ..export.passes import prepare
+    from ..exporters.passes import prepare
     from ..targets import get_target
 
     folder = directory / art.path
@@ -991,7 +991,7 @@ def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck
     """A GGUF artifact: every quantized tensor against the tensor the exporter writes from the
     prepared reference under the same name (llama.cpp's, ``blk.N.attn_q.weight``, with its rows
     in llama.cpp's order: :func:`pit_deploy.targets.gguf.export.gguf_tensors`)."""
-    from ..export.passes import prepare
+    from ..exporters.passes import prepare
     from ..targets.gguf.export import gguf_tensors
 
     name = (art.details or {}).get("file") if isinstance(art.details, dict) else None
@@ -1012,13 +1012,13 @@ def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck
 def pte_table_candidates(prepared: Any, details: dict[str, Any], vocab: int) -> list[tuple[str, np.ndarray]]:
     """The forms ``(V, d)`` a ``.pte``'s quantized head and gather tables may hold: the prepared
     reference's token table (:func:`table_candidates`); with ``rotate_residual`` the same of the
-    rotated model the body was rounded from (:func:`pit_deploy.export.residual_rotation.rotate_residual`);
+    rotated model the body was rounded from (:func:`pit_deploy.exporters.residual_rotation.rotate_residual`);
     with a quantized head the rotated table ``Y = Z T S⁻ᵀ`` it and its gather read
     (:class:`pit_deploy.targets.executorch.head.RotatedQuantizedHead`), with each nibble pair
     swapped where a 4-bit gather shares its codes
     (:func:`pit_deploy.targets.executorch.token_table.nibble_pair_swap`)."""
-    from ..export.passes import FACTORS_ATTR
-    from ..export.residual_rotation import rotate_residual, rotation_blocker
+    from ..exporters.passes import FACTORS_ATTR
+    from ..exporters.residual_rotation import rotate_residual, rotation_blocker
     from ..targets.executorch.head import head_factors, rotated_table
     from ..targets.executorch.token_table import nibble_pair_swap
 
@@ -1197,8 +1197,8 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     """An ExecuTorch ``.pte`` artifact: its delegates' quantized linears and its quantized gather
     tables (:func:`pte_stored`) against the weights of the reference as the exporter prepared it,
     paired by :func:`pte_pairing`."""
-    from ..export.passes import prepare
-    from ..export.residual_rotation import rotate_residual, rotation_blocker
+    from ..exporters.passes import prepare
+    from ..exporters.residual_rotation import rotate_residual, rotation_blocker
     from ..targets import get_target
 
     folder = directory / art.path

@@ -3,7 +3,7 @@
 Entries live under ``$PIT_DEPLOY_CACHE`` (``off`` disables the cache), else
 ``$XDG_CACHE_HOME/pit_deploy``, else ``~/.cache/pit_deploy``, in a subfolder per kind (``gguf/``:
 converted GGUF files, :mod:`.gguf_files`; ``gptq/``: calibrated rounding codes,
-:mod:`pit_deploy.export.gptq_cache`). An entry is a folder written atomically, with a record
+:mod:`pit_deploy.exporters.gptq_cache`). An entry is a folder written atomically, with a record
 (``meta_name``) of what it was built from and the SHA-256 of every file in it; an entry whose
 record does not match what is asked, or whose files do not match their digests, is never used —
 it is rebuilt. A cache that cannot be written is skipped with a warning: the work is done again,

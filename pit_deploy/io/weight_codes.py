@@ -36,7 +36,7 @@ def codes_entry(qz: Any, scales: Any) -> dict[str, Any]:
 
 def rounded_entry(rounded: Any) -> dict[str, Any]:
     """The manifest entry of one calibrated linear (a
-    :class:`~pit_deploy.export.calibrated_rounding.RoundedWeight`: ``codes``, ``zeros``, ``scales``)."""
+    :class:`~pit_deploy.exporters.calibrated_rounding.RoundedWeight`: ``codes``, ``zeros``, ``scales``)."""
     qz = rounded.codes.numpy().astype(np.int32)
     per = qz.shape[1] // rounded.scales.shape[1]
     return codes_entry(qz - np.repeat(rounded.zeros.numpy().astype(np.int32), per, axis=1), rounded.scales.numpy())
@@ -44,7 +44,7 @@ def rounded_entry(rounded: Any) -> dict[str, Any]:
 
 def table_entry(table: Any) -> dict[str, Any]:
     """The manifest entry of a calibrated token table (a
-    :class:`~pit_deploy.export.onnx_tables.BlockTable`: ``packed``, ``scales``, ``zero_points``,
+    :class:`~pit_deploy.exporters.onnx_tables.BlockTable`: ``packed``, ``scales``, ``zero_points``,
     ``bits``, ``block``)."""
     return codes_entry(*table_codes(table.packed, table.scales, table.zero_points, table.bits, table.block))
 

@@ -152,7 +152,7 @@ GPT2 = FamilyAdapter(
 )
 
 # Cohere multiplies logits by ``config.logit_scale`` (CohereForCausalLM.forward); it is the
-# base of the paper's parallel-block Llama-like models (pit_deploy.train.architectures).
+# base of the paper's parallel-block Llama-like models (pit_deploy.training.architectures).
 COHERE = FamilyAdapter(
     "cohere", ("cohere",), logits_multiplier=lambda c: float(getattr(c, "logit_scale", 1.0)),
     covers="Cohere-layout parallel blocks, the training studies' from-scratch models",

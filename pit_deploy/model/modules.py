@@ -24,7 +24,7 @@ PIT_CONFIG_KEY = "pit"
 
 class TokenInterface(Protocol):
     """What the embedding and head read: the trainable :class:`~pit_deploy.model.core.PITInterface`
-    or the export-time constants (``pit_deploy.export.passes.PITFactors``)."""
+    or the export-time constants (``pit_deploy.exporters.passes.PITFactors``)."""
 
     vocab_size: int
     hidden_size: int

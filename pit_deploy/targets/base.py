@@ -44,7 +44,7 @@ def plain_relative(rel: Any) -> bool:
 class WeightGrid:
     """How a target's exporter rounds the weights of one artifact, as far as the *expected*
     quantization error measured at export reproduces it in PyTorch
-    (:mod:`pit_deploy.export.expected_error`). The bits of the body linears, the group size and
+    (:mod:`pit_deploy.exporters.expected_error`). The bits of the body linears, the group size and
     the linears kept at 8 bits come from the scheme; what differs between targets is here.
 
     Attributes:
@@ -118,7 +118,7 @@ class Target:
     model_types: tuple[str, ...] | None = None
     #: whether the artifact holds each part of an equal-split fused linear (Phi-3's
     #: ``gate_up_proj``) as a tensor of its own, so its recorded codes are by part
-    #: (:func:`~pit_deploy.export.calibrated_rounding.split_fused`)
+    #: (:func:`~pit_deploy.exporters.calibrated_rounding.split_fused`)
     splits_fused: bool = False
     modes: tuple[str, ...] = ("materialized", "factorized")
     schemes: tuple[str, ...] | None = None

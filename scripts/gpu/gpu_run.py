@@ -177,7 +177,7 @@ class Driver:
     """One prepared run: settings, the wall budget, the results file written after every stage."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str]):
-        from pit_deploy.run.recipe import load_run_recipe
+        from pit_deploy.workflow.recipe import load_run_recipe
 
         self.args = args
         self.mode = args.mode
@@ -223,7 +223,7 @@ class Driver:
 
     def train_options(self) -> dict[str, Any]:
         """The ``[train]`` table as training options (what ``pit-deploy run`` passes, same rules)."""
-        from pit_deploy.train.config import TrainConfig
+        from pit_deploy.training.config import TrainConfig
 
         table = self.recipe.effective("train")
         owned = {"out", "model", "data", "tying", "resume", "force", "progress", "plot"}
@@ -239,7 +239,7 @@ class Driver:
 
     def train(self, key: str, cfg: Any, budget: float | None, keep: dict[str, Any] | None = None) -> dict[str, Any]:
         """``pit-deploy train --config FILE`` for ``cfg`` (its ``max_seconds`` capped by ``budget``)."""
-        from pit_deploy.train.config import write_config
+        from pit_deploy.training.config import write_config
 
         if budget is not None:
             cfg = replace(cfg, max_seconds=min(cfg.max_seconds, budget) if cfg.max_seconds else budget)
@@ -266,7 +266,7 @@ class Driver:
         return str(self.recipe["run"]["model"])
 
     def run_cpt(self) -> None:
-        from pit_deploy.train.config import TrainConfig
+        from pit_deploy.training.config import TrainConfig
 
         options = self.train_options()
         model, data = self.source_model(), self.args.data or str(self.recipe["run"]["data"])
@@ -291,7 +291,7 @@ class Driver:
             self.write()
 
     def run_scratch(self) -> None:
-        from pit_deploy.train.config import TrainConfig
+        from pit_deploy.training.config import TrainConfig
 
         options = self.train_options()
         data_root = self.args.data_root or (str(smoke_corpus(self.work)) if self.smoke else None)
@@ -384,7 +384,7 @@ def start_diagnostics(cfg: Any) -> dict[str, Any]:
     import torch
 
     from pit_deploy.analysis.diagnostics import diagnose_model
-    from pit_deploy.train.loop import TrainingRecipe
+    from pit_deploy.training.loop import TrainingRecipe
 
     recipe = TrainingRecipe(replace(cfg, compile=False, eval_every=0))
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 
 from pit_deploy.io.sources import default_gguf_path
-from pit_deploy.train.loop import load_tokenizer
+from pit_deploy.training.loop import load_tokenizer
 
 src = Path(gguf.__file__).parent
 shutil.copytree(src, "build/gpu-common/site/gguf", ignore=shutil.ignore_patterns("__pycache__", "scripts", "*.pyc"))

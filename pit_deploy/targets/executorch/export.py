@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel, StaticCache
 
 from ...errors import PitError
-from ...export.passes import InterfaceProbe
+from ...exporters.passes import InterfaceProbe
 from ...model.families import max_positions
 from ...schemes import Scheme, names_linear
 from . import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
@@ -378,14 +378,14 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
 
 
 def write_rounded_codes(model: nn.Module) -> int:
-    """Put a calibrated model's GPTQ codes and scales (:mod:`pit_deploy.export.calibrated_rounding`) into its
+    """Put a calibrated model's GPTQ codes and scales (:mod:`pit_deploy.exporters.calibrated_rounding`) into its
     torchao-quantized linears in place of torchao's own rounding; returns how many.
 
     Raises:
         RuntimeError: a code's grid does not match the linear's torchao layout (an internal
             error: the calibration and the quantization disagree on a layer's bits or group).
     """
-    from ...export.calibrated_rounding import rounded_weights
+    from ...exporters.calibrated_rounding import rounded_weights
 
     codes = rounded_weights(model)
     for name, rounded in codes.items():
@@ -409,7 +409,7 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
     if not scheme.quantized:
         written = export_pte(model, out_dir, recipe.max_seq_len)
     else:
-        from ...export.calibrated_rounding import head_moments
+        from ...exporters.calibrated_rounding import head_moments
 
         # a GPTQ-calibrated body: a quantized head's table is calibrated on the same text
         moments = head_moments(model) if scheme.pte_quantized_head_bits else None

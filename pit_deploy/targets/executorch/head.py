@@ -134,18 +134,18 @@ class RotatedQuantizedHead(nn.Module):
 
     @torch.no_grad()
     def round_calibrated(self, zt: torch.Tensor, moments: torch.Tensor) -> None:
-        """Re-round the table ``Y`` by GPTQ (:func:`pit_deploy.export.calibrated_rounding.gptq`)
+        """Re-round the table ``Y`` by GPTQ (:func:`pit_deploy.exporters.calibrated_rounding.gptq`)
         in place of torchao's round-to-nearest, on the same grid: symmetric 4-bit codes with a
         bfloat16 scale a group, or 8-bit codes with one scale a row.
 
         ``moments`` is ``Σ hᵀh`` of the hidden states the head reads on calibration text
-        (:func:`~pit_deploy.export.calibrated_rounding.head_moments`); the linear reads ``u = h S``,
+        (:func:`~pit_deploy.exporters.calibrated_rounding.head_moments`); the linear reads ``u = h S``,
         so its inputs' second moments are ``Sᵀ (Σ hᵀh) S``. Each row's rounding error is moved
         along the directions ``u`` rarely takes, which leaves the logits on real text closer to
         the fp32 head's. The interface is unaffected: the embedding's correction is computed from
         whatever codes the head holds (:func:`pit_deploy.targets.executorch.token_table.quantize_token_table`).
         """
-        from ...export.calibrated_rounding import RoundingGrid, gptq
+        from ...exporters.calibrated_rounding import RoundingGrid, gptq
 
         s = self.TR.to(torch.float64)
         grid = RoundingGrid(self.bits, self.group_size if self.bits == 4 else None, symmetric=True)

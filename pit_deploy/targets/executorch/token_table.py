@@ -30,8 +30,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ...errors import PitError
-from ...export.passes import FACTORS_ATTR, PITFactors
-from ...export.residual_rotation import rotation_of
+from ...exporters.passes import FACTORS_ATTR, PITFactors
+from ...exporters.residual_rotation import rotation_of
 from ...io.weight_codes import CODES_DIGEST, CODES_FIELD, codes_entry
 from ...model.modules import PITEmbedding, PITHead
 from ...model.quantized_interface import correction_matrix
@@ -155,7 +155,7 @@ def quantize_token_table(model: PreTrainedModel, group_size: int, correct: bool 
     :func:`pit_deploy.targets.executorch.export.export_pte`).
 
     ``head_moments`` (``Σ hᵀh`` of the head's input on calibration text,
-    :func:`~pit_deploy.export.calibrated_rounding.head_moments`): a quantized head's table is rounded by GPTQ
+    :func:`~pit_deploy.exporters.calibrated_rounding.head_moments`): a quantized head's table is rounded by GPTQ
     against them (:meth:`~.head.RotatedQuantizedHead.round_calibrated`) instead of to nearest;
     with ``shared`` the gather reads those codes too.
 

@@ -134,7 +134,7 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
         PitError: a factorized model, a weight llama.cpp's architecture has no place for (a bias,
             a rotary-scaling table), or a family without an architecture here.
     """
-    from ...export.passes import FACTORS_ATTR
+    from ...exporters.passes import FACTORS_ATTR
 
     config = model.config
     if getattr(model, FACTORS_ATTR, None) is not None:

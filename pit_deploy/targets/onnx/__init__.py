@@ -9,7 +9,7 @@ the suffix is transformers.js's for the dtype: :func:`decoder_name`) and :data:`
 (``(input_ids, hidden) -> (embeddings, logits)``, reading the decoder's very weight bytes, so
 verification measures the runtime's own ``W_out E``). Folders exported before this layout (the
 decoder at the top) still load: :func:`decoder_file`. Exporter: :mod:`pit_deploy.targets.onnx.export`; quantized graphs:
-:mod:`pit_deploy.export.quantize_onnx`; driver: :mod:`pit_deploy.targets.onnx.driver`; on a
+:mod:`pit_deploy.exporters.quantize_onnx`; driver: :mod:`pit_deploy.targets.onnx.driver`; on a
 device: ``OrtDecoder`` of :mod:`pit_deploy.runtime.standalone` (numpy + onnxruntime only).
 
 Standard library only at import; the hooks import what they call.
@@ -99,7 +99,7 @@ class OnnxOptimumTarget(Target):
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
         """``MatMulNBits`` everywhere: asymmetric blocks of ``group_size`` (8-bit ones too), the
-        head and the embedding on the ``table_bits`` table (:mod:`pit_deploy.export.quantize_onnx`)."""
+        head and the embedding on the ``table_bits`` table (:mod:`pit_deploy.exporters.quantize_onnx`)."""
         return WeightGrid(symmetric=False, per_channel_8bit=False, head_bits=scheme.table_bits,
                           embed_bits=scheme.table_bits)
 

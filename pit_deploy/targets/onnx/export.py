@@ -16,7 +16,7 @@ modules, giving the *effective* interface as the runtime computes it. :func:`sha
 checks that its large initializers are byte-identical to initializers of the decoder.
 
 Factorized mode keeps ``Z`` once: the factorized modules (see
-:mod:`pit_deploy.export.passes`) hold ``Zᵀ`` and use it only through ``Gather(axis=1)`` and
+:mod:`pit_deploy.exporters.passes`) hold ``Zᵀ`` and use it only through ``Gather(axis=1)`` and
 ``MatMul``, which constant folding leaves alone.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ...export.passes import InterfaceProbe
+from ...exporters.passes import InterfaceProbe
 from ...io.checkpoint import save_tokenizer
 from ...model.inspect import tying_of
 from ...schemes import Scheme
@@ -43,7 +43,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
                 table_bits: int | None = None, keep_8bit: tuple[str, ...] = (),
                 fold_at_load: bool = False, head_int8: bool = False) -> dict:
     """Write the decoder (+ config, generation config, tokenizer) and the interface graph;
-    for ``int8``/``int4`` quantize both graphs (:mod:`pit_deploy.export.quantize_onnx`; with ``fold_at_load``,
+    for ``int8``/``int4`` quantize both graphs (:mod:`pit_deploy.exporters.quantize_onnx`; with ``fold_at_load``,
     codes that onnxruntime folds to float32 at load, :mod:`.web_fold`; ``head_int8``: a factorized
     head with int8 activations).
 
@@ -55,10 +55,10 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     import onnx
     from optimum.exporters.onnx import onnx_export_from_model
 
-    from ...export.calibrated_rounding import head_moments_array
+    from ...exporters.calibrated_rounding import head_moments_array
     from .web_fold import fold_graph
-    from ...export.onnx_graph import save_deduplicated
-    from ...export.quantize_onnx import quantize_graph
+    from ...exporters.onnx_graph import save_deduplicated
+    from ...exporters.quantize_onnx import quantize_graph
 
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,10 +122,10 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
 
 
 def calibrated_codes(model: PreTrainedModel) -> dict:
-    """A calibrated model's codes (:mod:`pit_deploy.export.calibrated_rounding`) by the digest of each linear's
-    weight as the graph stores it (transposed, :func:`pit_deploy.export.onnx_graph.weight_digest`)."""
-    from ...export.calibrated_rounding import rounded_weights
-    from ...export.onnx_graph import weight_digest
+    """A calibrated model's codes (:mod:`pit_deploy.exporters.calibrated_rounding`) by the digest of each linear's
+    weight as the graph stores it (transposed, :func:`pit_deploy.exporters.onnx_graph.weight_digest`)."""
+    from ...exporters.calibrated_rounding import rounded_weights
+    from ...exporters.onnx_graph import weight_digest
 
     return {weight_digest(model.get_submodule(name).weight.detach().T.numpy()): rounded
             for name, rounded in rounded_weights(model).items()}

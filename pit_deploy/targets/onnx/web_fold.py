@@ -14,7 +14,7 @@ onnxruntime-web alike. The file and the download are those of a quantized model;
 holds fp32 weights and runs fp32 kernels (no memory saved, fp32 decode speed).
 
 The codes are the ``onnx`` target's: onnxruntime's asymmetric block quantizer
-(:func:`pit_deploy.export.onnx_tables.block_quantize`, blocks of ``group_size`` along the input
+(:func:`pit_deploy.exporters.onnx_tables.block_quantize`, blocks of ``group_size`` along the input
 dimension), so the expected error recorded at export (the target's weight grid) describes these
 weights too. The token table of a factorized model is stored once — the dequantized ``Zᵀ`` is
 one folded tensor read by both the embedding ``Gather`` and the head ``MatMul`` — and the PIT
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ...export.onnx_graph import (
+from ...exporters.onnx_graph import (
     add_initializer,
     find_graph_interface,
     gather_axis,
@@ -37,7 +37,7 @@ from ...export.onnx_graph import (
     layer_matmuls,
     remove_unused_initializers,
 )
-from ...export.onnx_tables import BITS, BlockTable, block_quantize
+from ...exporters.onnx_tables import BITS, BlockTable, block_quantize
 from ...model.quantized_interface import correction_matrix
 
 STORAGE = ("codes and block scales in standard operators on initializers, folded to float32 by "

@@ -153,7 +153,7 @@ def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
     from transformers.modeling_utils import no_init_weights
 
     from ...model.families import adapter_for
-    from ...export.passes import FACTORS_ATTR
+    from ...exporters.passes import FACTORS_ATTR
 
     factors = getattr(model, FACTORS_ATTR, None)
     if factors is None:
@@ -335,7 +335,7 @@ def _builder_blocks(rounded: list[Any], bits: int, block: int) -> tuple[np.ndarr
 
 
 def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
-    """Put a calibrated model's GPTQ codes (:func:`~pit_deploy.export.calibrated_rounding.
+    """Put a calibrated model's GPTQ codes (:func:`~pit_deploy.exporters.calibrated_rounding.
     rounded_weights`, by module name) into the body ``MatMulNBits`` of the builder's decoder
     ``model`` (loaded with its external data), in place of the builder's own rounding; returns
     how many nodes were rewritten.
@@ -411,8 +411,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
     with int8 activations (:func:`factorize_graph`)."""
     import onnx
 
-    from ...export.calibrated_rounding import rounded_weights, split_fused
-    from ...export.passes import FACTORS_ATTR
+    from ...exporters.calibrated_rounding import rounded_weights, split_fused
+    from ...exporters.passes import FACTORS_ATTR
 
     if dtype not in PRECISIONS:
         raise PitError(f"the onnx-genai target exports {', '.join(PRECISIONS)}, not {dtype}")
@@ -492,15 +492,15 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     constants are computed in float64 from the factors and cast once.
 
     For ``int8``/``int4`` (the builder has quantized the body) the table is then quantized the
-    way the ``onnx`` target quantizes its factorized graphs (:func:`pit_deploy.export.quantize_onnx.quantize_graph`
+    way the ``onnx`` target quantizes its factorized graphs (:func:`pit_deploy.exporters.quantize_onnx.quantize_graph`
     with ``body=False``): one block-quantized ``Ẑ`` read by ``GatherBlockQuantized`` and by the
     head's ``MatMulNBits`` (fp32 activations), stored once, and with ``pit_correction``
     ``M = (ẐᵀẐ)⁻¹ T⁻¹ / a`` so that ``W_out E = I`` holds on the runtime. With ``head_moments``
     (``Σ hᵀh`` of the head's input on calibration text) ``Ẑ`` is rounded by GPTQ
-    (:func:`pit_deploy.export.onnx_tables.calibrated_table`), not to nearest.
+    (:func:`pit_deploy.exporters.onnx_tables.calibrated_table`), not to nearest.
 
     A quantized table holds the rows of ``Z R``, with ``T R`` and ``Rᵀ T⁻¹`` beside it: the
-    rotation both ONNX targets give their factorized tables (:func:`pit_deploy.export.onnx_tables.rotate_table`).
+    rotation both ONNX targets give their factorized tables (:func:`pit_deploy.exporters.onnx_tables.rotate_table`).
 
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
@@ -509,8 +509,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     from onnx import helper, numpy_helper
 
     from ...model.families import adapter_for
-    from ...export.onnx_graph import save_deduplicated
-    from ...export.quantize_onnx import quantize_graph
+    from ...exporters.onnx_graph import save_deduplicated
+    from ...exporters.quantize_onnx import quantize_graph
 
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)
@@ -604,8 +604,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
                     scheme: Scheme, opset: int | None = None) -> dict[str, Any]:
     """The ``onnx-genai`` target's exporter (:mod:`pit_deploy.targets.onnx_genai`)."""
-    from ...export.calibrated_rounding import head_moments_array
-    from ...export.passes import FACTORS_ATTR
+    from ...exporters.calibrated_rounding import head_moments_array
+    from ...exporters.passes import FACTORS_ATTR
 
     factorized = getattr(model, FACTORS_ATTR, None) is not None
     # the builder writes the body's graph; a calibrated model's GPTQ codes replace its rounding,

@@ -77,10 +77,10 @@ def source_config(spec: str) -> Any:
 
 def _source_tokenizer(spec: str) -> Any:
     """The tokenizer of a model directory (``None``: it has none) for the targets' tokenizer
-    checks; :data:`~pit_deploy.export.recipes.TOKENIZER_UNKNOWN` for the other sources (the
+    checks; :data:`~pit_deploy.exporters.recipes.TOKENIZER_UNKNOWN` for the other sources (the
     bundled default's fits every target; a GGUF file's or a hub model's is read by the convert
     stage, and the export stage checks it)."""
-    from ..export.recipes import TOKENIZER_UNKNOWN
+    from ..exporters.recipes import TOKENIZER_UNKNOWN
     from ..io.sources import directory_tokenizer
 
     path = Path(spec).expanduser()
@@ -100,7 +100,7 @@ def check_verify_isa(recipe: RunRecipe) -> None:
     if not recipe["verify"]["enabled"]:
         return
     from ..evaluate.verify import ISAS
-    from ..export.recipes import parse_list
+    from ..exporters.recipes import parse_list
     from ..runtime.emulated import KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, check_emulates, find_setup
     from ..targets import get_target
 
@@ -130,7 +130,7 @@ def check_run_fits(recipe: RunRecipe) -> None:
     Raises:
         PitError: one line naming the key and the fix.
     """
-    from ..export.recipes import TOKENIZER_UNKNOWN
+    from ..exporters.recipes import TOKENIZER_UNKNOWN
     from ..model.families import body_linears, max_positions, skeleton
     from ..targets import get_target
 

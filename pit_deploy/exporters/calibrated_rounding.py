@@ -422,7 +422,7 @@ def head_moments(model: nn.Module) -> torch.Tensor | None:
 
 def head_moments_array(model: nn.Module):
     """:func:`head_moments` as a float64 numpy array (or ``None``), for the ONNX targets, whose
-    token tables are rounded in numpy (:func:`pit_deploy.export.onnx_tables.calibrated_table`)."""
+    token tables are rounded in numpy (:func:`pit_deploy.exporters.onnx_tables.calibrated_table`)."""
     moments = head_moments(model)
     return None if moments is None else moments.numpy()
 

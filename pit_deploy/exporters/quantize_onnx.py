@@ -14,7 +14,7 @@ Everything quantizes through onnxruntime's own tools (``onnxruntime.quantization
   ``MatMulNBits``. Both ops take the table in the same packed layout (rows = tokens, two 4-bit
   values per byte low nibble first), so where the head and the embedding read the same table
   (factorized ``Zᵀ``, a transpose-tied model) the bytes are identical and
-  :func:`~pit_deploy.export.onnx_graph.save_deduplicated` stores them once, as onnxruntime-genai does for tied models
+  :func:`~pit_deploy.exporters.onnx_graph.save_deduplicated` stores them once, as onnxruntime-genai does for tied models
   (``docs/quantization.md``).
 
 The graph surgery lives in :mod:`.onnx_graph`, the tables' codec, GPTQ rounding and rotation in
@@ -28,7 +28,7 @@ runtime dequantizes (read back from the quantized bytes), so that
 activations (no ``accuracy_level``): with int8 activations the rows of ``T`` it is fed would
 be rounded and the identity would hold only to about 1e-2. Every other head keeps them too
 (measured: a larger KL with int8 activations), and an 8-bit table is read as two 4-bit
-nibble planes, for which onnxruntime has a fast fp32-activation kernel (:func:`~pit_deploy.export.onnx_tables.split_nibbles`).
+nibble planes, for which onnxruntime has a fast fp32-activation kernel (:func:`~pit_deploy.exporters.onnx_tables.split_nibbles`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _sum_nodes(graph, name: str, terms: list[tuple[str, float]], output: str) ->
 def _plane_names(graph, prefix: str, planes: Planes, gather: bool) -> list[list[str]]:
     """Initializer names (packed data, scales, zero points) of each plane, the data shaped for
     ``GatherBlockQuantized`` (``(V, d·bits/8)``) or ``MatMulNBits`` (``(V, blocks, blob)``).
-    Two ops reading the same table get equal bytes, which :func:`~pit_deploy.export.onnx_graph.save_deduplicated` stores once."""
+    Two ops reading the same table get equal bytes, which :func:`~pit_deploy.exporters.onnx_graph.save_deduplicated` stores once."""
     names = []
     for k, (table, _) in enumerate(planes):
         data = table.packed.reshape(table.packed.shape[0], -1) if gather else table.packed
@@ -103,7 +103,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     ``MatMulNBits``; in factorized mode with ``correct``, replace ``T⁻¹`` by ``M``.
 
     ``head_moments`` (``Σ hᵀh`` of the head's input on calibration text): the head's table is
-    rounded by GPTQ against them (:func:`~pit_deploy.export.onnx_tables.calibrated_table`,
+    rounded by GPTQ against them (:func:`~pit_deploy.exporters.onnx_tables.calibrated_table`,
     ``table_cache`` its cache) instead of to nearest; a shared embedding reads the same codes,
     and the correction is computed from them.
 
@@ -111,7 +111,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     so that ``W_out E = I`` holds on the runtime, and everywhere because int8 activations in the
     head measured a larger mean KL on the default model's materialized exports, failing the
     bounds (``studies/onnx-quantized-decode.md``). An 8-bit table is stored as its two nibble
-    planes (:func:`~pit_deploy.export.onnx_tables.split_nibbles`); where the embedding reads the same table it gathers both.
+    planes (:func:`~pit_deploy.exporters.onnx_tables.split_nibbles`); where the embedding reads the same table it gathers both.
 
     Returns:
         details for the manifest: whether the tables are shared, the correction applied.
@@ -193,7 +193,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
 
 def write_calibrated_matmuls(model, codes: dict[str, Any]) -> int:
     """Replace each ``MatMul`` whose constant weight is a calibrated linear's (``codes``: by
-    :func:`~pit_deploy.export.onnx_graph.weight_digest` of the dequantized weight, transposed as the graph holds it) with a
+    :func:`~pit_deploy.exporters.onnx_graph.weight_digest` of the dequantized weight, transposed as the graph holds it) with a
     ``MatMulNBits`` over that linear's own codes (``accuracy_level`` as the body's); returns how
     many. The quantizer that runs next leaves them alone: they are no ``MatMul`` any more.
 

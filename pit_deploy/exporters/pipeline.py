@@ -20,7 +20,7 @@ import torch
 
 from ..io.checkpoint import WEIGHTS_NAME, save_model
 from ..io.fs import atomic_directory, check_output_dir
-from ..convert.conversion import convert_model
+from ..converters.conversion import convert_model
 from ..model.families import body_linears
 from ..model.inspect import find_interface
 from ..errors import PitError
@@ -51,7 +51,7 @@ def load_pit_source(model: str, t_init: str | None = None, progress: Progress | 
     loaded = load_source(model)
     if find_interface(loaded.model) is None:
         if t_init is None:
-            from ..convert.conversion import default_conversion
+            from ..converters.conversion import default_conversion
 
             t_init = default_conversion(loaded.model.config)
         if progress:
@@ -97,7 +97,7 @@ def export_model(
         get_target(runtime).precheck(model.config, recipe)
         get_target(runtime).precheck_tokenizer(loaded.tokenizer)
     recipe.check_model(model.config, body_linears(model))
-    from ..convert.conversion import check_tokenizer_fits
+    from ..converters.conversion import check_tokenizer_fits
 
     check_tokenizer_fits(loaded.tokenizer, model.config)  # every id a runtime is fed has a row
     dtype = torch.float32  # the reference and the prepared models; quantization is the exporters'

@@ -1,7 +1,7 @@
 """Graph surgery on an exported ONNX decoder: find its token interface, add and replace nodes
 and initializers, drop what nothing reads, and save with each distinct large initializer once.
 
-Shared by the ONNX quantizer (:mod:`pit_deploy.export.quantize_onnx`) and the targets that
+Shared by the ONNX quantizer (:mod:`pit_deploy.exporters.quantize_onnx`) and the targets that
 rewrite an exported graph (``targets/onnx/web_fold.py``). Everything here takes an ``onnx``
 ``GraphProto``/``ModelProto`` and changes it in place.
 """

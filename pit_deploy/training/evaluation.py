@@ -69,7 +69,7 @@ def heldout_nll(model: Any, tokenizer: Any, data: str, seq_len: int, n_blocks: i
     """
     if tokenizer is None:
         return None
-    from ..convert.conversion import check_tokenizer_fits
+    from ..converters.conversion import check_tokenizer_fits
 
     check_tokenizer_fits(tokenizer, model.config)  # an id past the table would index out of range
     limit = max_positions(model.config)

@@ -5,7 +5,7 @@ effective token interface is PIT's, written with operators every export runtime 
 
 * :func:`materialize` — a vanilla untied Hugging Face model with ``E = Z T⁻¹`` and
   ``W_out = T Zᵀ`` computed in float64 and stored as plain weights
-  (:func:`pit_deploy.convert.materialize.materialize_model`).
+  (:func:`pit_deploy.converters.materialize.materialize_model`).
 * :func:`factorize` — the same architecture and the same ``PITEmbedding`` / ``PITHead``
   modules, reading a :class:`PITFactors` instead of the trainable interface: ``Z`` **once**
   (stored transposed, ``Zᵀ`` of shape ``d×V``), ``T`` and ``T⁻¹`` as constants computed in
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..convert.materialize import materialize_model
+from ..converters.materialize import materialize_model
 from ..errors import PitError
 from ..model.families import adapter_for
 from ..model.inspect import find_interface, unwrap_model

@@ -11,7 +11,7 @@ the model computes:
 
 * every block norm's gain is folded into the linears that read it and the stream is rotated by an
   orthogonal ``Q`` (readers ``W → W Q``, writers ``W → Qᵀ W``): the conversion's own step
-  (:func:`pit_deploy.convert.preserve.fold_and_rotate`), exact for pre-norm RMSNorm blocks;
+  (:func:`pit_deploy.converters.preserve.fold_and_rotate`), exact for pre-norm RMSNorm blocks;
 * the embedding's output enters rotated: its ``d×d`` matrix takes ``Q`` (``T⁻¹ → T⁻¹ Q``; a
   quantized gather's correction ``M → M Q``, :func:`pit_deploy.targets.executorch.token_table.quantize_token_table`), a
   plain table its rows (``E → E Q``): no extra work at run time;
@@ -116,7 +116,7 @@ def _factorized(embedding: nn.Module) -> bool:
 
 def rotation_blocker(model: PreTrainedModel) -> str | None:
     """Why the residual stream of ``model`` cannot be rotated exactly (``None``: it can)."""
-    from ..convert.preserve import PRESERVE_FAMILIES
+    from ..converters.preserve import PRESERVE_FAMILIES
 
     model_type = getattr(model.config, "model_type", None)
     if model_type not in PRESERVE_FAMILIES:
@@ -143,7 +143,7 @@ def rotate_residual(prepared: PreTrainedModel, seed: int = ROTATION_SEED) -> Pre
     Raises:
         PitError: :func:`rotation_blocker` names a reason.
     """
-    from ..convert.preserve import PRESERVE_FAMILIES, fold_and_rotate
+    from ..converters.preserve import PRESERVE_FAMILIES, fold_and_rotate
 
     why = rotation_blocker(prepared)
     if why is not None:

@@ -1,9 +1,9 @@
 """Run recipes: what ``pit-deploy run`` does, stage by stage, in one TOML file.
 
 A run recipe has one table per stage; every key has a default, so a recipe only says what
-differs. The ``[train]`` table is the training config (:class:`~pit_deploy.train.config.TrainConfig`:
+differs. The ``[train]`` table is the training config (:class:`~pit_deploy.training.config.TrainConfig`:
 every option of ``pit-deploy train``) and the ``[export]`` table *is* the export recipe
-(:class:`~pit_deploy.export.recipes.Recipe`: every field of an export recipe file, plus ``recipe``
+(:class:`~pit_deploy.exporters.recipes.Recipe`: every field of an export recipe file, plus ``recipe``
 to start from a shipped or user export recipe such as ``int4-compact``). Their defaults are
 those dataclasses' own; :data:`DEFAULTS` lists only the keys a run sets differently, and
 ``docs/run.md`` says why for each. Recipes ship as package data in ``pit_deploy/recipes/run/`` (the same TOML language as
@@ -84,8 +84,8 @@ class RunRecipe:
     #: table → the keys the recipe file gave, and those ``--set`` gave (the others are defaults)
     explicit: dict[str, set[str]] = field(default_factory=dict)
     overridden: dict[str, set[str]] = field(default_factory=dict)
-    #: the source model's config once the run has read it (:func:`pit_deploy.run.validate.check_run_fits`):
-    #: what identifies a model whose own export settings apply (:func:`~pit_deploy.export.recipes.model_recipe`)
+    #: the source model's config once the run has read it (:func:`pit_deploy.workflow.validate.check_run_fits`):
+    #: what identifies a model whose own export settings apply (:func:`~pit_deploy.exporters.recipes.model_recipe`)
     source_config: Any = None
 
     def __getitem__(self, table: str) -> dict[str, Any]:
@@ -143,7 +143,7 @@ class RunRecipe:
         ``recipe``, the quantization settings measured on the run's model, where there are some
         (``MODEL_RECIPES``: the bundled SmolLM2-135M's ``smollm2-135m``), fill the keys the run
         recipe leaves out."""
-        from ..export.recipes import Recipe, load_recipe
+        from ..exporters.recipes import Recipe, load_recipe
 
         table = self.tables["export"]
         cli = self.overridden.get("export", set())
@@ -168,7 +168,7 @@ def _with_model_settings(recipe: Any, source: str, config: Any, given: set[str])
     measured on the model, or when they do not go with the settings the run recipe gives (a
     ``pte_head_bits`` that needs another ``table_bits``): then the schemes' own settings stand."""
     from ..errors import PitError
-    from ..export.recipes import ALL, model_recipe, model_settings
+    from ..exporters.recipes import ALL, model_recipe, model_settings
     from ..schemes import get_scheme
     from ..targets import get_target, target_names
 
@@ -191,7 +191,7 @@ def table_keys(table: str) -> list[str]:
     if table == "train":
         keys += [k for k in train_config_keys() if k not in keys and k not in RUN_OWNED_TRAIN_KEYS]
     elif table == "export":
-        from ..export.recipes import recipe_fields
+        from ..exporters.recipes import recipe_fields
 
         keys += [k for k in recipe_fields() if k not in keys]
     elif table == "bench":
@@ -211,11 +211,11 @@ def default_of(table: str, key: str) -> Any:
     if key in DEFAULTS[table]:
         return DEFAULTS[table][key]
     if table == "train":
-        from ..train.config import default_of as train_default
+        from ..training.config import default_of as train_default
 
         return train_default(key)
     if table == "export":
-        from ..export.recipes import Recipe
+        from ..exporters.recipes import Recipe
         from ..options import field_default
 
         return field_default(Recipe, key)
@@ -249,7 +249,7 @@ def train_config_keys() -> list[str]:
     """Field names of the training config."""
     from dataclasses import fields
 
-    from ..train.config import TrainConfig
+    from ..training.config import TrainConfig
 
     return [f.name for f in fields(TrainConfig)]
 
@@ -355,7 +355,7 @@ def _check_values(recipe: RunRecipe) -> None:
 
 def _check_train(recipe: RunRecipe) -> None:
     """The training config's own validation of ``[train]`` (as each training job will see it)."""
-    from ..train.config import TrainConfig, validate, with_start_defaults
+    from ..training.config import TrainConfig, validate, with_start_defaults
 
     if not recipe["train"]["enabled"]:
         return

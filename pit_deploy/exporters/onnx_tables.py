@@ -108,7 +108,7 @@ def table_planes(table: BlockTable) -> Planes:
 
 
 def block_table_from_codes(rounded) -> BlockTable:
-    """A calibrated linear's codes (:class:`~pit_deploy.export.calibrated_rounding.RoundedWeight`,
+    """A calibrated linear's codes (:class:`~pit_deploy.exporters.calibrated_rounding.RoundedWeight`,
     rows = output channels, groups along the input) in ``MatMulNBits`` layout: unsigned codes
     (a symmetric grid's moved up by ``2^(b−1)``, its zero points with them), 4-bit ones two a
     byte, low nibble first."""
@@ -137,13 +137,13 @@ EMBEDDING_WEIGHT = 1.0
 
 def calibrated_table(graph, iface: Interface, bits: int, block: int, moments: np.ndarray,
                      cache: dict[str, Any] | None = None) -> BlockTable:
-    """The head's table rounded by GPTQ (:func:`pit_deploy.export.calibrated_rounding.gptq`) on
+    """The head's table rounded by GPTQ (:func:`pit_deploy.exporters.calibrated_rounding.gptq`) on
     ``MatMulNBits``' grid (unsigned codes, an integer zero point and a float32 scale a block),
     weighted by the second moments of what the head multiplies: ``h T`` in a factorized graph,
     so ``tᵀ (Σ hᵀh) t`` with ``t`` the graph's own ``d×d`` factor, plus the embedding's term
     ``t⁻¹ t⁻ᵀ`` (the shared rows are multiplied by ``≈ T⁻¹`` there; :data:`EMBEDDING_WEIGHT`);
     else ``Σ hᵀh``. ``moments``: ``Σ hᵀh`` of the hidden states the head reads on calibration
-    text (:func:`~pit_deploy.export.calibrated_rounding.head_moments`). ``cache``: a dict the
+    text (:func:`~pit_deploy.exporters.calibrated_rounding.head_moments`). ``cache``: a dict the
     caller keeps between the graphs of one export; a table already rounded from the same inputs
     is taken from it."""
     import torch

@@ -287,11 +287,11 @@ def source_fingerprint(spec: str) -> str:
 def stage_convert(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
     """Load the source, measure it, convert it to PIT, measure again, save the checkpoint."""
     from ..analysis.diagnostics import diagnose_model
-    from ..convert import convert_model
+    from ..converters import convert_model
     from ..io.checkpoint import save_model
     from ..io.sources import load_source
     from ..model.core import PITSpec
-    from ..train.evaluation import heldout_nll
+    from ..training.evaluation import heldout_nll
 
     run, conv, train = recipe["run"], recipe["convert"], recipe["train"]
     say(f"  loading {run['model']}")
@@ -346,7 +346,7 @@ def stage_train(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: boo
 def train_one(out: Path, model: str, data: str, settings: dict[str, Any], say: Say, fresh: bool,
               tying: str = "pit", t_init: str | None = None) -> dict[str, Any]:
     """One training job; resumes from its last checkpoint when an earlier attempt was cut off."""
-    from ..train.loop import TrainConfig, latest_checkpoint, train
+    from ..training.loop import TrainConfig, latest_checkpoint, train
 
     owned = {"out", "model", "data", "tying", "resume", "force", "progress", "plot"}
     known = {f.name for f in fields(TrainConfig)} - owned
@@ -382,7 +382,7 @@ def checkpoint_mismatch(checkpoint: Path, cfg: Any) -> list[str]:
     run that saved ``checkpoint``: changed training settings, or the converted model's path in
     a copied or moved run directory. Such a checkpoint cannot be resumed; the job starts over.
     An unreadable ``state.json`` is left to the loader, which skips damaged checkpoints."""
-    from ..train.config import changed_resume_keys
+    from ..training.config import changed_resume_keys
 
     try:
         saved = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["config"]
@@ -393,8 +393,8 @@ def checkpoint_mismatch(checkpoint: Path, cfg: Any) -> list[str]:
 
 def run_distributed(cfg: Any, nproc: int) -> None:
     """``torchrun --nproc-per-node N -m pit_deploy train --config FILE``: the training config
-    travels as a JSON file of its fields (:func:`pit_deploy.train.config.write_config`)."""
-    from ..train.config import write_config
+    travels as a JSON file of its fields (:func:`pit_deploy.training.config.write_config`)."""
+    from ..training.config import write_config
 
     path = write_config(cfg, Path(cfg.out).with_name(Path(cfg.out).name + ".config.json"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -407,7 +407,7 @@ def run_distributed(cfg: Any, nproc: int) -> None:
 
 def stage_export(folder: Path, recipe: RunRecipe, ctx: dict, say: Say, fresh: bool = False) -> dict[str, Any]:
     """Export the final model: runtimes × modes, one export directory per dtype."""
-    from ..export.pipeline import export_model, load_pit_source
+    from ..exporters.pipeline import export_model, load_pit_source
 
     exp = recipe.export_recipe()
     loaded = load_pit_source(ctx["train"]["model"])

@@ -323,7 +323,7 @@ class TrainingRecipe:
         self.peak_flops = peak_flops(self.device, cfg.precision, cfg.peak_tflops)
 
     def _scratch_model(self, spec: PITSpec) -> tuple[Any, Any, dict[str, Any]]:
-        from ..convert.conversion import from_scratch
+        from ..converters.conversion import from_scratch
         from .architectures import ARCHITECTURES, build_model
 
         cfg = self.cfg
@@ -342,7 +342,7 @@ class TrainingRecipe:
         return model, tokenizer, {"kind": "scratch", "arch": cfg.arch}
 
     def _pretrained_model(self, spec: PITSpec) -> tuple[Any, Any, dict[str, Any]]:
-        from ..convert.conversion import convert_model
+        from ..converters.conversion import convert_model
         from ..io.sources import load_source
 
         cfg = self.cfg
@@ -363,7 +363,7 @@ class TrainingRecipe:
         if cfg.distill:
             self.teacher = copy.deepcopy(model).eval().requires_grad_(False).to(self.device)
         if cfg.tying == "pit":
-            from ..convert.conversion import default_conversion
+            from ..converters.conversion import default_conversion
 
             t_init = cfg.t_init or default_conversion(model.config)
             model = convert_model(model, t_init, spec, loaded.source, tokenizer=tokenizer)

@@ -51,7 +51,7 @@ def list_schemes() -> str:
 
 
 def list_recipes() -> str:
-    from ..export.recipes import MODEL_RECIPES, available_recipes, find_recipe, load_recipe
+    from ..exporters.recipes import MODEL_RECIPES, available_recipes, find_recipe, load_recipe
     from ..errors import PitError
     from .recipe import available_run_recipes, find_run_recipe
 
