@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 
 from .errors import PitError
 from .evaluate.bench import BenchOptions
@@ -79,6 +79,14 @@ def _closest(name: str, choices: Sequence[str]) -> str:
 # --------------------------------------------------------------------------------------
 # the arguments' types, checked at the boundary (a wrong type is the caller's mistake: PitError)
 # --------------------------------------------------------------------------------------
+
+
+@overload
+def _path_arg(call: str, name: str, value: Any, optional: Literal[False] = False) -> str: ...
+
+
+@overload
+def _path_arg(call: str, name: str, value: Any, optional: Literal[True]) -> str | None: ...
 
 
 def _path_arg(call: str, name: str, value: Any, optional: bool = False) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 
 def opt(default: Any, help: str = "", *, group: str = "options", flag: str | None = None,
@@ -77,7 +77,7 @@ def float_pair(text: str) -> tuple[float, float]:
     return values  # type: ignore[return-value]
 
 
-PARSERS = {"str": str, "int": int, "float": float, "list[str]": comma_list, "tuple[str, ...]": comma_list,
+PARSERS: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float, "list[str]": comma_list, "tuple[str, ...]": comma_list,
            "tuple[float, float]": float_pair}
 
 
