@@ -33,9 +33,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, ParamSpec, Sequence, TypeVar, overload
 
-from .errors import PitError
+from .errors import PitError, speak_python
 from .evaluate.bench import BenchOptions
 from .model.choices import MAX_LOSS_RISE
 from .options import PARSERS, check_types, describe_value, field_default, flag_name, is_int, type_problem
@@ -74,6 +74,31 @@ def _sayer(say: Say | None) -> Say:
 def _closest(name: str, choices: Sequence[str]) -> str:
     match = difflib.get_close_matches(name, list(choices), n=1)
     return f"; did you mean {match[0]!r}?" if match else ""
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _keyword_terms(call: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A public call whose :class:`PitError` messages name keyword arguments, not flags, when
+    Python called it (``calib_tokens must be at least 1``, ``pass force=True``); under the command
+    line (:func:`pit_deploy.errors.command_line`) they keep the flags."""
+    import functools
+    import inspect
+
+    switches = frozenset(name for name, p in inspect.signature(call).parameters.items()
+                         if isinstance(p.default, bool))
+
+    @functools.wraps(call)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return call(*args, **kwargs)
+        except PitError as exc:
+            speak_python(exc, switches)
+            raise
+
+    return wrapper
 
 
 # --------------------------------------------------------------------------------------
@@ -177,6 +202,7 @@ class Conversion:
     source: dict[str, Any] = field(default_factory=dict)  #: where the model came from (recorded in config.json)
 
 
+@_keyword_terms
 def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib: str = "default",
             calib_tokens: int = 4096, diagonal: str = "softplus", train_z: bool = False, force: bool = False,
             max_loss_rise: float = MAX_LOSS_RISE, accept_loss: bool = False,
@@ -286,6 +312,7 @@ def _heldout(loaded: Any) -> float | None:
 # --------------------------------------------------------------------------------------
 
 
+@_keyword_terms
 def train(model: PathLike | None = None, out: PathLike | None = None, *, config: PathLike | None = None,
           say: Say | None = log_progress, **options: Any) -> TrainResult:
     """Train as ``pit-deploy train`` does (docs/training.md); returns the run's result.
@@ -348,6 +375,7 @@ def train(model: PathLike | None = None, out: PathLike | None = None, *, config:
 _RECIPE_FLAG_NAMES = {"runtimes": "runtime", "modes": "mode"}
 
 
+@_keyword_terms
 def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = None,
            runtime: str | Sequence[str] | None = None, mode: str | Sequence[str] | None = None,
            dtype: str | Sequence[str] | None = None, t_init: str | None = None, keep_tying: bool = False,
@@ -419,6 +447,7 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
 # --------------------------------------------------------------------------------------
 
 
+@_keyword_terms
 def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, mode: str | Sequence[str] | None = None,
            dtype: str | Sequence[str] | None = None, record: bool = True, expect_sha256: str | None = None,
            web: str | Sequence[str] | None = None, isa: str | Sequence[str] | None = None,
@@ -512,6 +541,7 @@ def _directories(call: str, directories: tuple) -> tuple[str, ...]:
     return tuple(_path_arg(call, f"directory {i + 1}", d) for i, d in enumerate(directories))
 
 
+@_keyword_terms
 def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
           threads: int | str | Sequence[int] = _BENCH["threads"],
           prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
@@ -550,6 +580,7 @@ def bench(*directories: PathLike, torch: str | None = _BENCH["torch_model"],
     return _bench_write(bench_directories(directories, opts, progress=say), out, plot, say)
 
 
+@_keyword_terms
 def bench_bundle(*directories: PathLike, out: PathLike, threads: int | str | Sequence[int] = _BENCH["threads"],
                  prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
                  reps: int = _BENCH["reps"], force: bool = False, say: Say | None = log_progress) -> Path:
@@ -579,6 +610,7 @@ def bench_bundle(*directories: PathLike, out: PathLike, threads: int | str | Seq
     return path
 
 
+@_keyword_terms
 def bench_ingest(*rows: PathLike, out: PathLike | None = None, plot: PathLike | None = None,
                  say: Say | None = log_progress) -> BenchResult:
     """The rows a bundle's ``run_bench.py`` measured on a device (``pit-deploy bench --ingest``),
@@ -598,6 +630,7 @@ def bench_ingest(*rows: PathLike, out: PathLike | None = None, plot: PathLike | 
     return _bench_write(ingest_rows(files), out, plot, say)
 
 
+@_keyword_terms
 def bench_adb(*directories: PathLike, runner: PathLike, serial: str | None = None, device_dir: str | None = None,
               threads: int | str | Sequence[int] = _BENCH["threads"],
               prompt_len: int | str | Sequence[int] = _BENCH["prompt_lens"], gen_len: int = _BENCH["gen_len"],
@@ -633,6 +666,7 @@ def bench_adb(*directories: PathLike, runner: PathLike, serial: str | None = Non
 # --------------------------------------------------------------------------------------
 
 
+@_keyword_terms
 def run(recipe: PathLike = "default", *, model: PathLike | None = None, data: PathLike | None = None,
         out: PathLike | None = None, overrides: Mapping[str, Any] | Sequence[str] | str | None = None,
         from_stage: str | None = None, force: bool = False, say: Say | None = log_progress) -> RunResult:

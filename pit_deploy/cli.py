@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import PitError, as_write_error
+from .errors import PitError, as_write_error, command_line
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -495,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         _quiet_libraries()
     try:
-        return int(args.handler(args) or 0)
+        with command_line():  # the API's messages keep naming flags
+            return int(args.handler(args) or 0)
     except PitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -13,11 +13,14 @@ them (an ``OSError``, torch's ``unexpected pos`` from its zip writer, safetensor
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 #: errno → (cause, what to do) for the failures of a write that the user, not pit-deploy, can fix
 WRITE_ERRNOS: dict[int, tuple[str, str]] = {
@@ -33,6 +36,42 @@ if hasattr(errno, "EDQUOT"):  # not on every platform
 #: messages of writers that lose the errno (torch's zip writer) and of writers that only quote it
 _STREAM_WRITER = re.compile(r"unexpected pos|PytorchStreamWriter failed|file write failed|iostream error")
 _QUOTED_ERRNO = re.compile(r"os error (\d+)")
+
+
+#: whether the code running now was called by the command line (its messages name flags)
+_COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("pit_deploy_command_line", default=False)
+#: a command-line flag in a message: ``--calib-tokens``, ``--no-pit-correction``
+_FLAG = re.compile(r"(?<![\w-])--(no-)?([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+@contextlib.contextmanager
+def command_line() -> Iterator[None]:
+    """What runs inside was called by the command line: messages keep their flags."""
+    token = _COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.reset(token)
+
+
+def in_keyword_terms(message: str, switches: frozenset[str] = frozenset()) -> str:
+    """``message`` as a Python caller reads it: each ``--flag`` becomes the keyword argument that
+    sets it — ``--calib-tokens`` → ``calib_tokens``, ``--force`` → ``force=True`` (a name in
+    ``switches``, the call's on/off options), ``--no-pit-correction`` → ``pit_correction=False``."""
+    def keyword(match: re.Match[str]) -> str:
+        name = match.group(2).replace("-", "_")
+        if match.group(1):
+            return f"{name}=False"
+        return f"{name}=True" if name in switches else name
+
+    return _FLAG.sub(keyword, message)
+
+
+def speak_python(exc: PitError, switches: frozenset[str] = frozenset()) -> None:
+    """Put ``exc``'s message in keyword terms (:func:`in_keyword_terms`) unless the command line
+    called: the same error reads ``pass --force`` in a terminal and ``pass force=True`` in Python."""
+    if not _COMMAND_LINE.get() and exc.args and isinstance(exc.args[0], str):
+        exc.args = (in_keyword_terms(exc.args[0], switches), *exc.args[1:])
 
 
 class PitError(Exception):

@@ -75,10 +75,13 @@ def test_convert_returns_the_checkpoint_and_its_figures(converted, assets, tmp_p
     assert conversion.delta_ti < 1e-5
     assert conversion.source_nll is not None and conversion.converted_nll is not None
     assert any(line.startswith("held-out NLL") for line in lines) and lines[-1] == "done"
-    with pytest.raises(PitError, match="--calib-tokens"):
+    # messages raised to Python name the keyword arguments, not the command's flags
+    with pytest.raises(PitError, match="^calib_tokens must be at least 1") as caught:
         pit_deploy.convert(assets[0], tmp_path / "x", calib_tokens=0, say=None)
-    with pytest.raises(PitError, match="--force"):  # an existing non-empty out, before any load
+    assert "--" not in str(caught.value)
+    with pytest.raises(PitError, match="force=True") as caught:  # an existing non-empty out, before any load
         pit_deploy.convert(assets[0], conversion.out, say=None)
+    assert "--force" not in str(caught.value)
     assert not (tmp_path / "x").exists()
 
 
@@ -112,7 +115,7 @@ def test_train_takes_the_flags_as_keywords(converted, assets, tmp_path):
     assert re.fullmatch(r"step 2/2: loss \d+\.\d{4}, [\d,]+ tokens/s(, MFU \d+\.\d%)?, \d+s in all", lines[1]), lines
     with pytest.raises(PitError, match="did you mean 'steps'"):
         pit_deploy.train(conversion.out, tmp_path / "run2", stepz=2, say=None)
-    with pytest.raises(PitError, match="--out is required"):
+    with pytest.raises(PitError, match="out is required"):
         pit_deploy.train(conversion.out, steps=2, say=None)
 
 
@@ -166,9 +169,9 @@ def test_bench_returns_the_rows(exported, tmp_path):
     assert [(r["runtime"], r["threads"], r["prompt_len"], r["gen_len"]) for r in result.rows] == [("onnx", 1, 8, 4)]
     assert result.rows[0]["decode_tok_s"] > 0
     assert json.loads(rows_file.read_text())["rows"][0]["artifact"] == result.rows[0]["artifact"]
-    with pytest.raises(PitError, match="--threads takes comma-separated integers"):
+    with pytest.raises(PitError, match="^threads takes comma-separated integers"):
         pit_deploy.bench(out, threads="one", say=None)
-    with pytest.raises(PitError, match="--gen-len"):
+    with pytest.raises(PitError, match="gen_len"):
         pit_deploy.bench(out, gen_len=1, say=None)
     # the command's other modes are calls of their own, each with one return type
     archive = pit_deploy.bench_bundle(out, out=tmp_path / "b.tar.gz", prompt_len=8, gen_len=4, reps=1, say=None)
@@ -276,3 +279,20 @@ def test_a_path_that_is_not_a_path_is_a_pit_error_naming_it(call, position, tmp_
             "train": ["model", "out"]}[call][position]
     with pytest.raises(PitError, match=rf"^{call}\(\): {name} must be a path \(str or os.PathLike\), got"):
         getattr(pit_deploy, call)(*args, say=None)
+
+
+def test_the_command_line_keeps_the_flags(assets, tmp_path, capsys):
+    """The same mistake through the command line names the flag (the API's keyword terms are for
+    Python callers only)."""
+    from pit_deploy.cli import main
+
+    assert main(["convert", "--model", str(assets[0]), "--out", str(tmp_path / "x"), "--calib-tokens", "0"]) == 2
+    assert "error: --calib-tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_keyword_terms_of_a_message():
+    from pit_deploy.errors import in_keyword_terms
+
+    assert in_keyword_terms("pass --force, or --no-pit-correction with --dtype int4; --calib-tokens ≥ 1",
+                            frozenset({"force"})) == \
+        "pass force=True, or pit_correction=False with dtype int4; calib_tokens ≥ 1"
