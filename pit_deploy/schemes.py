@@ -98,10 +98,11 @@ class SchemeSetting:
     Declared once, in :data:`SETTINGS`: the :class:`Scheme` field and its default, the export
     recipe's field, flag and help (:class:`pit_deploy.exporters.recipes.Recipe`), the check of a
     value and whether only the schemes that store int8/int4 codes read it all derive from the
-    entry (:func:`declare_settings`). Which targets read a setting is said by each target
+    entry: :class:`Scheme`'s typed field takes its default (:func:`setting_default`), the recipe's
+    its flag and help. Which targets read a setting is said by each target
     (``Target.scheme_settings``, next to its exporter), so that a new target stays in its own
-    module. A new setting is one entry here, the exporters that read it, and their targets'
-    ``scheme_settings``.
+    module. A new setting is one entry here, a field of :class:`Scheme` and of the recipe, the
+    exporters that read it, and their targets' ``scheme_settings``.
     """
 
     name: str
@@ -166,15 +167,14 @@ SETTINGS: tuple[SchemeSetting, ...] = (
 )
 
 
-def declare_settings(namespace: dict[str, Any], field_of: Callable[[SchemeSetting], Any], optional: bool = False) -> None:
-    """Declare every :data:`SETTINGS` entry as a field of the dataclass whose class body calls
-    this with ``locals()``: annotation from the entry (``X | None`` when ``optional``: a recipe's
-    override, ``None`` for the scheme's own value) and the value ``field_of(entry)`` gives (a
-    default, or a ``dataclasses.field``)."""
-    annotations = namespace.setdefault("__annotations__", {})
-    for setting in SETTINGS:
-        annotations[setting.name] = f"{setting.annotation} | None" if optional else setting.annotation
-        namespace[setting.name] = field_of(setting)
+def setting_entry(name: str) -> SchemeSetting:
+    """The :data:`SETTINGS` entry ``name``."""
+    return next(s for s in SETTINGS if s.name == name)
+
+
+def setting_default(name: str) -> Any:
+    """A :class:`Scheme` field's default: its :data:`SETTINGS` entry's (one place for each)."""
+    return setting_entry(name).default
 
 
 @dataclass(frozen=True)
@@ -223,9 +223,16 @@ class Scheme:
     dtype: str
     bounds: ParityBounds | QuantizedBounds
     description: str = ""
-    # group_size, table_bits, int4_8bit_layers, pit_correction, pte_head_bits, pte_shared_table,
-    # rounding, rotate_residual: the SETTINGS, with their defaults
-    declare_settings(locals(), lambda s: s.default)
+    # the SETTINGS, typed, with their entries' defaults (tests/test_schemes.py checks they match)
+    group_size: int = setting_default("group_size")
+    pit_correction: bool = setting_default("pit_correction")
+    table_bits: int = setting_default("table_bits")
+    int4_8bit_layers: tuple[str, ...] = setting_default("int4_8bit_layers")
+    pte_head_bits: int = setting_default("pte_head_bits")
+    pte_shared_table: bool = setting_default("pte_shared_table")
+    rounding: str = setting_default("rounding")
+    head_activations: str = setting_default("head_activations")
+    rotate_residual: bool = setting_default("rotate_residual")
     fold_at_load: bool = False
     runtimes: tuple[str, ...] | None = None
     gptq_bounds: QuantizedBounds | None = None

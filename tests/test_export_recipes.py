@@ -94,3 +94,21 @@ def test_a_scheme_setting_is_declared_once():
             s.check(wrong)
     for name in target_names():
         assert set(get_target(name).scheme_settings) <= {s.name for s in SETTINGS}, name
+
+
+def test_scheme_and_recipe_fields_are_the_settings_typed():
+    """Every SETTINGS entry is a typed field of Scheme (its default the entry's) and of Recipe (an
+    optional override with the entry's flag), and neither has a setting field the entries lack."""
+    from dataclasses import fields
+
+    from pit_deploy.exporters.recipes import Recipe
+    from pit_deploy.schemes import SETTINGS, Scheme
+
+    scheme = {f.name: f for f in fields(Scheme)}
+    recipe = {f.name: f for f in fields(Recipe)}
+    for entry in SETTINGS:
+        assert scheme[entry.name].type == entry.annotation and scheme[entry.name].default == entry.default
+        assert recipe[entry.name].type == f"{entry.annotation} | None" and recipe[entry.name].default is None
+        assert recipe[entry.name].metadata["flag"] == entry.flag and recipe[entry.name].metadata["help"] == entry.help
+    quantization = {name for name, f in recipe.items() if f.metadata.get("group") == "quantization"}
+    assert quantization == {entry.name for entry in SETTINGS}

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from ..errors import PitError
 from ..options import flag_name, opt
-from ..schemes import GROUP_SIZES, SETTINGS, Scheme, declare_settings, get_scheme, scheme_names
+from ..schemes import GROUP_SIZES, SETTINGS, Scheme, get_scheme, scheme_names, setting_entry
 from ..targets import default_target_names, get_target, target_names
 
 MODES: tuple[str, ...] = ("materialized", "factorized")
@@ -53,6 +53,14 @@ MAX_SEQ_LEN_CEILING = 1 << 20
 TOKENIZER_UNKNOWN: Any = object()
 #: scheme settings a recipe may override (``None``: each scheme's own; :data:`~pit_deploy.schemes.SETTINGS`)
 SCHEME_SETTINGS = tuple(s.name for s in SETTINGS)
+
+
+def setting_override(name: str) -> Any:
+    """A :class:`Recipe` field overriding the scheme setting ``name``: ``None`` (each scheme's own
+    value), with the export flag and help its :data:`~pit_deploy.schemes.SETTINGS` entry gives."""
+    entry = setting_entry(name)
+    return opt(None, entry.help, group="quantization", flag=entry.flag,
+               choices=entry.values if entry.cli_choices else None)
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,17 @@ class Recipe:
     max_seq_len: int = opt(DEFAULT_MAX_SEQ_LEN, "static KV cache length of the .pte (default 256)", group="what")
     description: str = opt("", cli=False)
     name: str = opt("builtin-default", cli=False)
-    # group_size, pit_correction, table_bits, int4_8bit_layers, pte_head_bits, pte_shared_table,
-    # rounding, rotate_residual: the schemes' SETTINGS, as overrides (None: each scheme's own value)
-    declare_settings(locals(), lambda s: opt(None, s.help, group="quantization", flag=s.flag,
-                                             choices=s.values if s.cli_choices else None), optional=True)
+    # the schemes' SETTINGS as overrides (None: each scheme's own value), typed; their help and
+    # flags come from the entries (tests/test_schemes.py checks the fields match SETTINGS)
+    group_size: int | None = setting_override("group_size")
+    pit_correction: bool | None = setting_override("pit_correction")
+    table_bits: int | None = setting_override("table_bits")
+    int4_8bit_layers: tuple[str, ...] | None = setting_override("int4_8bit_layers")
+    pte_head_bits: int | None = setting_override("pte_head_bits")
+    pte_shared_table: bool | None = setting_override("pte_shared_table")
+    rounding: str | None = setting_override("rounding")
+    head_activations: str | None = setting_override("head_activations")
+    rotate_residual: bool | None = setting_override("rotate_residual")
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:
