@@ -222,7 +222,8 @@ def run_export(args: argparse.Namespace) -> int:
 def add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check an export directory's artifacts on their runtimes")
     p.add_argument("directory", help="export directory written by `pit-deploy export`")
-    p.add_argument("--runtime", help="comma list of runtimes to verify (default: all in the manifest)")
+    p.add_argument("--runtime", "--target", dest="runtime", metavar="TARGETS",
+                   help="comma list of targets to verify (default: all in the manifest)")
     p.add_argument("--mode", help="comma list of modes to verify (default: all in the manifest)")
     p.add_argument("--dtype", "--scheme", dest="dtype", metavar="SCHEMES",
                    help="comma list of schemes to verify (default: all in the manifest)")

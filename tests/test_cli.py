@@ -224,3 +224,15 @@ def test_scheme_is_the_same_option_as_dtype(command):
     parser = build_parser()
     assert parser.parse_args([*head, "--scheme", "int4,q4_k_m"]).dtype == parser.parse_args(
         [*head, "--dtype", "int4,q4_k_m"]).dtype
+
+
+@pytest.mark.parametrize("command", ["export", "verify"])
+def test_target_is_the_same_option_as_runtime(command):
+    """``--target`` (the name the docs use) and ``--runtime`` set the same option."""
+    from pit_deploy.cli import build_parser
+
+    head = ["export", "DIR", "--out", "OUT"] if command == "export" else ["verify", "DIR"]
+    parser = build_parser()
+    want = parser.parse_args([*head, "--runtime", "onnx,gguf"])
+    got = parser.parse_args([*head, "--target", "onnx,gguf"])
+    assert vars(got) == vars(want)

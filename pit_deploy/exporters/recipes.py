@@ -67,10 +67,12 @@ def setting_override(name: str) -> Any:
 class Recipe:
     """What to export. Validated on construction (raises :class:`PitError`)."""
 
-    runtimes: tuple[str, ...] | None = opt(None, f"comma list of targets: {', '.join(target_names())}, or {ALL} (every "
+    runtimes: tuple[str, ...] | None = opt(None, f"comma list of targets (--target is the same option): "
+                                    f"{', '.join(target_names())}, or {ALL} (every "
                                     "installed target that exports the model's family, the modes and the dtypes asked "
                                     f"for) (default: {', '.join(default_target_names())}; `pit-deploy list targets`)",
-                                    flag="--runtime", group="what", parse="tuple[str, ...]")
+                                    flag="--runtime", group="what", parse="tuple[str, ...]", metavar="TARGETS",
+                                    aliases=("--target",))
     modes: tuple[str, ...] = opt(MODES, "comma list of materialized, factorized (default: both)", flag="--mode",
                                  group="what", parse="tuple[str, ...]")
     dtype: tuple[str, ...] = opt(("float32",), f"comma list of quantization schemes: {', '.join(scheme_names())} (default "
