@@ -1,6 +1,6 @@
 """Module rewrites that prepare a PIT model for export: *materialize* and *factorize*.
 
-Both passes take a PIT model (see :mod:`pit_deploy.convert`) and return a new model whose
+Both passes take a PIT model (see :mod:`pit_deploy.converters`) and return a new model whose
 effective token interface is PIT's, written with operators every export runtime has:
 
 * :func:`materialize` — a vanilla untied Hugging Face model with ``E = Z T⁻¹`` and

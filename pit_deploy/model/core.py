@@ -236,7 +236,7 @@ class PITInterface(nn.Module):
         ``L_diag``: ``(d,)`` free parameters mapped to ``L_ii > 0`` by softplus or exp.
 
     The embedding and head modules of a converted model hold a reference to one instance of
-    this class, which is registered once in the model (see ``pit_deploy.convert``).
+    this class, which is registered once in the model (see ``pit_deploy.converters``).
     """
 
     def __init__(self, z: torch.Tensor, l_factor: torch.Tensor, spec: PITSpec = PITSpec()):
