@@ -250,9 +250,9 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool
     if int8_block:
         # S on the float32 grid it is stored with, so that the kernel reads the snapped rows
         s = int8_block_grid_rows(t @ r, int8_block).astype(np.float32).astype(np.float64)
-        r = t.T @ np.linalg.inv(s).T  # the table's map Z -> Z Tᵀ S⁻ᵀ
+        r = np.linalg.solve(s, t).T  # the table's map A: Z -> Z A = Z Tᵀ S⁻ᵀ (= R when S = T R)
         put(iface.t_name, s)
-        put(iface.t_inv_name, s.T @ np.linalg.solve(t.T, t_inv))
+        put(iface.t_inv_name, np.linalg.solve(r, t_inv))  # A⁻¹ T⁻¹ = Sᵀ T⁻ᵀ T⁻¹
     else:
         put(iface.t_name, t @ r)
         put(iface.t_inv_name, r.T @ t_inv)
