@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     exports = {}
     for name, directory in (("pit", pit), ("tt", tt)):
         for art in json.loads((directory / "manifest.json").read_text())["artifacts"]:
-            exports[f"{art['runtime']}-{art['mode']}" if name == "pit" else f"{art['runtime']}-tied"] = art["export_seconds"]
+            exports[f"{art['target']}-{art['mode']}" if name == "pit" else f"{art['target']}-tied"] = art["export_seconds"]
     out_json = Path(args.out)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     png = out_json.with_suffix(".png")

@@ -64,9 +64,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from pit_deploy.evaluate.verify import verify_directory
-    from pit_deploy.runtime.emulated import EXECUTORCH, ONNXRUNTIME, find_setup
+    from pit_deploy.runtime.emulated import find_setup
+    from pit_deploy.targets import get_target
 
     setup = find_setup()  # before a run that would be wasted without it
+    engines = dict.fromkeys(get_target(name).aarch64_engine for name in ("onnx", "executorch"))
     folders = [Path(p) for p in args.export] if args.export else export_folders(Path(args.run))
     cpus = args.arm_cpu.split(",")
     passes = [(folder, cpus, args.kleidiai) for folder in folders]  # the result file rewritten after each
@@ -83,8 +85,7 @@ def main(argv=None) -> int:
                          "passed": r.passed, "failures": r.failures, "notes": r.notes})
         passed = passed and report.passed
         result = {"model": "default", "check": "full" if args.full else "compact",
-                  "exports": [str(f) for f in folders], "setup": {"onnxruntime": setup.describe(ONNXRUNTIME),
-                                                                  "executorch": setup.describe(EXECUTORCH)},
+                  "exports": [str(f) for f in folders], "setup": {e.key: setup.describe(e) for e in engines},
                   "runtimes": args.runtime.split(","), "arm_cpu": cpus, "kleidiai": args.kleidiai.split(","),
                   "complete": number == len(passes), "passes_done": number, "passes": len(passes),
                   "seconds": round(time.perf_counter() - start, 1), "passed": passed, "rows": rows}

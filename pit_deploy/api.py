@@ -78,6 +78,7 @@ def _closest(name: str, choices: Sequence[str]) -> str:
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 
 
 def _keyword_terms(call: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -126,6 +127,20 @@ def _path_arg(call: str, name: str, value: Any, optional: bool = False) -> str |
     if not value:
         raise PitError(f"{call}(): {name} must not be empty; pass a path")
     return value
+
+
+def _alias(call: str, name: str, value: _T, alias: str, alias_value: _T) -> _T:
+    """The value of a keyword given under its name or its alias (``target`` for ``runtime``,
+    ``scheme`` for ``dtype``: one option, two names).
+
+    Raises:
+        PitError: both were given.
+    """
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise PitError(f"{call}(): pass {name} or {alias}, not both (they are the same option)")
+    return alias_value
 
 
 def _bool_args(call: str, **values: Any) -> None:
@@ -379,15 +394,18 @@ _RECIPE_FLAG_NAMES = {"runtimes": "runtime", "modes": "mode"}
 def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = None,
            runtime: str | Sequence[str] | None = None, mode: str | Sequence[str] | None = None,
            dtype: str | Sequence[str] | None = None, t_init: str | None = None, keep_tying: bool = False,
-           force: bool = False, say: Say | None = log_progress, **recipe_fields: Any) -> Manifest:
+           force: bool = False, say: Say | None = log_progress, target: str | Sequence[str] | None = None,
+           scheme: str | Sequence[str] | None = None, **recipe_fields: Any) -> Manifest:
     """Export a model for its runtimes as ``pit-deploy export`` does (docs/export.md).
 
     ``model`` is a PIT directory or a plain model (converted first, ``t_init`` as in
     :func:`convert`). ``recipe`` names an export recipe (or is a path, or an
     :class:`~pit_deploy.exporters.recipes.Recipe`); the keywords override it: ``runtime``, ``mode``
-    and ``dtype`` take a list or a comma list (``runtime="onnx"``, ``dtype=["float32", "int4"]``),
-    and ``recipe_fields`` are the recipe's other fields by name (``max_seq_len=64``,
-    ``group_size=32``, ``pit_correction=False`` for ``--no-pit-correction``, …). A keyword left
+    and ``dtype`` take a list or a comma list (``runtime="onnx"``, ``dtype=["float32", "int4"]``;
+    ``target`` and ``scheme`` are the same keywords as ``runtime`` and ``dtype``, as ``--target``
+    and ``--scheme`` are on the command line), and ``recipe_fields`` are the recipe's other fields
+    by name (``max_seq_len=64``, ``group_size=32``, ``pit_correction=False`` for
+    ``--no-pit-correction``, …). A keyword left
     ``None`` keeps the recipe's value. ``keep_tying`` exports the source unconverted (mode
     ``tied``), the baseline PIT is compared with.
 
@@ -403,6 +421,8 @@ def export(model: PathLike, out: PathLike, *, recipe: PathLike | Any | None = No
     from .exporters.recipes import recipe_fields as names
 
     model, out = _path_arg("export", "model", model), _path_arg("export", "out", out)
+    runtime = _alias("export", "runtime", runtime, "target", target)
+    dtype = _alias("export", "dtype", dtype, "scheme", scheme)
     _bool_args("export", keep_tying=keep_tying, force=force)
     _text_arg("export", "t_init", t_init, optional=True)
     for name, value in (("runtime", runtime), ("mode", mode), ("dtype", dtype)):
@@ -452,11 +472,13 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
            dtype: str | Sequence[str] | None = None, record: bool = True, expect_sha256: str | None = None,
            web: str | Sequence[str] | None = None, isa: str | Sequence[str] | None = None,
            arm_cpu: str | Sequence[str] | None = None, kleidiai: str | Sequence[str] | None = None,
-           full: bool = False, say: Say | None = log_progress) -> VerifyReport:
+           full: bool = False, say: Say | None = log_progress, target: str | Sequence[str] | None = None,
+           scheme: str | Sequence[str] | None = None) -> VerifyReport:
     """Run every artifact of an export directory on its runtime against the PyTorch reference,
     as ``pit-deploy verify`` does (docs/verify.md).
 
-    ``runtime``, ``mode``, ``dtype`` select artifacts (a list or a comma list; default: all);
+    ``runtime``, ``mode``, ``dtype`` select artifacts (a list or a comma list; default: all;
+    ``target`` and ``scheme`` are the same keywords as ``runtime`` and ``dtype``);
     ``record=False`` is ``--no-record`` (the manifest is left as it is); ``expect_sha256`` pins
     the manifest; ``web`` also runs the onnx folders through transformers.js (``"node"``,
     ``"chromium"``); ``isa`` ``"aarch64"`` (or ``"x86_64,aarch64"``) runs the ONNX and ``.pte``
@@ -479,6 +501,8 @@ def verify(directory: PathLike, *, runtime: str | Sequence[str] | None = None, m
     from .evaluate.verify import verify_directory
 
     directory = _path_arg("verify", "directory", directory)
+    runtime = _alias("verify", "runtime", runtime, "target", target)
+    dtype = _alias("verify", "dtype", dtype, "scheme", scheme)
     _bool_args("verify", record=record, full=full)
     _text_arg("verify", "expect_sha256", expect_sha256, optional=True)
     for name, value in (("runtime", runtime), ("mode", mode), ("dtype", dtype), ("web", web), ("isa", isa),

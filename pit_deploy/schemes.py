@@ -6,8 +6,11 @@ A scheme is what a recipe's ``dtype`` list names (``float32``, ``int8``, ``int4`
 how (group size, bits of the token table, the linears kept at 8 bits, the PIT correction, the
 ``.pte`` head); its bounds are what ``verify`` holds an artifact of it to; and its name is the
 artifact's suffix, so two schemes of one dtype sit side by side in one export directory
-(``onnx-factorized-int4`` and ``onnx-factorized-int4-compact``). A new scheme is one
-:func:`register_scheme` call (``docs/design.md``).
+(``onnx-factorized-int4`` and ``onnx-factorized-int4-compact``). The schemes more than one
+target writes are registered here; a scheme only one target writes (llama.cpp's file types, the
+``.pte``'s ``int4-shared``, the web schemes) is declared in that target's folder
+(``Target.own_schemes``) and joins the registry on first lookup (:func:`registered`). A new
+scheme is one :func:`register_scheme` call or one ``own_schemes`` entry (``docs/design.md``).
 
 FP32 bounds (``docs/definitions.md``, "Parity"): full-sequence and step-by-step logits within
 relative L2 ``1e-4`` of the PyTorch reference, 100 % top-1 agreement, an identical 32-token
@@ -21,7 +24,7 @@ with a stated margin; a recipe's ``[bounds.<scheme>]`` table overrides them. Tho
 values mean little on another model, so the KL is also bounded relative to the artifact's own
 expected quantization error, recorded at export (:meth:`QuantizedBounds.scaled_kl_bound`).
 
-Standard library only (read where a manifest is read).
+Standard library only (read where a manifest is read; the target declarations are too).
 """
 
 from __future__ import annotations
@@ -322,28 +325,73 @@ def names_linear(module_path: str, names: tuple[str, ...]) -> bool:
     return any(module_path == name or module_path.endswith("." + name) for name in names)
 
 
+#: the schemes registered so far: the shared ones below, then each target's own (:func:`registered`)
 SCHEMES: dict[str, Scheme] = {}
+#: the targets whose own schemes are in :data:`SCHEMES`
+_LOADED_TARGETS: set[str] = set()
 
 
 def register_scheme(scheme: Scheme) -> Scheme:
+    """Add (or replace) ``scheme`` under its name."""
     SCHEMES[scheme.name] = scheme
     return scheme
 
 
+def target_scheme(target: str, spec: dict[str, Any]) -> Scheme:
+    """A scheme one target declares as data (``Target.own_schemes``): :class:`Scheme`'s keyword
+    arguments, with ``bounds`` (and ``gptq_bounds``) a dict of the bound fields or the name of a
+    shared scheme whose bounds it is held to, and ``runtimes`` the declaring target.
+
+    Raises:
+        PitError: a declaration that is not a valid scheme (naming the target).
+    """
+    def bounds(value: Any, dtype: str) -> ParityBounds | QuantizedBounds | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return SCHEMES[value].bounds
+        return ParityBounds(**value) if dtype == "float32" else QuantizedBounds(**value)
+
+    try:
+        fields_ = dict(spec)
+        dtype = fields_["dtype"]
+        fields_["bounds"] = bounds(fields_["bounds"], dtype)
+        fields_["gptq_bounds"] = bounds(fields_.get("gptq_bounds"), dtype)
+        return Scheme(**fields_, runtimes=(target,))
+    except (KeyError, TypeError) as exc:
+        raise PitError(f"the {target} target declares an invalid scheme {spec.get('name')!r}: {exc}") from None
+
+
+def registered() -> dict[str, Scheme]:
+    """Every scheme: the shared ones, then those the known targets declare
+    (:attr:`pit_deploy.targets.base.Target.own_schemes`), in target order. A target's own schemes
+    live in its folder's declaration and join here on the first lookup after it is known."""
+    from .targets import get_target, target_names
+
+    for name in target_names():
+        if name not in _LOADED_TARGETS:
+            _LOADED_TARGETS.add(name)
+            for spec in get_target(name).own_schemes:
+                register_scheme(target_scheme(name, spec))
+    return SCHEMES
+
+
 def scheme_names() -> tuple[str, ...]:
-    return tuple(SCHEMES)
+    """Every scheme's name (:func:`registered`)."""
+    return tuple(registered())
 
 
 def get_scheme(name: str) -> Scheme:
-    """The scheme called ``name``.
+    """The scheme called ``name`` (shared, or one target's own: :func:`registered`).
 
     Raises:
         PitError: no such scheme.
     """
+    known = registered()
     try:
-        return SCHEMES[name]
+        return known[name]
     except KeyError:
-        raise PitError(f"unknown dtype/scheme {name!r}; choose from {', '.join(SCHEMES)}") from None
+        raise PitError(f"unknown dtype/scheme {name!r}; choose from {', '.join(known)}") from None
 
 
 def apply_bounds(name: str, base: ParityBounds | QuantizedBounds,
@@ -406,45 +454,3 @@ register_scheme(Scheme("int4-compact", "int4", INT4_BOUNDS,
                        "the bound)",
                        table_bits=4, int4_8bit_layers=("v_proj",), rounding="gptq", runtimes=("onnx", "onnx-genai"),
                        head_activations="int8"))
-# int4 with one 4-bit token table for the .pte's gather and head (studies/pte-head-and-table.md, "One token
-# table for the gather and the head"): the head a 4-bit linear behind the grid-exact S = T R, the gather over its very codes,
-# stored once in model.ptd; smaller than int4's .pte, at a higher KL. Rotated and GPTQ-rounded (the table
-# too) as int4 is: studies/table_gptq.py measured 0.055 / 0.115 / 0.111 (code / prose / chat) in eager.
-register_scheme(Scheme("int4-shared", "int4", INT4_BOUNDS,
-                       "the int4 scheme's body with one 4-bit token table that the .pte's gather and its "
-                       "quantized head both read, stored once (model.ptd beside model.pte)",
-                       table_bits=4, int4_8bit_layers=("v_proj", "down_proj"), pte_shared_table=True,
-                       rounding="gptq", rotate_residual=True, runtimes=("executorch",)))
-# The web schemes: the same codes as int8/int4 on the onnx target, dequantized by standard operators
-# that onnxruntime folds at load, because onnxruntime-web's default WASM build lacks
-# GatherBlockQuantized and runs MatMulNBits far slower than fp32 (docs/web.md). No activation is
-# rounded at run time, so the int8 scheme's factor of 10
-# (for XNNPACK's int8 activations) does not apply: the default factor of 4.
-register_scheme(Scheme("int8-web", "int8", QuantizedBounds(kl_mean=0.05, kl_p99=0.5, same_top1=0.85, ppl_ratio=1.1),
-                       "8-bit codes folded to float32 when the session loads: runs in onnxruntime-web's default "
-                       "WASM build at fp32 speed; a smaller download, not less memory",
-                       fold_at_load=True, runtimes=("onnx",)))
-register_scheme(Scheme("int4-web", "int4", INT4_BOUNDS,
-                       "the int4 scheme's codes (v_proj/down_proj and the token table at 8 bits) folded to "
-                       "float32 when the session loads: runs in onnxruntime-web's default WASM build at fp32 "
-                       "speed; a smaller download, not less memory",
-                       int4_8bit_layers=("v_proj", "down_proj"), fold_at_load=True, runtimes=("onnx",)))
-# llama.cpp's own file types (the gguf target, docs/llama_cpp.md): the codes are llama.cpp's, not the
-# int8/int4 grids above, so they are schemes of their own; the head is BF16 in all four (the gguf
-# target's HEAD_TYPE). Bounds set from the default model's measurements in llama.cpp
-# (docs/llama_cpp.md, "Bounds") with a margin of about 1.5x on the KL means.
-# Measured (corrected table; uncorrected within 4 %): q8_0 0.0033 / 0.021 / 96.8 % / 1.0003, q4_0 0.47 / 2.62 /
-# 68 % / 1.55, q4_k_m 0.080 / 0.46 / 85.5 % / 1.05 (kl_mean / kl_p99 / same top-1 / ppl ratio).
-# f16 measured 8.4e-5 / 4.9e-4 / 99.5 % / 1.0000 (the transpose-tied f16 file: 6.0e-6, its head F16 too).
-register_scheme(Scheme("f16", "float16", QuantizedBounds(kl_mean=1.5e-4, kl_p99=1e-3, same_top1=0.98, ppl_ratio=1.002),
-                       "llama.cpp F16: every body linear in float16, the head BF16",
-                       runtimes=("gguf",)))
-register_scheme(Scheme("q8_0", "int8", QuantizedBounds(kl_mean=0.005, kl_p99=0.035, same_top1=0.93, ppl_ratio=1.01),
-                       "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale for every body linear, the head BF16",
-                       runtimes=("gguf",)))
-register_scheme(Scheme("q4_0", "int4", QuantizedBounds(kl_mean=0.7, kl_p99=4.0, same_top1=0.6, ppl_ratio=1.8),
-                       "llama.cpp Q4_0 by its own quantizer: 4-bit blocks of 32 with one f16 scale, the head BF16",
-                       runtimes=("gguf",)))
-register_scheme(Scheme("q4_k_m", "int4", QuantizedBounds(kl_mean=0.12, kl_p99=0.7, same_top1=0.8, ppl_ratio=1.1),
-                       "llama.cpp Q4_K_M by its own quantizer: 4-bit k-quant super-blocks of 256, some layers at "
-                       "Q6_K (Q5_0/Q8_0 where rows are not a multiple of 256), the head BF16", runtimes=("gguf",)))

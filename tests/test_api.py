@@ -137,6 +137,8 @@ def test_verify_passes_an_honest_export_and_fails_a_corrupted_one(exported, tmp_
     assert report.result("onnx", "factorized").logits_rel_l2 < 1e-4
     with pytest.raises(PitError, match="unknown runtime"):
         pit_deploy.verify(out, runtime="nope", say=None)
+    selected = pit_deploy.verify(out, record=False, target="onnx", scheme="float32", say=None)  # the aliases
+    assert [(a.runtime, a.mode) for a in selected.artifacts] == [("onnx", "factorized")] and selected.passed
     # the reference's weights changed and the digests re-recorded: only the numbers can tell
     from safetensors.torch import load_file, save_file
 
@@ -257,6 +259,9 @@ def test_verify_record_no_does_not_record(exported, tmp_path):
     ("convert", {"t_init": 1}, "convert(): t_init must be text (a str) or None, got 1 (int)"),
     ("verify", {"expect_sha256": 0}, "verify(): expect_sha256 must be text (a str) or None"),
     ("verify", {"isa": 64}, "verify(): isa must be a name, a comma list or a list of names"),
+    ("export", {"runtime": "onnx", "target": "gguf"}, "export(): pass runtime or target, not both"),
+    ("verify", {"dtype": "int4", "scheme": "int8"}, "verify(): pass dtype or scheme, not both"),
+    ("export", {"target": 5}, "export(): runtime must be a name, a comma list or a list of names, got 5"),
     ("bench", {"threads": 1.5}, "bench(): threads must be an integer, a list of integers or a comma list"),
     ("bench", {"reps": "3"}, "bench(): reps must be an integer, got '3' (str)"),
     ("run", {"from_stage": 2}, "run(): from_stage must be text (a str) or None, got 2 (int)"),

@@ -225,7 +225,7 @@ def _export(root: Path, name: str, arts: list[tuple[str, str, str]], *, verified
                 tiny_tokenizer().save_pretrained(folder)
         else:
             (folder / "model.onnx").write_bytes(b"onnx" * 100)
-        artifacts.append(Artifact(runtime=runtime, mode=mode, dtype="float32", path=folder.name,
+        artifacts.append(Artifact(target=runtime, mode=mode, dtype="float32", path=folder.name,
                                   files=file_table(directory, folder), tying=tying,
                                   shapes={"vocab_size": 512, "max_seq_len": 64}))
     manifest = Manifest(source={"kind": "test"}, reference={"files": file_table(directory, directory / "reference")},

@@ -130,7 +130,7 @@ def test_gptq_export_writes_the_calibrated_codes_and_verifies(gptq_export):
     from pit_deploy.evaluate.verify import verify_directory
 
     manifest = json.loads((gptq_export / MANIFEST_NAME).read_text())
-    by_runtime = {a["runtime"]: a for a in manifest["artifacts"]}
+    by_runtime = {a["target"]: a for a in manifest["artifacts"]}
     assert set(by_runtime) == {"onnx", "executorch"}
     for art in by_runtime.values():
         assert art["details"]["scheme"]["rounding"] == "gptq"

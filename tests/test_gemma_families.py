@@ -49,7 +49,7 @@ def test_gemma3_pte_holds_local_layers_and_tanh_gelu(converted, tmp_path):
     static cache holds the whole context, the model's mask keeps local layers to their window)
     and the MLP's tanh GELU lowers as that function (XNNPACK's own GELU is the erf form)."""
     manifest = export_verify(converted["gemma3"], tmp_path / "pte", "executorch", "--mode", "materialized")
-    assert manifest["artifacts"][0]["runtime"] == "executorch"
+    assert manifest["artifacts"][0]["target"] == "executorch"
 
 
 def test_gemma2_on_the_builder(converted, tmp_path):

@@ -44,7 +44,7 @@ def test_text_encodes_past_16_bits(converted):
 
 def test_onnx_fp32(converted, tmp_path):
     manifest = export_verify(converted, tmp_path / "x", "onnx", "--dtype", "float32")
-    assert manifest["artifacts"][0]["runtime"] == "onnx"
+    assert manifest["artifacts"][0]["target"] == "onnx"
 
 
 @pytest.mark.full

@@ -90,7 +90,7 @@ TARGET_SIDES: dict[str, frozenset[str]] = {
                          "runner_tokenizer", "web_fold", "builder_child", "vocab"}),
     "runtime": frozenset({"driver", "decoder", "interface", "interface_weights", "llm_runner",
                           "emulated_pte_runner"}),
-    "evaluate": frozenset({"stock_runner", "web_check", "bench_adb"}),
+    "evaluate": frozenset({"stock_runner", "web_check", "bench_adb", "stored_weights"}),
 }
 
 
@@ -120,9 +120,13 @@ def test_every_target_module_has_a_side():
 #: the ``.pte``'s ``head`` and ``token_table`` make)
 EVALUATE_MAY_IMPORT = {
     "pit_deploy/evaluate/*": {"pit_deploy.exporters.recipes"},
-    "pit_deploy/evaluate/weight_check.py": {"pit_deploy.exporters.passes", "pit_deploy.exporters.residual_rotation",
-                                            "pit_deploy.targets.gguf.export", "pit_deploy.targets.executorch.head",
-                                            "pit_deploy.targets.executorch.token_table"},
+    "pit_deploy/evaluate/weight_check.py": {"pit_deploy.exporters.residual_rotation"},
+    "pit_deploy/evaluate/onnx_weights.py": {"pit_deploy.exporters.passes", "pit_deploy.exporters.residual_rotation"},
+    "pit_deploy/targets/gguf/stored_weights.py": {"pit_deploy.exporters.passes", "pit_deploy.targets.gguf.export"},
+    "pit_deploy/targets/executorch/stored_weights.py": {"pit_deploy.exporters.passes",
+                                                        "pit_deploy.exporters.residual_rotation",
+                                                        "pit_deploy.targets.executorch.head",
+                                                        "pit_deploy.targets.executorch.token_table"},
 }
 
 
@@ -164,13 +168,15 @@ def test_no_target_imports_another_targets_folder():
 
 #: The package's layers, lowest first: a unit (a top-level module or sub-package) may import only
 #: units of lower layers (docs/design.md). Targets are declarations at the bottom: what they run
-#: is named as "module:attribute" and imported on first use, so every layer can ask a target.
+#: is named as "module:attribute" and imported on first use, so every layer can ask a target; the
+#: scheme registry sits just above them, since it reads the schemes a target declares as its own.
 #: The other modules of a target's folder are units of their own, one per target and side
 #: (:data:`TARGET_SIDES`), each just above the shared unit of its kind: ``targets/*/runtime``
 #: stands for every target's runtime side.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("options", "schemes", "targets"),
+    ("options", "targets"),
+    ("schemes",),
     ("model",),
     ("io",),
     ("data",),
@@ -222,6 +228,26 @@ def _graph() -> dict[str, set[str]]:
                 deps.add(imported)
         graph[name] = deps
     return graph
+
+
+def test_no_unit_imports_another_units_private_names():
+    """A name with a leading underscore is its module's own: another unit (a sub-package, a
+    target's side) that needs it gets a public name instead, so that a private helper can change
+    without breaking code elsewhere."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = (".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                      if node.level else node.module or "")
+            if not source.startswith("pit_deploy.") or _unit(source) == _unit(module):
+                continue
+            offenders += [f"{module} imports {source}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, offenders
 
 
 def test_every_unit_has_a_layer():

@@ -155,7 +155,8 @@ def test_out_under_a_file_fails_before_loading(tmp_path, capsys):
     (lambda m: m["artifacts"][0].__setitem__("path", "../elsewhere"), "not a plain relative path"),
     (lambda m: m["artifacts"][0]["files"].__setitem__("../../etc/passwd", {"sha256": "0" * 64, "bytes": 1}),
      "not a plain relative path"),
-    (lambda m: m["artifacts"][0].__setitem__("runtime", "tflite"), "not a runtime this pit-deploy knows"),
+    (lambda m: m["artifacts"][0].__setitem__("target", "tflite"), "not a target this pit-deploy knows"),
+    (lambda m: m["artifacts"][0].__setitem__("runtime", "executorch"), "names two targets"),
     (lambda m: m["artifacts"][0].pop("shapes"), "has no 'shapes'"),
     (lambda m: m["artifacts"][0].__setitem__("files", ["model.onnx"]), "artifacts[0].files must be a dict"),
     (lambda m: m.pop("reference"), "missing key 'reference'"),
@@ -167,6 +168,20 @@ def test_tampered_manifests_are_exit_2(onnx_export, tmp_path, capsys, tamper, me
     (d / "manifest.json").write_text(json.dumps(data))
     assert main(["verify", str(d), "--no-record"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_manifest_that_names_the_target_runtime_is_read(onnx_export, tmp_path):
+    """Manifests written before the field was called ``target`` name it ``runtime``: read as such."""
+    from pit_deploy.io.manifest import Manifest
+
+    d = _copy(onnx_export, tmp_path)
+    data = json.loads((d / "manifest.json").read_text())
+    for art in data["artifacts"]:
+        art["runtime"] = art.pop("target")
+    (d / "manifest.json").write_text(json.dumps(data))
+    manifest = Manifest.read(d)
+    assert {a.target for a in manifest.artifacts} == {"onnx"} and all(a.runtime == "onnx" for a in manifest.artifacts)
+    assert main(["verify", str(d), "--no-record"]) == 0
 
 
 def test_artifact_folder_replaced_by_a_symlink_outside_is_refused(onnx_export, tmp_path, capsys):

@@ -123,7 +123,7 @@ def test_a_gguf_is_listed_as_not_checked_never_passed(arm_setup, export, tmp_pat
     folder.mkdir()
     (folder / "model.gguf").write_bytes(b"\0" * 64)
     (folder / "llama_cpp.json").write_text(json.dumps({"file": "model.gguf"}))
-    gguf = {**fp32, "runtime": "gguf", "mode": "materialized", "path": folder.name, "details": {},
+    gguf = {**fp32, "target": "gguf", "mode": "materialized", "path": folder.name, "details": {},
             "files": {f"{folder.name}/{name}": {"sha256": "", "bytes": 0} for name in ("model.gguf", "llama_cpp.json")}}
     data["artifacts"].append(gguf)
     (out / MANIFEST_NAME).write_text(json.dumps(data))
@@ -242,7 +242,7 @@ def test_a_setup_without_the_executorch_runtime_is_exit_2_for_a_pte(pte_export, 
     capsys.readouterr()
     assert main(["verify", str(pte_export), "--isa", "aarch64", "--arm-cpu", "max", "--no-record"]) == 2
     err = capsys.readouterr().err
-    assert "has no ExecuTorch runtime" in err and "setup_aarch64.sh" in err
+    assert "lacks the ExecuTorch runtime" in err and "setup_aarch64.sh" in err
 
 
 @pytest.mark.parametrize("argv, said", [(["--arm-cpu", "max"], "apply to --isa aarch64 only"),

@@ -1,5 +1,6 @@
-"""The weight-level check of quantized artifacts (:mod:`pit_deploy.evaluate.weight_check`), and the
-checks that follow from the scheme and target rather than from manifest fields.
+"""The weight-level check of quantized artifacts (:mod:`pit_deploy.evaluate.weight_check`, each
+format's reader beside it or in its target's folder), and the checks that follow from the scheme
+and target rather than from manifest fields.
 
 Random bytes in the body weights of a quantized artifact (digests re-recorded, so only the
 numbers can give it away) fail ``verify`` with exit 1, naming the first corrupted tensor, however
@@ -235,7 +236,7 @@ def scramble_pte(folder: Path, vocab: int, seed: int = 0, head: bool = False) ->
     """Random bytes in the codes of the first body weight (a delegate's quantized linear that is
     not the ``vocab``-row head; ``head``: the head itself) of the ``.pte`` in ``folder``, in place,
     in whichever file holds its named-data entry; returns the tensor's name."""
-    from pit_deploy.evaluate.weight_check import pte_stored
+    from pit_deploy.targets.executorch.stored_weights import pte_stored
 
     stored = next(s for s in pte_stored(folder / "model.pte")
                   if "/xnnpack" in s.name and (s.values.shape[0] == vocab) == head)
@@ -253,11 +254,11 @@ def scramble_pte(folder: Path, vocab: int, seed: int = 0, head: bool = False) ->
 
 def scramble_artifact(directory: Path, art: dict) -> str:
     folder = directory / art["path"]
-    if art["runtime"] == "executorch":
+    if art["target"] == "executorch":
         return scramble_pte(folder, art["shapes"]["vocab_size"])
-    if art["runtime"] == "gguf":
+    if art["target"] == "gguf":
         return scramble_gguf(folder / art["details"]["file"])
-    if art["runtime"] == "onnx-genai":
+    if art["target"] == "onnx-genai":
         return scramble_onnx_graph(folder / "model.onnx", art["shapes"]["vocab_size"])
     from pit_deploy.targets.onnx import decoder_file
 
@@ -410,7 +411,7 @@ def test_random_bytes_in_a_gptq_head_of_a_pte_fail(llama_pte, tmp_path, scheme):
     """The GPTQ-rounded head of the int4 programs (its codes shared with the gather: 8-bit, and
     4-bit in ``model.ptd``) is held to the digests the export records for it: random bytes in its
     named-data entry fail the check, naming the head or the gather that reads the same codes."""
-    from pit_deploy.evaluate.weight_check import pte_stored
+    from pit_deploy.targets.executorch.stored_weights import pte_stored
 
     folder = f"executorch-factorized-{scheme}"
     vocab = json.loads((llama_pte / "reference" / "config.json").read_text())["vocab_size"]
@@ -431,7 +432,7 @@ def test_a_target_without_a_reader_is_reported_not_checked(monkeypatch):
     from pit_deploy.targets import get_target
 
     monkeypatch.setattr(get_target("executorch"), "weight_check", None)
-    art = SimpleNamespace(runtime="executorch", mode="factorized", path="executorch-factorized-int8", details={},
+    art = SimpleNamespace(target="executorch", mode="factorized", path="executorch-factorized-int8", details={},
                           files={}, shapes={"vocab_size": 8})
     check = weight_level_check(Path("."), art, None)
     assert check["checked"] is False and check["failure"] is None and check["tensors"] == 0
@@ -449,7 +450,8 @@ def test_torchao_hqq_rounding_passes_the_exporters_own_codes_and_no_others():
     from torch import nn
     from torchao.quantization import quantize_
 
-    from pit_deploy.evaluate.weight_check import _from_codes, off_grid, torchao_hqq_rounding
+    from pit_deploy.evaluate.weight_check import from_codes, off_grid
+    from pit_deploy.targets.executorch.stored_weights import torchao_hqq_rounding
     from pit_deploy.targets.executorch.head import xnnpack_linear_config
 
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
@@ -462,12 +464,12 @@ def test_torchao_hqq_rounding_passes_the_exporters_own_codes_and_no_others():
     scales = holder[0].weight.scale.to(torch.bfloat16).to(torch.float32).numpy()  # as XNNPACK stores them
     reference = weight.numpy()
 
-    stored = _from_codes("w", codes, scales, 4, 32, 128)
+    stored = from_codes("w", codes, scales, 4, 32, 128)
     assert off_grid(stored.values, reference, stored)[0] > 0  # clipped past one step of the widest grid
     assert torchao_hqq_rounding(stored, reference)
     rng = np.random.default_rng(0)
-    assert not torchao_hqq_rounding(_from_codes("w", rng.integers(-8, 8, codes.shape), scales, 4, 32, 128), reference)
-    assert not torchao_hqq_rounding(_from_codes("w", codes, scales * 1.02, 4, 32, 128), reference)
+    assert not torchao_hqq_rounding(from_codes("w", rng.integers(-8, 8, codes.shape), scales, 4, 32, 128), reference)
+    assert not torchao_hqq_rounding(from_codes("w", codes, scales * 1.02, 4, 32, 128), reference)
 
 
 # --------------------------------------------------------------------------------------
@@ -547,7 +549,7 @@ def swap_gguf(path: Path, first: str, second: str) -> str:
 def _pte_linear_keys(path: Path) -> list[tuple[str, str]]:
     """``(codes key, scales key)`` of the named-data entries of every quantized linear of the
     XNNPACK delegates of ``forward``, in the order the weight-level check reads them."""
-    from pit_deploy.evaluate.weight_check import XNN_WEIGHTS, _PteData, _xnn_graph
+    from pit_deploy.targets.executorch.stored_weights import XNN_WEIGHTS, _PteData, _xnn_graph
 
     program = _PteData(path).program
     plan = next(p for p in program.execution_plan if p.name == "forward")
@@ -628,11 +630,11 @@ def _swapped(case: str, sources, tmp_path_factory, tmp_path: Path) -> tuple[Path
     export_case, folder, (first, second), weight = SWAPS[case]
     directory = _copy(_exported(export_case, sources, tmp_path_factory), tmp_path)
     art = next(a for a in json.loads((directory / MANIFEST_NAME).read_text())["artifacts"] if a["path"] == folder)
-    if art["runtime"] == "executorch":
+    if art["target"] == "executorch":
         name = swap_pte(directory / folder, first, second)
-    elif art["runtime"] == "gguf":
+    elif art["target"] == "gguf":
         name = swap_gguf(directory / folder / art["details"]["file"], first, second)
-    elif art["runtime"] == "onnx-genai":
+    elif art["target"] == "onnx-genai":
         name = swap_onnx(directory / folder / "model.onnx", first, second)
     else:
         from pit_deploy.targets.onnx import decoder_file
@@ -779,7 +781,8 @@ def test_a_weight_is_paired_once_and_every_recorded_digest_is_held():
     """Two stored tensors read by nodes named for one weight fail (a model stores each weight
     once), and so does a digest recorded for a weight that no tensor paired with it holds; the
     honest pair passes. On the tiny model's own weights, stored exactly."""
-    from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, compare, onnx_pairing, table_candidates
+    from pit_deploy.evaluate.onnx_weights import onnx_pairing
+    from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, compare, table_candidates
     from pit_deploy.exporters.passes import prepare
 
     prepared = prepare(_model("llama"), "materialized")
@@ -814,7 +817,7 @@ def test_the_roles_of_a_models_linears_come_from_its_forward_pass(family):
     forward pass of the model, no table of names: ``gate`` through the activation, ``up``
     straight into the product; ``q`` and ``k`` through the rotary embedding (Qwen3's through
     their norm first), ``v`` through neither."""
-    from pit_deploy.evaluate.weight_check import NONLINEAR, PLAIN, SELF_SUM, _body_linears
+    from pit_deploy.targets.executorch.stored_weights import NONLINEAR, PLAIN, SELF_SUM, _body_linears
     from pit_deploy.exporters.passes import prepare
 
     groups, roles = _body_linears(prepare(_model(family), "materialized"))
@@ -831,8 +834,8 @@ def test_members_of_one_shape_in_a_pte_group_are_paired_by_their_role():
     v_proj's, fail naming the place and the weight of its role; paired by value (no roles) the
     swap passed. A group whose roles in the program are not the model's is paired by value, and
     named."""
-    from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, _body_linears, compare, pte_pairing, \
-        table_candidates
+    from pit_deploy.evaluate.weight_check import ReferenceWeights, Stored, compare, table_candidates
+    from pit_deploy.targets.executorch.stored_weights import _body_linears, pte_pairing
     from pit_deploy.exporters.passes import prepare
 
     prepared = prepare(_model("llama"), "materialized")

@@ -285,15 +285,15 @@ def _cell_env() -> dict[str, str]:
 
 def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[list[dict[str, Any]], dict[str, list[int]], list[str]]:
     """Every cell to run (validated before anything is measured), the prompts, the warnings."""
-    from ..io.sources import _maybe_tokenizer
+    from ..io.sources import maybe_tokenizer
 
     cells, prompts, warnings = [], {}, []
     manifests = [(Path(d), Manifest.read(d)) for d in directories]  # every manifest is read before any work
     for (directory, manifest), name in zip(manifests, export_names(directories)):
-        tokenizer = _maybe_tokenizer(directory / REFERENCE_DIR, True, False)
+        tokenizer = maybe_tokenizer(directory / REFERENCE_DIR, True, False)
         positions = reference_positions(directory)
         for art in manifest.artifacts:
-            target = get_target(art.runtime)
+            target = get_target(art.target)
             target.driver_class()  # an uninstalled runtime is unusable input, before any work
             target.check_files(directory, art)  # what the runtime opens is a file the digests cover
             label = f"{name}/{art.path}"
@@ -305,11 +305,11 @@ def plan_cells(directories: Sequence[str | Path], opts: BenchOptions) -> tuple[l
                 for t in opts.threads:
                     cells.append({
                         "label": label, "export": name, "prompt_key": f"{name}:{p}",
-                        "folder": str(directory / art.path), "files": list(art.files), "runtime": art.runtime,
-                        "target": art.runtime, "driver": target.driver, "threads": t, "prompt_ids": ids,
+                        "folder": str(directory / art.path), "files": list(art.files), "runtime": art.target,
+                        "target": art.target, "driver": target.driver, "threads": t, "prompt_ids": ids,
                         "gen_len": opts.gen_len,
                         "reps": opts.reps,
-                        "meta": {"artifact": label, "runtime": art.runtime, "mode": art.mode, "dtype": art.dtype,
+                        "meta": {"artifact": label, "runtime": art.target, "mode": art.mode, "dtype": art.dtype,
                                  "scheme": art.scheme_name,
                                  "tying": getattr(art, "tying", "pit"), "threads": t, "prompt_len": p,
                                  "gen_len": opts.gen_len, "size_mb": art.bytes / 1e6, "verified": verified},

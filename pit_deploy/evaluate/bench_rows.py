@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from ..errors import PitError
 from ..io.fs import confined, sha256_file
 from ..io.manifest import Manifest, artifact_key
-from ..runtime.standalone import _mean_std, _percentile
+from ..runtime.standalone import mean_std, percentile
 
 ROW_FIELDS = ("artifact", "runtime", "mode", "dtype", "tying", "threads", "prompt_len", "gen_len",
               "prefill_tok_s", "decode_tok_s", "ttft_ms", "decode_ms_p50", "decode_ms_p90", "load_s",
@@ -70,15 +70,15 @@ def runner_row(meta: dict[str, Any], passes: list[dict[str, float]], rss_kib: li
     of a runner that reports its own statistics (ExecuTorch's stock runner, ``llama_main``).
     ``decode_ms_p50``/``p90`` are over the invocations' mean ms per token: the stock runner
     reports no per-token times."""
-    pp, pp_std = _mean_std([p["prefill_tok_s"] for p in passes])
-    tg, tg_std = _mean_std([p["decode_tok_s"] for p in passes])
+    pp, pp_std = mean_std([p["prefill_tok_s"] for p in passes])
+    tg, tg_std = mean_std([p["decode_tok_s"] for p in passes])
     per_token = [p["decode_ms_per_token"] for p in passes]
     known = [r for r in rss_kib if r is not None]
     return {
         **meta,
         "prefill_tok_s": pp, "prefill_tok_s_std": pp_std, "decode_tok_s": tg, "decode_tok_s_std": tg_std,
         "ttft_ms": sum(p["ttft_ms"] for p in passes) / len(passes),
-        "decode_ms_p50": _percentile(per_token, 0.5), "decode_ms_p90": _percentile(per_token, 0.9),
+        "decode_ms_p50": percentile(per_token, 0.5), "decode_ms_p90": percentile(per_token, 0.9),
         "load_s": sum(p["load_s"] for p in passes) / len(passes),
         "peak_rss_mb": max(known) / 1024.0 if known else math.nan,
         "prompt_tokens": passes[-1]["prompt_tokens"], "generated_tokens": passes[-1]["generated_tokens"],

@@ -304,7 +304,7 @@ def prepare(directory: Any, art: Any, reference: Any, tokenizer: Any, heldout: d
     length = min(HELDOUT_TOKENS, max_seq or HELDOUT_TOKENS)
     blocks = heldout.get("blocks") if isinstance(heldout, dict) else None
     held = heldout_sequence(blocks or corpus_block(tokenizer, vocab, length), vocab, length)
-    driver = driver_class(art.runtime)(directory / art.path)
+    driver = driver_class(art.target)(directory / art.path)
     try:
         plan = make_plan(driver, prompts, held, vocab, dim, max_seq)
         x86 = execute(plan, driver, sampled_interface(driver, vocab, dim))

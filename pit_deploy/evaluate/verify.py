@@ -54,7 +54,7 @@ from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key,
                            read_manifest_json)
 from ..model.quantized_interface import identity_defect
 from ..runtime.drivers import driver_class
-from ..schemes import DTYPES, SCHEMES, ParityBounds, QuantizedBounds, bounds_for, scheme_names
+from ..schemes import DTYPES, ParityBounds, QuantizedBounds, bounds_for, registered, scheme_names
 from ..targets import VerifyContext, get_target, target_names
 from .bound_checks import agreement_failures, kl_failures, logit_failures, rel_l2
 
@@ -287,7 +287,7 @@ class VerifyReport:
             "directory": self.directory,
             "passed": self.passed,
             "manifest_sha256": self.manifest_sha256,
-            "bounds": {name: s.bounds.to_dict() for name, s in SCHEMES.items()},
+            "bounds": {name: s.bounds.to_dict() for name, s in registered().items()},
             "artifacts": [asdict(a) for a in self.artifacts],
         }
 
@@ -339,7 +339,7 @@ def load_reference(directory: Path):
     """The reference model (a PIT checkpoint, or the plain tied model of a ``--keep-tying``
     export) and its tokenizer (or ``None``)."""
     from ..io.checkpoint import is_pit_directory
-    from ..io.sources import _maybe_tokenizer, load_source
+    from ..io.sources import maybe_tokenizer, load_source
 
     ref_dir = directory / REFERENCE_DIR
     if is_pit_directory(ref_dir):
@@ -349,7 +349,7 @@ def load_reference(directory: Path):
         check_model_finite(model)  # a non-finite reference is unusable input (exit 2)
     else:
         model = load_source(str(ref_dir), with_tokenizer=False).model.eval()
-    return model, _maybe_tokenizer(ref_dir, True, False)
+    return model, maybe_tokenizer(ref_dir, True, False)
 
 
 def make_prompts(tokenizer, vocab_size: int, max_prompt: int, seed: int = 0) -> list[torch.Tensor]:
@@ -400,7 +400,7 @@ def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, 
     emb, head = driver.interface(vocab, dim)
     runtime_figure = delta_ti_of(emb, head)
     del emb, head  # two V×d tables: gone before the reference's figure
-    weights_shared, notes = get_target(art.runtime).interface_checks(directory / art.path, dim)
+    weights_shared, notes = get_target(art.target).interface_checks(directory / art.path, dim)
     return runtime_figure, interface_delta_ti(reference), weights_shared, list(notes)
 
 
@@ -435,11 +435,11 @@ def require_expected(directory: Path, art) -> None:
     from ..schemes import get_scheme
 
     scheme = get_scheme(art.scheme_name)
-    if not scheme.quantized or get_target(art.runtime).weight_grid(scheme, art.mode) is None:
+    if not scheme.quantized or get_target(art.target).weight_grid(scheme, art.mode) is None:
         return
     if expected_figures(directory, art) is None:
         raise PitError(f"{directory / MANIFEST_NAME}: artifact {art.key} records no expected quantization error "
-                       f"(details.expected), which every {art.runtime} {scheme.name} export records and the scaled "
+                       f"(details.expected), which every {art.target} {scheme.name} export records and the scaled "
                        "KL check needs; the manifest was edited or written by an older pit-deploy: re-export")
 
 
@@ -537,7 +537,7 @@ def interface_exact_of(art, recipe: dict | None) -> bool:
 
     override = (recipe or {}).get("pit_correction")
     correction = override if isinstance(override, bool) else get_scheme(art.scheme_name).pit_correction
-    return get_target(art.runtime).interface_exact(correction, art.mode)
+    return get_target(art.target).interface_exact(correction, art.mode)
 
 
 def weight_level_check(directory: Path, art, reference) -> dict[str, Any]:
@@ -568,7 +568,7 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
             or any(not isinstance(t, int) or not 0 <= t < vocab for row in blocks for t in row)):
         raise PitError(f"{directory / MANIFEST_NAME}: the held-out ids are not token ids of this model "
                        "(tampered manifest?); re-export")
-    driver = driver or driver_class(art.runtime)(directory / art.path)
+    driver = driver or driver_class(art.target)(directory / art.path)
     try:
         figures = kl_parity(driver, reference, blocks)
         delta, ref_delta, weights_shared, notes = _interface_figures(directory, art, driver, reference)
@@ -584,7 +584,7 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
                      "error for this artifact (written before exports measured it, or by a target that "
                      "declares no weight grid); re-export with this pit-deploy to get it")
     return ArtifactResult(
-        runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
+        runtime=art.target, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
         kl_mean=figures.kl_mean, kl_p99=figures.kl_p99, same_top1=figures.same_top1,
         ppl_ratio=figures.ppl_ratio, heldout_tokens=figures.tokens, pit_correction=correction,
         interface_exact=exact, expected_kl_mean=None if expected is None else expected["kl_mean"],
@@ -599,7 +599,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
                     bounds: ParityBounds | None = None, driver=None) -> ArtifactResult:
     """Compare one fp32 artifact with the reference (see the module docstring) on ``driver``
     (default: the runtime's own; :mod:`.verify_aarch64` passes its replay of the emulated run)."""
-    driver = driver or driver_class(art.runtime)(directory / art.path)
+    driver = driver or driver_class(art.target)(directory / art.path)
     vocab = art.shapes["vocab_size"]
     max_seq = art.shapes.get("max_seq_len")
     max_prompt = (max_seq - GREEDY_TOKENS) if max_seq else 10**9
@@ -648,7 +648,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
         notes.append("no tokenizer in the reference: prompts are seeded random token ids")
     rel_pre, rel_dec = worst(pre_errs), worst(dec_errs)
     return ArtifactResult(
-        runtime=art.runtime, mode=art.mode,
+        runtime=art.target, mode=art.mode,
         logits_rel_l2=worst([rel_pre, rel_dec]), logits_max_abs=worst(abs_errs),
         prefill_rel_l2=rel_pre, decode_rel_l2=rel_dec,
         top1_agreement=agree / max(total, 1), greedy_match=greedy_ok,
@@ -743,7 +743,7 @@ def verify_export(
     selected = manifest.artifacts
     if runtimes is not None:
         wanted = parse_list(runtimes, target_names(), "runtime")
-        selected = [a for a in selected if a.runtime in wanted]
+        selected = [a for a in selected if a.target in wanted]
     if modes is not None:
         wanted_modes = parse_list(modes, MODES, "mode")
         selected = [a for a in selected if a.mode in wanted_modes]
@@ -754,7 +754,7 @@ def verify_export(
         have = ", ".join(a.key for a in manifest.artifacts) or "none"
         raise PitError(f"no artifact in {directory} matches the selection (it holds: {have})")
     for art in selected:  # what each runtime opens is what the digests cover
-        get_target(art.runtime).check_files(directory, art)
+        get_target(art.target).check_files(directory, art)
         check_onnx_data_files(directory, art)
     for art in selected:
         require_expected(directory, art)  # before any work
@@ -763,7 +763,7 @@ def verify_export(
         from ..runtime.web_clients import CLIENTS, check_setup
 
         web_clients = tuple(parse_list(web, CLIENTS, "web client"))
-        if not any(get_target(a.runtime).web_ready for a in selected):
+        if not any(get_target(a.target).web_ready for a in selected):
             raise PitError(f"--web runs transformers.js on the onnx target's folders, and none is selected in "
                            f"{directory}; export with --runtime onnx")
         for client in web_clients:
@@ -795,7 +795,7 @@ def verify_export(
     if "x86_64" in isas:
         for art in selected:
             result, bounds, quantized = check(art)
-            get_target(art.runtime).verify_extras(ctx, art, result, quantized)
+            get_target(art.target).verify_extras(ctx, art, result, quantized)
             result.judge(bounds)
             results.append(result)
     def compact(art) -> Any:  # the aarch64 compact check's x86 side (verify_aarch64 runs cross_isa.prepare)

@@ -48,15 +48,14 @@ import torch
 from ..errors import PitError
 from ..exporters.recipes import parse_list
 from ..runtime.base import Driver
-from ..runtime.emulated import (ARMV8_0_CPUS, EXECUTORCH, KLEIDIAI_SETTINGS, ONNXRUNTIME, OTHER_CPUS, PROFILES,
-                                SETUP_COMMAND, Aarch64Setup, check_emulates, find_setup, kleidiai_applies, run_job)
+from ..runtime.emulated import (ARMV8_0_CPUS, KLEIDIAI_SETTINGS, OTHER_CPUS, PROFILES, SETUP_COMMAND, Aarch64Setup,
+                                check_emulates, find_setup, kleidiai_applies, run_job)
 from ..runtime.emulated_runner import JOB_NAME, RESULTS_NAME
 from ..targets import get_target
+from ..targets.base import EmulatedEngine
 
 #: intra-op threads of the emulated sessions (the kernels chosen do not depend on it)
 THREADS = 1
-#: how rows and messages name each emulated runtime
-RUNTIME_NAMES = {ONNXRUNTIME: "onnxruntime", EXECUTORCH: "the ExecuTorch runtime"}
 
 
 class RecordingDriver(Driver):
@@ -120,17 +119,19 @@ class ReplayDriver(Driver):
 
 
 def _emulated(art: Any) -> bool:
-    return get_target(art.runtime).aarch64_layout is not None
+    return get_target(art.target).aarch64_engine is not None
 
 
-def _runtime(art: Any) -> str:
-    """The emulated runtime that runs ``art``: the ExecuTorch runtime or onnxruntime."""
-    return EXECUTORCH if get_target(art.runtime).aarch64_layout == "pte" else ONNXRUNTIME
+def _engine(art: Any) -> EmulatedEngine:
+    """The emulated runtime build that runs ``art`` (its target's)."""
+    engine = get_target(art.target).aarch64_engine
+    assert engine is not None, "only artifacts of targets with an aarch64 engine run emulated"
+    return engine
 
 
 def _runs_on(art: Any, cpu: str) -> bool:
     """Whether ``art``'s emulated runtime runs on CPU profile ``cpu`` at all (ARMv8.0 cores)."""
-    return cpu not in ARMV8_0_CPUS or get_target(art.runtime).aarch64_armv8_0
+    return cpu not in ARMV8_0_CPUS or _engine(art).armv8_0
 
 
 def _illegal_instruction(proc: Any) -> bool:
@@ -171,19 +172,19 @@ class EmulatedVerify:
                            + "; ".join(f"{a.key}: {self.reason(a)}" for a in self.runnable)
                            + f" (choose a profile other than {', '.join(ARMV8_0_CPUS)})")
         self.setup: Aarch64Setup = find_setup()
-        for runtime in {_runtime(a) for a in self.runnable}:
-            self.setup.require(runtime)
+        for engine in dict.fromkeys(_engine(a) for a in self.runnable):
+            self.setup.require(engine)
         check_emulates(self.setup)  # an emulator that runs the child natively would check x86 kernels
 
     @staticmethod
     def reason(art: Any) -> str:
-        return get_target(art.runtime).aarch64_blocker
+        return get_target(art.target).aarch64_blocker
 
     def settings(self, art: Any, cpu: str) -> list[str | None]:
         """The KleidiAI settings ``art`` runs under on ``cpu`` (an onnxruntime session setting;
         ``None``: one run): one where KleidiAI has no kernels for it there (both would run the
         same kernels)."""
-        if _runtime(art) != ONNXRUNTIME:
+        if not _engine(art).kleidiai:
             return [None]
         return list(self.kleidiai) if kleidiai_applies(cpu, art.dtype != "float32") else list(self.kleidiai[:1])
 
@@ -204,31 +205,29 @@ class EmulatedVerify:
             else:
                 self.cases[n] = case = prepare(self.directory, **compact(art))
                 execute(case.plan, recorder, recorder.interface_rows)
-            target = get_target(art.runtime)
+            target = get_target(art.target)
             decoder, interface = target.aarch64_graphs(self.directory / art.path)
-            job = {"name": art.key, "decoder": str(decoder), "interface": str(interface),
-                   "layout": target.aarch64_layout, "calls": recorder.calls}
-            if _runtime(art) == EXECUTORCH:
-                job["interface_chunks"] = list(target.aarch64_interface_chunks)
-            jobs.append(job)
+            jobs.append({"name": art.key, "decoder": str(decoder), "interface": str(interface),
+                         "layout": target.aarch64_layout, "calls": recorder.calls, **target.aarch64_job()})
         rows: dict[tuple[int, str, str | None], Any] = {}
         with tempfile.TemporaryDirectory(prefix="pit-aarch64-") as tmp:
             work = []
+            engines = list(dict.fromkeys(_engine(a) for a in self.runnable))
             for cpu in self.cpus:
-                for runtime in (ONNXRUNTIME, EXECUTORCH):
-                    mine = [i for i, a in enumerate(self.runnable) if _runtime(a) == runtime]
+                for engine in engines:
+                    mine = [i for i, a in enumerate(self.runnable) if _engine(a) == engine]
                     for i in [i for i in mine if not _runs_on(self.runnable[i], cpu)]:
                         rows[i, cpu, None] = self._not_checked(self.runnable[i], cpu, self.reason(self.runnable[i]))
                     mine = [i for i in mine if _runs_on(self.runnable[i], cpu)]
                     if mine:
-                        work.append((cpu, runtime, mine))
+                        work.append((cpu, engine, mine))
             # one emulated process per CPU profile and runtime, as many at once as there are cores
-            # (each runs single-threaded), the ExecuTorch ones (the longest) first; judged in the
+            # (each runs single-threaded), the slow engines' (ExecuTorch's) first; judged in the
             # order they were listed
-            work.sort(key=lambda w: w[1] != EXECUTORCH)
+            work.sort(key=lambda w: not w[1].slow)
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.jobs, max(1, len(work)))) as pool:
-                futures = [pool.submit(self._run_job, Path(tmp), cpu, runtime, mine, jobs, check)
-                           for cpu, runtime, mine in work]
+                futures = [pool.submit(self._run_job, Path(tmp), cpu, engine, mine, jobs, check)
+                           for cpu, engine, mine in work]
                 for future in futures:
                     rows.update(future.result())
         ordered = []
@@ -239,15 +238,15 @@ class EmulatedVerify:
                 ordered += [rows[i, cpu, k] for k in keys if (i, cpu, k) in rows]
         return ordered + [self._row(a, arm_cpu=None, checked=False, notes=[self.reason(a)]) for a in self.skipped]
 
-    def _run_job(self, tmp: Path, cpu: str, runtime: str, indices: list[int], jobs: list[dict[str, Any]],
+    def _run_job(self, tmp: Path, cpu: str, engine: EmulatedEngine, indices: list[int], jobs: list[dict[str, Any]],
                  check: Callable[..., tuple[Any, Any, bool]]) -> dict[tuple[int, str, str | None], Any]:
         """One emulated process on ``cpu`` for the artifacts ``indices`` of one runtime; their rows."""
-        job_dir = tmp / f"{cpu}-{runtime}"
+        job_dir = tmp / f"{cpu}-{engine.key}"
         job_dir.mkdir()
         settings = {i: self.settings(self.runnable[i], cpu) for i in indices}
         (job_dir / JOB_NAME).write_text(json.dumps({"threads": THREADS, "artifacts": [
             {**jobs[i], "kleidiai": settings[i]} for i in indices]}))
-        proc = run_job(self.setup, cpu, job_dir, runtime=runtime)
+        proc = run_job(self.setup, cpu, job_dir, engine)
         rows: dict[tuple[int, str, str | None], Any] = {}
         if not (job_dir / RESULTS_NAME).is_file():  # written once the runtime imports
             if _illegal_instruction(proc):  # the wheel cannot run on this CPU profile at all
@@ -256,7 +255,7 @@ class EmulatedVerify:
                         self.runnable[i], cpu, f"{self.reason(self.runnable[i])} ({_last_line(proc)})")
                 return rows
             said = _last_line(proc)
-            raise PitError(f"the emulated aarch64 Python ({cpu}) could not start {RUNTIME_NAMES[runtime]} (exit status "
+            raise PitError(f"the emulated aarch64 Python ({cpu}) could not start {engine.title} (exit status "
                            f"{proc.returncode}{': ' + said if said else ''}); rerun `{SETUP_COMMAND}`")
         finished = self._finished(job_dir, cpu)
         for n, i in enumerate(indices):
@@ -267,11 +266,11 @@ class EmulatedVerify:
                     rows[i, cpu, None] = self._not_checked(art, cpu, f"{self.reason(art)} ({_last_line(proc)})")
                     break
                 rows[i, cpu, setting] = self._judge(art, jobs[i]["calls"], job_dir, n, cpu, setting, run, proc,
-                                                    check, runtime)
+                                                    check, engine)
         return rows
 
     def _row(self, art: Any, **kw: Any) -> Any:
-        return self.row(runtime=art.runtime, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
+        return self.row(runtime=art.target, mode=art.mode, dtype=art.dtype, scheme=art.scheme_name,
                         tying=getattr(art, "tying", "pit"), isa="aarch64", **kw)
 
     def _not_checked(self, art: Any, cpu: str, reason: str) -> Any:
@@ -290,9 +289,9 @@ class EmulatedVerify:
         return {(int(r["artifact"]), r["kleidiai"]): r for r in data.get("runs", [])}
 
     def _judge(self, art: Any, calls: list, job_dir: Path, i: int, cpu: str, setting: str | None,
-               run: dict | None, proc: Any, check: Callable[..., tuple[Any, Any, bool]], runtime: str) -> Any:
+               run: dict | None, proc: Any, check: Callable[..., tuple[Any, Any, bool]], engine: EmulatedEngine) -> Any:
         where = {"arm_cpu": cpu, "kleidiai": setting}
-        name = RUNTIME_NAMES[runtime]
+        name = engine.title
         if run is None or run.get("error"):
             if run is None:
                 said = _last_line(proc)
@@ -322,6 +321,6 @@ class EmulatedVerify:
             result.notes.append(f"one KleidiAI setting on {cpu}: KleidiAI has no kernels for this artifact there "
                                 f"(it needs {'dot products' if art.dtype != 'float32' else 'SME'}), so on and off "
                                 "run the same kernels")
-        result.notes.append(f"{kernels} ({self.setup.describe(runtime)}); emulated wall {run['seconds']:.1f} s, "
+        result.notes.append(f"{kernels} ({self.setup.describe(engine)}); emulated wall {run['seconds']:.1f} s, "
                             "not a latency")
         return result.judge(bounds)

@@ -225,6 +225,7 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool
     from onnx import numpy_helper
 
     from ..model.core import rotate_rows
+    from ..model.quantized_interface import table_map
     from .residual_rotation import rotation_matrix
 
     if iface.t_name is None or iface.t_inv_name is None:
@@ -250,7 +251,7 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool
     if int8_block:
         # S on the float32 grid it is stored with, so that the kernel reads the snapped rows
         s = int8_block_grid_rows(t @ r, int8_block).astype(np.float32).astype(np.float64)
-        r = np.linalg.solve(s, t).T  # the table's map A: Z -> Z A = Z Tᵀ S⁻ᵀ (= R when S = T R)
+        r = table_map(s, t)  # the table's map A: Z -> Z A = Z Tᵀ S⁻ᵀ (= R when S = T R)
         put(iface.t_name, s)
         put(iface.t_inv_name, np.linalg.solve(r, t_inv))  # A⁻¹ T⁻¹ = Sᵀ T⁻ᵀ T⁻¹
     else:

@@ -156,7 +156,7 @@ def export_model(
                     if scheme.quantized:
                         _record_expected_error(details, source, model, heldout, scheme, grid, say)
                     art = Artifact(
-                        runtime=runtime, mode=mode, dtype=scheme.dtype, path=name,
+                        target=runtime, mode=mode, dtype=scheme.dtype, path=name,
                         files=file_table(tmp, tmp / name), shapes=target.shapes(prepared.config, mode, recipe),
                         details=details, export_seconds=round(seconds, 3),
                         tying="tied" if keep_tying else "pit", scheme=scheme.name,

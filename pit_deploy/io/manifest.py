@@ -4,11 +4,11 @@ Layout of an export directory::
 
     manifest.json                     this file (written last: its presence means "complete")
     reference/                        the PIT checkpoint the artifacts were made from
-    <runtime>-<mode>[-<scheme>]/...   one folder per artifact (e.g. onnx-factorized/model.onnx,
+    <target>-<mode>[-<scheme>]/...    one folder per artifact (e.g. onnx-factorized/model.onnx,
                                       onnx-factorized-int4-compact/model.onnx)
 
-The manifest records, per artifact: runtime (the target), mode, dtype, quantization scheme, shapes, files with their sha256 and
-size, export time; globally: the source model's description and digest, the sha256 of the
+The manifest records, per artifact: target, mode, dtype, quantization scheme, shapes, files with
+their sha256 and size, export time; globally: the source model's description and digest, the sha256 of the
 reference weights, library versions, and — after ``pit-deploy verify`` — the verification
 results. Updates (verification results) are written to a temporary file and renamed over the
 old one (``os.replace`` is atomic on POSIX and Windows).
@@ -46,10 +46,10 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
-def artifact_key(runtime: str, mode: str, scheme: str = "float32") -> str:
+def artifact_key(target: str, mode: str, scheme: str = "float32") -> str:
     """An artifact's name (and folder): ``onnx-factorized`` for fp32, ``onnx-factorized-int4``
     for the int4 scheme, ``onnx-factorized-int4-compact`` for another int4 scheme."""
-    return f"{runtime}-{mode}" if scheme == "float32" else f"{runtime}-{mode}-{scheme}"
+    return f"{target}-{mode}" if scheme == "float32" else f"{target}-{mode}-{scheme}"
 
 
 def file_table(root: Path, folder: Path) -> dict[str, dict[str, Any]]:
@@ -64,7 +64,9 @@ def file_table(root: Path, folder: Path) -> dict[str, dict[str, Any]]:
 class Artifact:
     """One exported artifact (a target × mode × scheme)."""
 
-    runtime: str
+    #: the target's name (``onnx``, ``executorch``, …); manifests written before this field was
+    #: named so call it ``runtime``, which :meth:`Manifest.read` accepts
+    target: str
     mode: str
     dtype: str
     path: str  #: folder relative to the export directory
@@ -78,6 +80,11 @@ class Artifact:
     scheme: str = ""
 
     @property
+    def runtime(self) -> str:
+        """The older name of :attr:`target`."""
+        return self.target
+
+    @property
     def scheme_name(self) -> str:
         return self.scheme or self.dtype
 
@@ -88,7 +95,7 @@ class Artifact:
 
     @property
     def key(self) -> str:
-        return artifact_key(self.runtime, self.mode, self.scheme_name)
+        return artifact_key(self.target, self.mode, self.scheme_name)
 
     @property
     def quantized(self) -> bool:
@@ -167,15 +174,15 @@ class Manifest:
             files += list(art.files)
         return files
 
-    def artifact(self, runtime: str, mode: str, scheme: str = "float32") -> Artifact | None:
-        """The artifact of ``runtime``, ``mode`` and ``scheme`` (a dtype names its own scheme)."""
+    def artifact(self, target: str, mode: str, scheme: str = "float32") -> Artifact | None:
+        """The artifact of ``target``, ``mode`` and ``scheme`` (a dtype names its own scheme)."""
         for art in self.artifacts:
-            if art.key == artifact_key(runtime, mode, scheme):
+            if art.key == artifact_key(target, mode, scheme):
                 return art
         return None
 
 
-_ARTIFACT_TYPES = {"runtime": str, "mode": str, "dtype": str, "path": str, "files": dict, "shapes": dict}
+_ARTIFACT_TYPES = {"target": str, "mode": str, "dtype": str, "path": str, "files": dict, "shapes": dict}
 
 
 def read_manifest_json(path: Path) -> Any:
@@ -228,13 +235,14 @@ def _validate(path: Path, data: dict[str, Any]) -> None:
     for i, art in enumerate(data["artifacts"]):
         if not isinstance(art, dict):
             raise PitError(f"{path}: artifacts[{i}] must be an object")
+        _older_target_key(path, i, art)
         for key, kind in _ARTIFACT_TYPES.items():
             if key not in art:
                 raise PitError(f"{path}: artifacts[{i}] has no {key!r}; the manifest is incomplete or tampered")
             if not isinstance(art[key], kind):
                 raise PitError(f"{path}: artifacts[{i}].{key} must be a {kind.__name__}, got {type(art[key]).__name__}")
-        if art["runtime"] not in target_names():
-            raise PitError(f"{path}: artifacts[{i}].runtime {art['runtime']!r} is not a runtime this pit-deploy "
+        if art["target"] not in target_names():
+            raise PitError(f"{path}: artifacts[{i}].target {art['target']!r} is not a target this pit-deploy "
                            f"knows ({', '.join(target_names())})")
         _check_path(path, f"artifacts[{i}].path", art["path"])
         for rel, info in art["files"].items():
@@ -252,6 +260,19 @@ def _validate(path: Path, data: dict[str, Any]) -> None:
     _check_unique(path, data["artifacts"])
 
 
+def _older_target_key(path: Path, i: int, art: dict[str, Any]) -> None:
+    """Read an artifact written before its target was recorded as ``target``: its ``runtime`` key
+    is the same value under the older name (moved in place). One artifact with both keys must
+    agree."""
+    if "runtime" not in art:
+        return
+    older = art.pop("runtime")
+    if "target" in art and art["target"] != older:
+        raise PitError(f"{path}: artifacts[{i}] names two targets, target {art['target']!r} and runtime {older!r}; "
+                       "the manifest was edited or tampered — re-export")
+    art["target"] = older
+
+
 def _check_scheme(path: Path, i: int, art: dict[str, Any]) -> None:
     """Refuse an artifact whose scheme the manifest records inconsistently. The scheme picks the
     bounds ``verify`` judges the artifact by (int8's scaled KL factor is 10, int4's 4), so it must
@@ -260,7 +281,7 @@ def _check_scheme(path: Path, i: int, art: dict[str, Any]) -> None:
     same ``name`` and ``dtype``; and an artifact that carries what only GPTQ rounding records
     (``details.calibration``, ``details.weight_codes``) says ``rounding: gptq`` (its own, tighter
     bounds). Editing one of them alone is a tampered manifest (exit 2), not another scheme."""
-    from ..schemes import SCHEMES
+    from ..schemes import registered
     from .weight_codes import CODES_FIELD
 
     where = f"{path}: artifacts[{i}]"
@@ -269,7 +290,7 @@ def _check_scheme(path: Path, i: int, art: dict[str, Any]) -> None:
     if not isinstance(scheme, str):
         raise PitError(f"{where}.scheme must be a str, got {type(scheme).__name__}")
     name = scheme or dtype
-    known = SCHEMES.get(name)
+    known = registered().get(name)
     if known is not None and known.dtype != dtype:
         raise PitError(f"{where}: scheme {name!r} stores {known.dtype} weights, but the artifact's dtype is "
                        f"{dtype!r}; {tampered}")
@@ -290,12 +311,12 @@ def _check_scheme(path: Path, i: int, art: dict[str, Any]) -> None:
 
 
 def _check_unique(path: Path, artifacts: list[dict[str, Any]]) -> None:
-    """Two artifacts with one key (runtime, mode, scheme) or one folder are ambiguous: which of
+    """Two artifacts with one key (target, mode, scheme) or one folder are ambiguous: which of
     them a verification result, a benchmark row or a bundle folder belongs to is undecidable."""
     keys: dict[str, int] = {}
     folders: dict[str, int] = {}
     for i, art in enumerate(artifacts):
-        key = artifact_key(art["runtime"], art["mode"], art.get("scheme") or art["dtype"])
+        key = artifact_key(art["target"], art["mode"], art.get("scheme") or art["dtype"])
         for seen, value, what in ((keys, key, "key"), (folders, art["path"], "path")):
             if value in seen:
                 raise PitError(f"{path}: artifacts[{seen[value]}] and artifacts[{i}] have the same {what} "

@@ -219,7 +219,7 @@ def _load_directory(
         raise PitError(f"{path} holds an already quantized model ({cfg['quantization_config'].get('quant_method', '?')}); "
                        "pass the full-precision model — pit-deploy quantizes at export (--dtype int8,int4)")
     if is_pit_directory(path):
-        tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code, strict=True)  # before the slow load
+        tokenizer = maybe_tokenizer(path, with_tokenizer, trust_remote_code, strict=True)  # before the slow load
         model = load_pit_model(path, dtype)
         return LoadedModel(model, tokenizer, {"kind": "pit", "path": str(path), **_digest(path)})
     architectures = cfg.get("architectures") or []
@@ -239,7 +239,7 @@ def _load_directory(
             else ""
         )
         raise PitError(f"{path} holds no .safetensors weights{hint}")
-    tokenizer = _maybe_tokenizer(path, with_tokenizer, trust_remote_code, strict=True)  # before the slow load
+    tokenizer = maybe_tokenizer(path, with_tokenizer, trust_remote_code, strict=True)  # before the slow load
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
@@ -300,14 +300,14 @@ def directory_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     Raises:
         PitError: tokenizer files that cannot be read (naming the file).
     """
-    return _maybe_tokenizer(Path(path), True, trust_remote_code, strict=True)
+    return maybe_tokenizer(Path(path), True, trust_remote_code, strict=True)
 
 
 #: the files whose presence means a directory has a tokenizer
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def _maybe_tokenizer(path: Path, wanted: bool, trust_remote_code: bool, strict: bool = False):
+def maybe_tokenizer(path: Path, wanted: bool, trust_remote_code: bool, strict: bool = False):
     """The tokenizer saved in ``path``; ``None`` when it holds no tokenizer file. With ``strict``
     (a model source) tokenizer files that cannot be read are an error naming the file; without
     (an export's reference, whose files verify's digests already cover) a warning, and ``None``.

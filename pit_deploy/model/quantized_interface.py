@@ -1,6 +1,7 @@
 """The PIT token interface in numbers, once its tables are stored: the identity defect
 ``delta_ti = ‖W_out E − I‖_F``, the correction that keeps ``W_out E = I`` when the shared table is
-quantized, and the token table that makes a quantized head's interface exact.
+quantized, the map of a table whose head's factor is stored on a kernel's grid, and the token table
+that makes a quantized head's interface exact.
 
 Every exporter and ``verify`` compute these here, so that what the ONNX and ``.pte`` exporters
 correct, what the GGUF exporter writes and what ``verify`` measures are one definition
@@ -65,6 +66,19 @@ def correction_matrix(head_rows: np.ndarray, embed_rows: np.ndarray, t: np.ndarr
         raise PitError(f"the quantized token table is (nearly) rank-deficient (cond {cond:.2e}); "
                        "the PIT correction needs ẐᵀẐ invertible — use int8 or a smaller group size")
     return np.linalg.solve(gram, np.linalg.inv(t))
+
+
+def table_map(s: Any, t: Any) -> Any:
+    """``A = (S⁻¹ T)ᵀ``, float64: the map a factorized token table takes when the head's ``d×d``
+    factor ``T`` is stored as ``S`` (``T R`` moved onto a kernel's input grid, so that the head's
+    basis-vector outputs pass that kernel's rounding unchanged). With the table ``Z A`` the head
+    computes ``h S (Z A)ᵀ = h S S⁻¹ T Zᵀ = h T Zᵀ``, the same function; ``A = R`` when ``S = T R``
+    exactly. The ``.pte``'s rotated quantized head and the ONNX targets' int8-activation head both
+    take their table map from here; numpy in, numpy out, torch in, torch out (each library's own
+    LAPACK solve, so that each exporter's bytes stay what they were)."""
+    if isinstance(s, torch.Tensor):
+        return torch.linalg.solve(s.to(torch.float64), t.to(torch.float64)).T
+    return np.linalg.solve(np.asarray(s, np.float64), np.asarray(t, np.float64)).T
 
 
 def corrected_table(head: np.ndarray, scale: float = 1.0) -> np.ndarray:

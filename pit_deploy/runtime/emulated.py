@@ -10,13 +10,15 @@ one x86 machine can run the kernels of several phone CPUs (:data:`PROFILES`). Em
 ``scripts/setup_aarch64.sh`` installs the emulator, an arm64 Python and the pinned wheels into
 :func:`aarch64_root` and describes them in ``setup.json``; :func:`find_setup` reads it (a missing
 set-up is the user's to install: exit 2 naming the script), and :func:`check_emulates` checks that
-its emulator really runs the arm64 Python as aarch64 (not natively). :func:`run_job` copies a runner and
-:mod:`.standalone` into a job folder and runs the runner there in the emulated Python:
-:mod:`.emulated_runner` (the ONNX graphs; the standard library, numpy and onnxruntime) or
-:mod:`pit_deploy.targets.executorch.emulated_pte_runner` (the ``.pte`` programs; PyTorch's aarch64 wheel, a CUDA build, on the
-set-up's stand-ins for the CUDA libraries, and the ExecuTorch runtime). The ExecuTorch wheel
-needs ARMv8.1+ cores (LSE atomics, dot products): on the ARMv8.0 profiles (:data:`ARMV8_0_CPUS`)
-qemu stops it with an illegal instruction, so its programs are not checked there.
+its emulator really runs the arm64 Python as aarch64 (not natively). :func:`run_job` copies a
+runner and :mod:`.standalone` into a job folder and runs the runner there in the emulated Python.
+Which runner, and which of the set-up's folders it needs, is the engine's
+(:class:`~pit_deploy.targets.base.EmulatedEngine`) that the artifact's target declares: both ONNX
+targets run on onnxruntime's wheel (:mod:`.emulated_runner`; the standard library, numpy and
+onnxruntime), ExecuTorch's ``.pte`` programs on its own runner and wheels
+(:attr:`pit_deploy.targets.executorch.ExecuTorchXnnpackTarget.aarch64_engine`), which need
+ARMv8.1+ cores: on the ARMv8.0 profiles (:data:`ARMV8_0_CPUS`) qemu stops it with an illegal
+instruction, so its programs are not checked there.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import json
 import os
 import shutil
 import subprocess
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import PitError
+from ..targets.base import ONNXRUNTIME_AARCH64, EmulatedEngine
 
 #: where the set-up lives (default ``~/.cache/pit_deploy/aarch64``)
 ROOT_ENV = "PIT_DEPLOY_AARCH64_ROOT"
@@ -57,18 +61,33 @@ def kleidiai_applies(cpu: str, quantized: bool) -> bool:
     only with SME, a quantized graph's integer matrix products with dot products. Where it has
     none, ``--kleidiai on`` and ``off`` run the same kernels."""
     return ("dotprod" if quantized else "sme") in CPU_FEATURES.get(cpu, frozenset())
+
+
 _HERE = Path(__file__).resolve().parent
+#: copied beside every runner: the ONNX runner's helpers (job format, results) and the decoders
 RUNNER_FILES = (_HERE / "emulated_runner.py", _HERE / "standalone.py")
-#: the runtimes a job runs on, and the runner of each (``RUNNER_FILES`` are copied beside it)
-ONNXRUNTIME, EXECUTORCH = "onnxruntime", "executorch"
-RUNNERS = {ONNXRUNTIME: _HERE / "emulated_runner.py",
-           EXECUTORCH: _HERE.parent / "targets" / "executorch" / "emulated_pte_runner.py"}
+
+
+def runner_file(engine: EmulatedEngine) -> Path:
+    """The file of ``engine``'s runner module (found without importing it: it runs only emulated)."""
+    spec = importlib.util.find_spec(engine.runner)
+    if spec is None or spec.origin is None:
+        raise PitError(f"the emulated runner {engine.runner} of {engine.title} is not installed with this package; "
+                       "reinstall pit_deploy")
+    return Path(spec.origin)
 
 
 def aarch64_root() -> Path:
     """The set-up folder: ``$PIT_DEPLOY_AARCH64_ROOT``, else ``~/.cache/pit_deploy/aarch64``."""
     value = os.environ.get(ROOT_ENV)
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pit_deploy" / "aarch64"
+
+
+class _Versions(dict):
+    """``setup.json``'s record, ``?`` for a version it does not hold."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
 
 
 @dataclass(frozen=True)
@@ -81,27 +100,28 @@ class Aarch64Setup:
     python: Path
     site: Path
     versions: dict
-    #: the ExecuTorch runtime's wheels and the CUDA stand-ins (``None``: a set-up without them)
-    executorch_site: Path | None = None
-    stubs: Path | None = None
 
-    def describe(self, runtime: str = ONNXRUNTIME) -> str:
-        if runtime == EXECUTORCH:
-            return (f"qemu {self.versions.get('qemu_version', '?')}, executorch {self.versions.get('executorch', '?')}"
-                    f" (aarch64, XNNPACK), torch {self.versions.get('torch', '?')}")
-        return (f"qemu {self.versions.get('qemu_version', '?')}, onnxruntime {self.versions.get('onnxruntime', '?')}"
-                f" (aarch64), numpy {self.versions.get('numpy', '?')}")
+    def folder(self, key: str) -> Path | None:
+        """The set-up's folder ``setup.json`` records under ``key`` (``None``: it records none)."""
+        value = self.versions.get(key)
+        return self.root / value if isinstance(value, str) and value else None
 
-    def require(self, runtime: str) -> None:
-        """Check that the set-up runs ``runtime``.
+    def describe(self, engine: EmulatedEngine = ONNXRUNTIME_AARCH64) -> str:
+        """The emulator's and ``engine``'s versions, for a result's notes (``?`` where the set-up
+        records none)."""
+        return engine.describe.format_map(_Versions(self.versions))
+
+    def require(self, engine: EmulatedEngine) -> None:
+        """Check that the set-up holds what ``engine`` needs beyond the shared wheels.
 
         Raises:
-            PitError: a set-up installed before the script installed ExecuTorch (exit 2).
+            PitError: a set-up installed before the script installed it (exit 2).
         """
-        if runtime == EXECUTORCH and not (self.executorch_site and self.executorch_site.is_dir()
-                                          and self.stubs and self.stubs.is_dir()):
-            raise PitError(f"the aarch64 emulation set-up in {self.root} has no ExecuTorch runtime, which the "
-                           f"selected .pte artifacts need; rerun `{SETUP_COMMAND}`")
+        for key in (k for k in (engine.site, engine.library_path) if k):
+            folder = self.folder(key)
+            if folder is None or not folder.is_dir():
+                raise PitError(f"the aarch64 emulation set-up in {self.root} lacks {engine.title} (its {key!r} folder), "
+                               f"which the selected artifacts need; rerun `{SETUP_COMMAND}`")
 
 
 def find_setup() -> Aarch64Setup:
@@ -116,9 +136,7 @@ def find_setup() -> Aarch64Setup:
     try:
         data = json.loads(spec.read_text())
         setup = Aarch64Setup(root=root, qemu=root / data["qemu"], sysroot=root / data["sysroot"],
-                             python=root / data["python"], site=root / data["site"], versions=data,
-                             executorch_site=root / data["executorch_site"] if data.get("executorch_site") else None,
-                             stubs=root / data["stubs"] if data.get("stubs") else None)
+                             python=root / data["python"], site=root / data["site"], versions=data)
     except (OSError, ValueError, KeyError, TypeError):
         raise PitError(f"verifying on aarch64 needs the emulation set-up, and {root} holds none; {fix}") from None
     missing = [p for p in (setup.qemu, setup.python, setup.site) if not p.exists()]
@@ -134,24 +152,24 @@ def check_cpu(name: str) -> str:
     return name
 
 
-def _environment(setup: Aarch64Setup, runtime: str = ONNXRUNTIME) -> dict[str, str]:
-    """The environment of the emulated Python: its own home and the set-up's wheels only."""
-    site = str(setup.site)
-    if runtime == EXECUTORCH:
-        site = f"{setup.executorch_site}{os.pathsep}{setup.site}"
+def _environment(setup: Aarch64Setup, engine: EmulatedEngine = ONNXRUNTIME_AARCH64) -> dict[str, str]:
+    """The environment of the emulated Python: its own home, the set-up's wheels only (``engine``'s
+    own ahead of the shared ones), and ``engine``'s library folder."""
+    sites = [setup.folder(engine.site) if engine.site else None, setup.site]
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/"),
         "LANG": "C.UTF-8",
         "PYTHONHOME": str(setup.sysroot / "usr"),
-        "PYTHONPATH": site,
+        "PYTHONPATH": os.pathsep.join(str(s) for s in sites if s is not None),
         "PYTHONNOUSERSITE": "1",
         "PYTHONDONTWRITEBYTECODE": "1",  # the set-up byte-compiled everything; the cache stays as installed
         "OPENBLAS_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
     }
-    if runtime == EXECUTORCH:
-        env["LD_LIBRARY_PATH"] = str(setup.stubs)  # the CUDA stand-ins torch's libraries link
+    library = setup.folder(engine.library_path) if engine.library_path else None
+    if library is not None:
+        env["LD_LIBRARY_PATH"] = str(library)
     return env
 
 
@@ -199,20 +217,18 @@ def check_emulates(setup: Aarch64Setup, timeout: float = 300) -> None:
     _EMULATING.add(key)
 
 
-def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, timeout: float | None = None,
-            runtime: str = ONNXRUNTIME) -> subprocess.CompletedProcess:
-    """Run the runner of ``runtime`` (:data:`RUNNERS`) on ``job_dir`` (which holds its
-    ``job.json``) in the emulated Python on qemu CPU model ``cpu``; its stdout and stderr are
-    captured, its exit status returned for the caller to judge (what it finished is in
-    ``job_dir/results.json``)."""
-    runner = RUNNERS[runtime]
+def run_job(setup: Aarch64Setup, cpu: str, job_dir: Path, engine: EmulatedEngine = ONNXRUNTIME_AARCH64,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run ``engine``'s runner on ``job_dir`` (which holds its ``job.json``) in the emulated Python
+    on qemu CPU model ``cpu``; its stdout and stderr are captured, its exit status returned for the
+    caller to judge (what it finished is in ``job_dir/results.json``)."""
+    setup.require(engine)
+    runner = runner_file(engine)
     for src in {runner, *RUNNER_FILES}:
         shutil.copy2(src, job_dir / src.name)
-    if runtime == EXECUTORCH:
-        setup.require(runtime)
     cmd = _command(setup, cpu, str(job_dir / runner.name), str(job_dir))
     try:
-        return subprocess.run(cmd, env=_environment(setup, runtime), cwd=job_dir, capture_output=True, text=True,
+        return subprocess.run(cmd, env=_environment(setup, engine), cwd=job_dir, capture_output=True, text=True,
                               timeout=timeout)
     except OSError as exc:
         raise PitError(f"cannot start the aarch64 emulator {setup.qemu}: {exc}; "

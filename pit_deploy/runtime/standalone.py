@@ -308,7 +308,9 @@ def peak_rss_mb() -> float:
     return rss / (1024.0 * 1024.0) if sys.platform == "darwin" else rss / 1024.0
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, linearly interpolated between order statistics;
+    NaN for none."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
@@ -317,7 +319,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation; NaN for none or for any NaN (an interval below the
     clock's resolution): ``statistics.stdev`` raises on NaN instead of returning it."""
     if not values or any(v != v for v in values):
@@ -362,13 +364,13 @@ def time_generation(decoder: Any, ids: Any, gen_len: int, reps: int) -> dict[str
             steps += step_s
             if step_s:
                 decode_rates.append(len(step_s) / sum(step_s))
-    pp, pp_std = _mean_std([prompt_len / t for t in ttfts])
-    tg, tg_std = _mean_std(decode_rates)
+    pp, pp_std = mean_std([prompt_len / t for t in ttfts])
+    tg, tg_std = mean_std(decode_rates)
     return {
         "prefill_tok_s": pp, "prefill_tok_s_std": pp_std,
         "decode_tok_s": tg, "decode_tok_s_std": tg_std,
         "ttft_ms": statistics.fmean(ttfts) * 1e3,
-        "decode_ms_p50": _percentile(steps, 0.5) * 1e3, "decode_ms_p90": _percentile(steps, 0.9) * 1e3,
+        "decode_ms_p50": percentile(steps, 0.5) * 1e3, "decode_ms_p90": percentile(steps, 0.9) * 1e3,
         "tokens": tokens,
         "wall_s": window.wall_s, "process_cpu_s": window.process_cpu_s,
         "machine_busy_s": window.machine_busy_s, "foreign_load_cores": window.foreign_cores,

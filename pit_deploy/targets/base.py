@@ -76,6 +76,45 @@ class WeightGrid:
         return self.symmetric if self.table_symmetric is None else self.table_symmetric
 
 
+@dataclass(frozen=True)
+class EmulatedEngine:
+    """The aarch64 build of a runtime that ``verify --isa aarch64`` runs under user-mode emulation
+    (:mod:`pit_deploy.runtime.emulated`): the runner that drives it inside the emulated Python,
+    what of the set-up it needs beyond the shared arm64 Python and wheels, and how it is named.
+    A target declares the engine that runs its artifacts (:attr:`Target.aarch64_engine`).
+
+    Attributes:
+        key: names its emulated processes and groups the artifacts one process runs.
+        title: how messages name it (``"onnxruntime"``, ``"the ExecuTorch runtime"``).
+        runner: the module whose file runs in the emulated Python (it imports nothing of this
+            package; it is copied into the job folder beside :mod:`pit_deploy.runtime.standalone`).
+        describe: the versions line of a result, formatted with the set-up's ``setup.json``.
+        site: the ``setup.json`` key of a folder of wheels it needs ahead of the shared ones.
+        library_path: the ``setup.json`` key of a folder its native libraries load from.
+        armv8_0: whether it runs on the ARMv8.0 CPU profiles
+            (:data:`pit_deploy.runtime.emulated.ARMV8_0_CPUS`).
+        kleidiai: whether ``--kleidiai on|off`` is a setting of its sessions.
+        slow: its processes run longest and are started first.
+    """
+
+    key: str
+    title: str
+    runner: str
+    describe: str
+    site: str | None = None
+    library_path: str | None = None
+    armv8_0: bool = True
+    kleidiai: bool = False
+    slow: bool = False
+
+
+#: onnxruntime's aarch64 wheel, which runs both ONNX targets' graphs
+#: (:mod:`pit_deploy.runtime.emulated_runner`; MLAS picks its kernels by the emulated CPU's features)
+ONNXRUNTIME_AARCH64 = EmulatedEngine(
+    key="onnxruntime", title="onnxruntime", runner="pit_deploy.runtime.emulated_runner",
+    describe="qemu {qemu_version}, onnxruntime {onnxruntime} (aarch64), numpy {numpy}", kleidiai=True)
+
+
 @dataclass
 class VerifyContext:
     """What a target's extra verification needs besides the artifact: the export directory,
@@ -122,6 +161,11 @@ class Target:
     splits_fused: bool = False
     modes: tuple[str, ...] = ("materialized", "factorized")
     schemes: tuple[str, ...] | None = None
+    #: the quantization schemes only this target writes, as data: :class:`~pit_deploy.schemes.Scheme`'s
+    #: keyword arguments, ``bounds`` a dict of the bound fields or the name of a shared scheme whose
+    #: bounds apply (:func:`pit_deploy.schemes.target_scheme`); the scheme registry adds them, for
+    #: this target only, on its first lookup
+    own_schemes: tuple[dict[str, Any], ...] = ()
     #: ``"module:function"`` ``(model, out_dir, *, tokenizer, recipe, scheme, opset) -> details``
     exporter: str = ""
     #: ``"module:Class"`` of the :class:`~pit_deploy.runtime.base.Driver`
@@ -139,9 +183,11 @@ class Target:
     default_export: bool = True
     #: whether the artifact folder loads in transformers.js as it is (``verify --web`` runs it there)
     web_ready: bool = False
-    #: ``verify --isa aarch64``: how the emulated onnxruntime runs the artifact's interface graph
-    #: (``"plain"`` or ``"batched"``, :mod:`pit_deploy.runtime.emulated_runner`); ``None``: the
+    #: ``verify --isa aarch64``: the runtime build that runs the artifact emulated, and the layout
+    #: its runner reads the artifact in (``"plain"`` or ``"batched"`` ONNX graphs,
+    #: :mod:`pit_deploy.runtime.emulated_runner`; a target's own runner, its own); ``None``: the
     #: artifact does not run emulated, for the reason :attr:`aarch64_blocker` gives
+    aarch64_engine: EmulatedEngine | None = None
     aarch64_layout: str | None = None
     #: ``"module:function"`` ``(directory, art, reference) -> WeightCheck`` that reads a quantized
     #: artifact's weights back for ``verify``'s weight-level check
@@ -149,9 +195,6 @@ class Target:
     weight_check: str | None = None
     weight_check_blocker: str = "no reader of this runtime's stored weights"
     aarch64_blocker: str = "no aarch64 build of its runtime is set up for emulation"
-    #: whether its emulated runtime runs on the ARMv8.0 CPU profiles
-    #: (:data:`pit_deploy.runtime.emulated.ARMV8_0_CPUS`)
-    aarch64_armv8_0: bool = True
     #: which artifact a user ships first when an export holds several (lower first)
     ship_priority: int = 50
     #: the quantization-scheme settings this target's exporter reads (an override of another
@@ -233,6 +276,11 @@ class Target:
         """The decoder and interface graphs of ``folder`` that ``verify --isa aarch64`` runs
         emulated (targets with an :attr:`aarch64_layout` say which files they are)."""
         raise NotImplementedError(f"the {self.name} target does not run on aarch64 here: {self.aarch64_blocker}")
+
+    def aarch64_job(self) -> dict[str, Any]:
+        """What the emulated runner needs of this target's artifacts beyond the files and the
+        recorded calls (the job's fields; default none)."""
+        return {}
 
     def driver_class(self) -> Callable[..., Any]:
         """The driver class.

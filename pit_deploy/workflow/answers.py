@@ -19,7 +19,7 @@ def pick_artifact(export_dirs: list[str]) -> tuple[Path, Any] | None:
 
     for directory in export_dirs:
         manifest = Manifest.read(directory)
-        order = sorted(manifest.artifacts, key=lambda a: (get_target(a.runtime).ship_priority, a.mode != "factorized"))
+        order = sorted(manifest.artifacts, key=lambda a: (get_target(a.target).ship_priority, a.mode != "factorized"))
         if order:
             return Path(directory), order[0]
     return None
@@ -52,7 +52,7 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
     tok_eos = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
     eos = frozenset(eos_ids(source.model) | tok_eos)
     src_driver = TorchDriver(model=source.model)
-    runtime_driver = driver_class(art.runtime)(directory / art.path)
+    runtime_driver = driver_class(art.target)(directory / art.path)
     rows = []
     for text in recipe["report"]["prompts"]:
         ids = encode_prompt(tokenizer, text)
@@ -61,4 +61,4 @@ def greedy_answers(recipe: Any, ctx: dict[str, dict[str, Any]]) -> dict[str, Any
         rows.append({"prompt": text, "source": tokenizer.decode(a, skip_special_tokens=True),
                      "artifact": tokenizer.decode(b, skip_special_tokens=True), "identical": a == b})
     runtime_driver.close()
-    return {"artifact": f"{directory.name}/{art.path}", "runtime": art.runtime, "mode": art.mode, "prompts": rows}
+    return {"artifact": f"{directory.name}/{art.path}", "runtime": art.target, "mode": art.mode, "prompts": rows}

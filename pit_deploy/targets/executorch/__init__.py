@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import register_target
-from ..base import Target, VerifyContext, WeightGrid, resolve
+from ..base import EmulatedEngine, Target, VerifyContext, WeightGrid, resolve
 
 PTE_NAME = "model.pte"
 #: the tag of a program's external constants: they go to ``DATA_TAG + ".ptd"`` beside the ``.pte``
@@ -37,6 +37,26 @@ INTERFACE_HIDDEN_ROWS = 64
 #: the ``variant`` of the benchmark cells timed through the stock runner
 RUNNER_VARIANT = "stock runner"
 
+#: ExecuTorch's aarch64 wheel (XNNPACK) with PyTorch's, which imports it: the program runs through
+#: :mod:`pit_deploy.targets.executorch.emulated_pte_runner`. PyTorch's aarch64 wheel is a CUDA
+#: build, so it loads on the set-up's stand-ins for the CUDA libraries (``stubs``); the wheels'
+#: libraries use ARMv8.1+ instructions, so the ARMv8.0 profiles stop it with an illegal instruction
+PTE_AARCH64 = EmulatedEngine(
+    key="executorch", title="the ExecuTorch runtime", runner="pit_deploy.targets.executorch.emulated_pte_runner",
+    describe="qemu {qemu_version}, executorch {executorch} (aarch64, XNNPACK), torch {torch}",
+    site="executorch_site", library_path="stubs", armv8_0=False, slow=True)
+
+#: int4 with one 4-bit token table for the gather and the head (studies/pte-head-and-table.md, "One token
+#: table for the gather and the head"): the head a 4-bit linear behind the grid-exact S = T R, the gather
+#: over its very codes, stored once in model.ptd; smaller than int4's .pte, at a higher KL. Rotated and
+#: GPTQ-rounded (the table too) as int4 is: studies/table_gptq.py measured 0.055 / 0.115 / 0.111
+#: (code / prose / chat) in eager.
+INT4_SHARED = {"name": "int4-shared", "dtype": "int4", "bounds": "int4",
+               "description": "the int4 scheme's body with one 4-bit token table that the .pte's gather and its "
+                              "quantized head both read, stored once (model.ptd beside model.pte)",
+               "table_bits": 4, "int4_8bit_layers": ("v_proj", "down_proj"), "pte_shared_table": True,
+               "rounding": "gptq", "rotate_residual": True}
+
 
 class ExecuTorchXnnpackTarget(Target):
     name = "executorch"
@@ -52,15 +72,14 @@ class ExecuTorchXnnpackTarget(Target):
     primary_file = PTE_NAME
     phone = True
     ship_priority = 10
-    weight_check = "pit_deploy.evaluate.weight_check:check_pte_weights"
+    weight_check = "pit_deploy.targets.executorch.stored_weights:check_pte_weights"
     #: ``verify --isa aarch64`` runs the program on ExecuTorch's aarch64 wheel
     #: (:mod:`pit_deploy.targets.executorch.emulated_pte_runner`) through the same methods as the driver:
     #: ``forward``, and ``embed``/``head`` in chunks of these sizes
+    own_schemes = (INT4_SHARED,)
+    aarch64_engine = PTE_AARCH64
     aarch64_layout = "pte"
     aarch64_interface_chunks = (INTERFACE_IDS, INTERFACE_HIDDEN_ROWS)
-    #: whether it runs on the ARMv8.0 CPU profiles (:data:`pit_deploy.runtime.emulated.ARMV8_0_CPUS`):
-    #: no, the wheel's libraries use ARMv8.1+ instructions; it is not checked there, for this reason
-    aarch64_armv8_0 = False
     aarch64_blocker = ("ExecuTorch's aarch64 wheel executes ARMv8.1+ instructions (LSE atomics, dot products) "
                        "that ARMv8.0 cores lack: the emulated CPU stops it with an illegal instruction")
     scheme_settings = Target.scheme_settings + ("pte_head_bits", "pte_shared_table", "rounding", "rotate_residual")
@@ -68,6 +87,10 @@ class ExecuTorchXnnpackTarget(Target):
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         """The program holds the decoder (``forward``) and the interface (``embed``/``head``)."""
         return folder / PTE_NAME, folder / PTE_NAME
+
+    def aarch64_job(self) -> dict[str, Any]:
+        """The chunk sizes of the interface calls (the driver's: the runner replays its calls)."""
+        return {"interface_chunks": list(self.aarch64_interface_chunks)}
 
     def precheck(self, config: Any, recipe: Any) -> None:
         resolve("pit_deploy.targets.executorch.export:precheck")(config, recipe)

@@ -223,7 +223,7 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
         positions = reference_positions(directory)
         for art in manifest.artifacts:
             label = f"{name}/{art.path}"
-            if not get_target(art.runtime).phone:
+            if not get_target(art.target).phone:
                 skipped.append(label)
                 continue
             folder = directory / art.path
@@ -259,10 +259,10 @@ def plan_phone(directories: Sequence[str | Path], opts: BenchOptions,
 def load_tokenizer(art: PhoneArtifact) -> Any:
     """The Hugging Face tokenizer that builds the prompt text here: the one beside the file
     pushed to the phone, else the export's reference one."""
-    from ...io.sources import _maybe_tokenizer
+    from ...io.sources import maybe_tokenizer
 
-    tokenizer = (_maybe_tokenizer(art.tokenizer.parent, True, False)
-                 or _maybe_tokenizer(art.directory / REFERENCE_DIR, True, False))
+    tokenizer = (maybe_tokenizer(art.tokenizer.parent, True, False)
+                 or maybe_tokenizer(art.directory / REFERENCE_DIR, True, False))
     if tokenizer is None:
         raise PitError(f"{art.label}: the tokenizer in {art.tokenizer.parent} cannot be loaded here to build the "
                        "prompt text; re-export from a model with a Hugging Face tokenizer")

@@ -46,6 +46,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...model.quantized_interface import table_map
+
 #: seed of the rotation: the same model exports to the same program
 ROTATION_SEED = 0
 
@@ -76,7 +78,7 @@ def head_factors(t: torch.Tensor, seed: int | None = ROTATION_SEED) -> tuple[tor
     d = t.shape[0]
     rotation = torch.eye(d, dtype=torch.float64) if seed is None else random_rotation(d, seed)
     s = int8_grid_rows(t.to(torch.float64) @ rotation)
-    return s, torch.linalg.solve(s, t.to(torch.float64)).T
+    return s, table_map(s, t)
 
 
 def rotated_table(zt: torch.Tensor, table_map: torch.Tensor) -> torch.Tensor:

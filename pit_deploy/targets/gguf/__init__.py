@@ -62,6 +62,29 @@ Q8_0_BLOCK = 32
 #: the pinned llama-cpp-python (built from its sdist by ``scripts/setup_llama_cpp.sh``)
 PACKAGE_VERSION = "0.3.36"
 
+#: llama.cpp's own file types as schemes of this target: the codes are llama.cpp's, not the shared
+#: int8/int4 grids, and the head is BF16 in all four (HEAD_TYPE of the exporter). Bounds set from the
+#: default model's measurements in llama.cpp (docs/llama_cpp.md, "Bounds") with a margin of about 1.5x
+#: on the KL means. Measured (corrected table; uncorrected within 4 %): q8_0 0.0033 / 0.021 / 96.8 % /
+#: 1.0003, q4_0 0.47 / 2.62 / 68 % / 1.55, q4_k_m 0.080 / 0.46 / 85.5 % / 1.05 (kl_mean / kl_p99 / same
+#: top-1 / ppl ratio); f16 8.4e-5 / 4.9e-4 / 99.5 % / 1.0000 (the transpose-tied f16 file: 6.0e-6, its
+#: head F16 too).
+LLAMA_CPP_SCHEMES = (
+    {"name": "f16", "dtype": "float16",
+     "bounds": {"kl_mean": 1.5e-4, "kl_p99": 1e-3, "same_top1": 0.98, "ppl_ratio": 1.002},
+     "description": "llama.cpp F16: every body linear in float16, the head BF16"},
+    {"name": "q8_0", "dtype": "int8",
+     "bounds": {"kl_mean": 0.005, "kl_p99": 0.035, "same_top1": 0.93, "ppl_ratio": 1.01},
+     "description": "llama.cpp Q8_0: 8-bit blocks of 32 with one f16 scale for every body linear, the head BF16"},
+    {"name": "q4_0", "dtype": "int4",
+     "bounds": {"kl_mean": 0.7, "kl_p99": 4.0, "same_top1": 0.6, "ppl_ratio": 1.8},
+     "description": "llama.cpp Q4_0 by its own quantizer: 4-bit blocks of 32 with one f16 scale, the head BF16"},
+    {"name": "q4_k_m", "dtype": "int4",
+     "bounds": {"kl_mean": 0.12, "kl_p99": 0.7, "same_top1": 0.8, "ppl_ratio": 1.1},
+     "description": "llama.cpp Q4_K_M by its own quantizer: 4-bit k-quant super-blocks of 256, some layers at "
+                    "Q6_K (Q5_0/Q8_0 where rows are not a multiple of 256), the head BF16"},
+)
+
 
 class LlamaCppTarget(Target):
     name = "gguf"
@@ -72,6 +95,7 @@ class LlamaCppTarget(Target):
     model_types = tuple(ARCHITECTURES)
     modes = ("materialized",)
     schemes = tuple(FILE_TYPES)
+    own_schemes = LLAMA_CPP_SCHEMES
     #: the corrected token table is float32, the pseudo-inverse of the dequantized head
     exact_interface_modes = ("materialized",)
     exporter = "pit_deploy.targets.gguf.export:export_artifact"
@@ -79,7 +103,7 @@ class LlamaCppTarget(Target):
     standalone = ("pit_deploy.targets.gguf.decoder", "LlamaCppDecoder")
     bundle_install = f"llama-cpp-python=={PACKAGE_VERSION} numpy"
     ship_priority = 20
-    weight_check = "pit_deploy.evaluate.weight_check:check_gguf_weights"
+    weight_check = "pit_deploy.targets.gguf.stored_weights:check_gguf_weights"
     aarch64_blocker = "llama-cpp-python is built from source for the host's CPU; no aarch64 build of it is set up"
     #: opt-in (``--runtime gguf``): it needs llama-cpp-python and writes materialized Llama/Qwen3 only
     default_export = False

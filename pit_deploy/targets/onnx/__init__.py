@@ -22,7 +22,7 @@ from typing import Any
 
 from ...errors import PitError
 from .. import register_target
-from ..base import Target, WeightGrid, resolve
+from ..base import ONNXRUNTIME_AARCH64, Target, WeightGrid, resolve
 
 #: the subfolder transformers.js reads graphs from
 GRAPH_DIR = "onnx"
@@ -68,6 +68,23 @@ def interface_file(folder: Path) -> Path:
     folder = Path(folder)
     return folder / (LEGACY_INTERFACE if (folder / LEGACY_DECODER).is_file() else INTERFACE_NAME)
 
+#: The web schemes: the same codes as int8/int4, dequantized by standard operators that onnxruntime
+#: folds at load, because onnxruntime-web's default WASM build lacks GatherBlockQuantized and runs
+#: MatMulNBits far slower than fp32 (docs/web.md). No activation is rounded at run time, so the int8
+#: scheme's factor of 10 (for XNNPACK's int8 activations) does not apply: the default factor of 4.
+WEB_SCHEMES = (
+    {"name": "int8-web", "dtype": "int8",
+     "bounds": {"kl_mean": 0.05, "kl_p99": 0.5, "same_top1": 0.85, "ppl_ratio": 1.1},
+     "description": "8-bit codes folded to float32 when the session loads: runs in onnxruntime-web's default "
+                    "WASM build at fp32 speed; a smaller download, not less memory",
+     "fold_at_load": True},
+    {"name": "int4-web", "dtype": "int4", "bounds": "int4",
+     "description": "the int4 scheme's codes (v_proj/down_proj and the token table at 8 bits) folded to "
+                    "float32 when the session loads: runs in onnxruntime-web's default WASM build at fp32 "
+                    "speed; a smaller download, not less memory",
+     "int4_8bit_layers": ("v_proj", "down_proj"), "fold_at_load": True},
+)
+
 
 class OnnxOptimumTarget(Target):
     name = "onnx"
@@ -83,8 +100,10 @@ class OnnxOptimumTarget(Target):
     ship_priority = 20
     web_ready = True
     #: the decoder runs prompt by prompt, the interface graph one call for all ids
+    own_schemes = WEB_SCHEMES
+    aarch64_engine = ONNXRUNTIME_AARCH64
     aarch64_layout = "plain"
-    weight_check = "pit_deploy.evaluate.weight_check:check_onnx_weights"
+    weight_check = "pit_deploy.evaluate.onnx_weights:check_onnx_weights"
 
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         return decoder_file(folder), interface_file(folder)

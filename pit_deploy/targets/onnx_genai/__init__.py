@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import PitError
 from .. import register_target
-from ..base import Target, VerifyContext, WeightGrid, resolve
+from ..base import ONNXRUNTIME_AARCH64, Target, VerifyContext, WeightGrid, resolve
 
 DECODER_NAME = "model.onnx"
 #: the builder's name for the decoder's external data (not optimum's ``model.onnx_data``)
@@ -126,8 +126,9 @@ class OnnxGenaiTarget(Target):
     bundle_install = "onnxruntime numpy"
     ship_priority = 15
     #: the builder's decoder takes batched inputs; the interface graph is the onnx target's
+    aarch64_engine = ONNXRUNTIME_AARCH64
     aarch64_layout = "batched"
-    weight_check = "pit_deploy.evaluate.weight_check:check_onnx_weights"
+    weight_check = "pit_deploy.evaluate.onnx_weights:check_onnx_weights"
 
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         return folder / DECODER_NAME, folder / INTERFACE_NAME

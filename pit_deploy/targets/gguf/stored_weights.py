@@ -1,0 +1,62 @@
+"""The weight-level check of a GGUF artifact: every tensor of the file that is not float32,
+dequantized by gguf-py (``gguf.quants.dequantize``), against the tensor the exporter writes from
+the reference under the same llama.cpp name (``blk.N.attn_q.weight``, with llama.cpp's row order
+of ``q``/``k``: :func:`pit_deploy.targets.gguf.export.gguf_tensors`); the PIT-corrected table is
+float32 and is not a quantized tensor. :mod:`pit_deploy.evaluate.weight_check` compares them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...evaluate.weight_check import Pairing, Stored, WeightCheck, artifact_mode, compare
+
+#: bits of the GGUF types, by type name (the others are float or unknown)
+GGUF_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5,
+             "Q6_K": 6, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8}
+#: relative unit in the last place of the float types a GGUF file may hold
+GGUF_FLOAT_ULP = {"F16": 2.0 ** -10, "BF16": 2.0 ** -7}
+
+
+def gguf_stored(path: Path) -> list[Stored]:
+    """Every tensor of the GGUF file at ``path`` that is not float32, dequantized by gguf-py."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    out = []
+    for t in GGUFReader(str(path)).tensors:
+        kind = t.tensor_type.name
+        if kind == "F32":
+            continue
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        values = values.reshape(-1, int(t.shape[0]))  # ggml's ne[0] is the row length
+        # a k-quant's sub-block scales are themselves rounded against the 256-value super-block's
+        block = 256 if kind.endswith("_K") else 32
+        out.append(Stored(t.name, values, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
+                          if kind not in GGUF_BITS else None, f16_scales=kind in GGUF_BITS))
+    return out
+
+
+def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
+    """A GGUF artifact: every quantized tensor against the tensor the exporter writes from the
+    prepared reference under the same name (llama.cpp's, ``blk.N.attn_q.weight``, with its rows
+    in llama.cpp's order: :func:`pit_deploy.targets.gguf.export.gguf_tensors`)."""
+    from ...exporters.passes import prepare
+    from .export import gguf_tensors
+
+    name = (art.details or {}).get("file") if isinstance(art.details, dict) else None
+    files = [rel for rel in art.files if rel.endswith(".gguf")]
+    rel = next((f for f in files if Path(f).name == name), files[0] if files else None)
+    if rel is None:
+        return WeightCheck(checked=False, note="the artifact lists no .gguf file")
+    written = gguf_tensors(prepare(reference, artifact_mode(art)))
+
+    def pair(stored: Stored) -> Pairing | str:
+        if stored.name not in written:
+            return "the exporter writes no tensor of that name from the reference model"
+        return Pairing(stored.name, [(stored.name, written[stored.name])], (stored.name,))
+
+    return compare(gguf_stored(directory / rel), pair, art.details)
