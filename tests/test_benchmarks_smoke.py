@@ -15,7 +15,8 @@ What is smoked, and what is left out:
   machine, mostly ``verify`` and ``bench`` subprocesses); ``quantization.py`` runs in the default
   tier, ``bench_default.py`` in the full one.
 * ``export_sizes.py`` runs its own stock ONNX export and PIT export (``--runtime onnx``).
-* ``onnx_decode_profile.py`` profiles the tiny ONNX export; ``web_decode.py`` runs it in Node,
+* ``onnx_decode_profile.py`` profiles the tiny ONNX export, ``decode_bytes.py`` counts what its
+  decode step reads; ``web_decode.py`` runs it in Node,
   headless Chromium and native onnxruntime; ``onnx_head_kernels.py`` and
   ``pte_head_kernels.py`` run their head-shaped kernels at a tiny shape (``--vocab/--hidden``);
   ``train_pit_vs_tt.py`` trains the tiny model for a few hundred tokens on the default corpus.
@@ -232,6 +233,16 @@ def test_onnx_decode_profile(work, tmp_path):
                                                  "--steps", "2", "--prompt-len", "4", "--out", str(out)]) == 0
     data = well_formed(out, "onnx_decode_profile", "rows")
     assert data["rows"][0]["nodes_per_step"] > 0
+
+
+def test_decode_bytes(work, tmp_path):
+    """The bytes a decode step reads, from the graphs of the tiny fp32 and int4 exports."""
+    out = tmp_path / "decode_bytes.json"
+    assert run_benchmark("decode_bytes", [f"fp32={work / 'bench' / 'pit' / 'onnx-factorized'}", "--baseline", "fp32",
+                                          "--out", str(out)]) == 0
+    data = well_formed(out, "decode_bytes", "rows")
+    (row,) = data["rows"]
+    assert row["total_over_baseline"] == 1.0 and row["float_matmul"] > 0 and row["gathered_row"] > 0
 
 
 def test_web_decode(work, tmp_path):
