@@ -124,6 +124,13 @@ class SchemeSetting:
     cli_choices: bool = False
     #: read only by the schemes that store int8/int4 codes (refused with float32 or f16 alone)
     coded: bool = False
+    #: how a quantized artifact's manifest records it (:meth:`Scheme.settings`): always, or only
+    #: where the scheme changed it from :attr:`default` (a setting added later leaves the records
+    #: of the schemes that do not use it as they were)
+    always_recorded: bool = True
+    #: the :class:`Scheme` attribute whose value the manifest records, where it is not the field
+    #: itself (the bits a ``.pte``'s head really has; the 8-bit layers of an int4 scheme only)
+    recorded_as: str | None = None
 
     def check(self, value: Any) -> None:
         """Raise :class:`PitError` for a value of the wrong kind or outside :attr:`values`."""
@@ -149,13 +156,14 @@ SETTINGS: tuple[SchemeSetting, ...] = (
                   "embedding, the .pte embedding's gather table", values=(4, 8), values_text="4 or 8", cli_choices=True),
     SchemeSetting("int4_8bit_layers", "tuple[str, ...]", (),
                   "int4: comma list of linears kept at 8 bits: down_proj (every layer's) or "
-                  "layers.3.mlp.down_proj (one layer's) (default: the scheme's)"),
+                  "layers.3.mlp.down_proj (one layer's) (default: the scheme's)", recorded_as="recorded_8bit_layers"),
     SchemeSetting("pte_head_bits", "int", 0, "quantized factorized .pte with a head of its own: 0 keeps the fp32 head "
                   "(default); 4 or 8 quantizes it behind a rotation (smaller, faster; W_out E = I still holds on the "
-                  "runtime)", values=(0, 4, 8), values_text="0 (a float32 head), 4 or 8", cli_choices=True),
+                  "runtime)", values=(0, 4, 8), values_text="0 (a float32 head), 4 or 8", cli_choices=True,
+                  recorded_as="pte_quantized_head_bits"),
     SchemeSetting("pte_shared_table", "bool", False, "quantized factorized .pte: a head of its own (fp32 or "
                   "--pte-head-bits) instead of one quantized table that the head and the gather share (int4's "
-                  "default)", flag="--no-pte-shared-table"),
+                  "default)", flag="--no-pte-shared-table", always_recorded=False),
     SchemeSetting("rounding", "str", "rtn", "how the body linears are rounded: rtn (nearest grid point) or gptq (error "
                   "feedback from calibration text, in PyTorch; the exporter writes those codes) (default: the "
                   "scheme's)", values=ROUNDINGS, values_text="one of " + ", ".join(ROUNDINGS), cli_choices=True,
@@ -163,10 +171,10 @@ SETTINGS: tuple[SchemeSetting, ...] = (
     SchemeSetting("head_activations", "str", "float32", "quantized factorized ONNX: the head's MatMulNBits "
                   "with float32 activations, or int8 ones (faster; its d x d factor is put on the int8 grid so "
                   "that W_out E = I still holds on the runtime) (default: the scheme's)",
-                  values=HEAD_ACTIVATIONS, values_text="float32 or int8", cli_choices=True),
+                  values=HEAD_ACTIVATIONS, values_text="float32 or int8", cli_choices=True, always_recorded=False),
     SchemeSetting("rotate_residual", "bool", False, "quantized .pte: round the body without first rotating the "
                   "residual stream by a randomized Hadamard matrix (int4's default rotates)",
-                  flag="--no-rotate-residual", coded=True),
+                  flag="--no-rotate-residual", coded=True, always_recorded=False),
 )
 
 
@@ -300,22 +308,24 @@ class Scheme:
         """The bounds of an artifact rounded by ``rounding`` (``gptq_bounds`` where set)."""
         return self.gptq_bounds if rounding == "gptq" and self.gptq_bounds is not None else self.bounds
 
+    @property
+    def recorded_8bit_layers(self) -> list[str]:
+        """The linears kept at 8 bits as the manifest records them: an int4 scheme's, else none."""
+        return list(self.int4_8bit_layers) if self.dtype == "int4" else []
+
     def settings(self) -> dict[str, Any]:
-        """What the manifest records of the scheme an artifact was made with."""
-        out = {"name": self.name, "dtype": self.dtype}
-        if self.quantized:
-            out.update(group_size=self.group_size, table_bits=self.table_bits,
-                       int4_8bit_layers=list(self.int4_8bit_layers) if self.dtype == "int4" else [],
-                       pit_correction=self.pit_correction, pte_head_bits=self.pte_quantized_head_bits)
-            if self.fold_at_load:
-                out["fold_at_load"] = True
-            if self.pte_shared_table:
-                out["pte_shared_table"] = True
-            if self.rotate_residual:
-                out["rotate_residual"] = True
-            out["rounding"] = self.rounding
-            if self.head_activations != "float32":
-                out["head_activations"] = self.head_activations
+        """What the manifest records of the scheme an artifact was made with: its name and dtype,
+        and for a quantized scheme every :data:`SETTINGS` entry as the entry says
+        (``always_recorded``, ``recorded_as``), and ``fold_at_load`` where it is set."""
+        out: dict[str, Any] = {"name": self.name, "dtype": self.dtype}
+        if not self.quantized:
+            return out
+        for entry in SETTINGS:
+            value = getattr(self, entry.recorded_as or entry.name)
+            if entry.always_recorded or value != entry.default:
+                out[entry.name] = list(value) if isinstance(value, tuple) else value
+        if self.fold_at_load:
+            out["fold_at_load"] = True
         return out
 
 

@@ -112,3 +112,19 @@ def test_scheme_and_recipe_fields_are_the_settings_typed():
         assert recipe[entry.name].metadata["flag"] == entry.flag and recipe[entry.name].metadata["help"] == entry.help
     quantization = {name for name, f in recipe.items() if f.metadata.get("group") == "quantization"}
     assert quantization == {entry.name for entry in SETTINGS}
+
+
+def test_the_manifest_record_of_a_scheme_comes_from_the_settings():
+    """``Scheme.settings()`` (what the manifest records) lists every SETTINGS entry a quantized
+    scheme carries, as the entry says: the always-recorded ones always, the others only where
+    the scheme changed them, each under its own name; a float32 scheme records its name only."""
+    from pit_deploy.schemes import SETTINGS, get_scheme
+
+    plain = get_scheme("int8").with_settings(head_activations="float32")
+    assert set(plain.settings()) == {"name", "dtype"} | {e.name for e in SETTINGS if e.always_recorded}
+    changed = get_scheme("int4").with_settings(pte_shared_table=True, rotate_residual=True, head_activations="int8")
+    record = changed.settings()
+    assert set(record) == {"name", "dtype"} | {e.name for e in SETTINGS}
+    assert record["int4_8bit_layers"] == list(changed.int4_8bit_layers) and record["pte_head_bits"] == changed.table_bits
+    assert get_scheme("int8").with_settings(int4_8bit_layers=("v_proj",)).settings()["int4_8bit_layers"] == []
+    assert get_scheme("float32").settings() == {"name": "float32", "dtype": "float32"}
