@@ -27,7 +27,7 @@ What is smoked, and what is left out:
 
 Tiers: the scripts that orchestrate whole pipelines or build the peers' artifacts
 (``bench_default.py``, ``pte_anchors.py``, ``int4_quality_peers.py``, ``genai_side_by_side.py``,
-``onnx_targets.py``, ``pipeline_time.py``: a minute or more each) are smoked in the full tier
+``onnx_targets.py``, ``pipeline_time.py``, ``pte_data_file.py``: a minute or more each) are smoked in the full tier
 (``bash scripts/test.sh --full``); the rest, and the index and writer checks, in the default tier.
 
 ``studies/`` are one-off studies that need the default model; they are not run here, but the
@@ -243,6 +243,28 @@ def test_decode_bytes(work, tmp_path):
     data = well_formed(out, "decode_bytes", "rows")
     (row,) = data["rows"]
     assert row["total_over_baseline"] == 1.0 and row["float_matmul"] > 0 and row["gathered_row"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_pte_data_file(work, tmp_path, monkeypatch):
+    """The tiny PIT model's float32 factorized .pte as the exporter writes it (with model.ptd) and
+    as one file (the exporter's own lowering with its data kept in the program), one bench run."""
+    import pit_deploy.targets.executorch.export as pte_export
+
+    args = [str(work / "pit-src"), "--runtime", "executorch", "--mode", "factorized", "--max-seq-len", "64"]
+    assert cli(["export", *args, "--out", str(tmp_path / "ptd")]) == 0
+    lone = pte_export.export_pte
+    monkeypatch.setattr(pte_export, "export_pte", lambda *a, **kw: lone(*a, **{**kw, "external_data": False}))
+    assert cli(["export", *args, "--out", str(tmp_path / "one")]) == 0
+    monkeypatch.undo()
+    out = tmp_path / "pte_data_file.json"
+    assert run_benchmark("pte_data_file", [str(tmp_path / "one"), str(tmp_path / "ptd"), "--threads", "1",
+                                           "--prompt-len", "4", "--gen-len", "3", "--reps", "1", "--out", str(out)]) == 0
+    data = well_formed(out, "pte_data_file", "rows")
+    assert "model.ptd" in data["files"]["with-ptd"] and "model.ptd" not in data["files"]["one-file"]
+    assert sum(data["files"]["with-ptd"].values()) < sum(data["files"]["one-file"].values())
+    assert {q["variant"] for q in data["ratios"]} >= {"driver"}
 
 
 def test_web_decode(work, tmp_path):

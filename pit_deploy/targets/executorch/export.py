@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel, StaticCache
 
 from ...errors import PitError
-from ...exporters.passes import InterfaceProbe
+from ...exporters.passes import FACTORS_ATTR, InterfaceProbe
 from ...model.families import max_positions
 from ...schemes import Scheme, names_linear
 from . import DATA_TAG, INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
@@ -407,7 +407,11 @@ def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer=None, re
     """The ``executorch`` target's exporter (:mod:`pit_deploy.targets.executorch`). The
     folder also gets the tokenizer file ExecuTorch's stock LLM runner loads (:mod:`.runner_tokenizer`)."""
     if not scheme.quantized:
-        written = export_pte(model, out_dir, recipe.max_seq_len)
+        # a factorized program's gather and head read one Zᵀ, which XNNPACK serializes as the very
+        # bytes of the program's constant: with every constant in model.ptd the named data store
+        # keeps them once, where a lone .pte holds them twice (its constants and the delegate's)
+        factorized = getattr(model, FACTORS_ATTR, None) is not None
+        written = export_pte(model, out_dir, recipe.max_seq_len, external_data=factorized)
     else:
         from ...exporters.calibrated_rounding import head_moments
 
