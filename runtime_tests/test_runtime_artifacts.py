@@ -45,7 +45,12 @@ def test_pte_follows_llm_runner_conventions(exports, mode):
     from executorch.runtime import Runtime
 
     out, _ = exports.tiny("qwen3")
-    program = Runtime.get().load_program(str(out / f"executorch-{mode}" / "model.pte"))
+    from pit_deploy.runtime.standalone import pte_data_file
+
+    pte = out / f"executorch-{mode}" / "model.pte"
+    data = pte_data_file(pte)  # a factorized program keeps its constants in model.ptd
+    assert (data is not None) == (mode == "factorized")
+    program = Runtime.get().load_program(str(pte), data_path=None if data is None else str(data))
     names = set(program.method_names)
     assert {"forward", "embed", "head", "get_max_seq_len", "get_max_context_len", "use_kv_cache",
             "enable_dynamic_shape", "get_eos_ids"} <= names
