@@ -80,28 +80,42 @@ def kl_parity(driver: Any, reference: Any, blocks: list[list[int]]) -> KLFigures
     return kl_figures(rows())
 
 
+#: positions of one sequence whose float64 distributions are worked on at a time: a 256-token
+#: block of a 262k-token vocabulary is 537 MB a float64 copy, and the KL takes several
+KL_ROWS = 32
+
+
 @torch.no_grad()
 def kl_figures(rows: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> KLFigures:
     """The figures of ``(ids, P's logits, Q's logits)`` per sequence (logits ``(len(ids), V)``,
-    row ``t`` predicting ``ids[t + 1]``), as the module docstring defines them."""
+    row ``t`` predicting ``ids[t + 1]``), as the module docstring defines them; each sequence
+    :data:`KL_ROWS` positions at a time (every figure is a per-position one, summed or pooled
+    after)."""
     kls: list[torch.Tensor] = []
     agree = positions = nonfinite = 0
     nll_q = nll_p = 0.0
     targets_n = 0
-    for ids, ref, got in rows:
-        ref, got = ref.double(), got.double()
-        bad = ~torch.isfinite(got)
-        nonfinite += int(bad.sum())
-        logp = torch.log_softmax(ref, -1)
-        logq = torch.log_softmax(got, -1)
-        kl = (logp.exp() * (logp - logq)).sum(-1)
-        kl = torch.where(bad.any(-1), torch.full_like(kl, math.inf), kl)  # a non-finite row is unbounded
-        kls.append(kl)
-        agree += int(((got.argmax(-1) == ref.argmax(-1)) & ~bad.any(-1)).sum())
-        positions += ids.numel()
+    for ids, ref_all, got_all in rows:
         nxt = ids[1:]
-        nll_p -= float(logp[:-1].gather(1, nxt[:, None]).sum())
-        nll_q -= float(logq[:-1].gather(1, nxt[:, None]).sum())
+        picked_p: list[torch.Tensor] = []
+        picked_q: list[torch.Tensor] = []
+        for first in range(0, ids.numel(), KL_ROWS):
+            part = slice(first, first + KL_ROWS)
+            ref, got = ref_all[part].double(), got_all[part].double()
+            bad = ~torch.isfinite(got)
+            nonfinite += int(bad.sum())
+            logp = torch.log_softmax(ref, -1)
+            logq = torch.log_softmax(got, -1)
+            kl = (logp.exp() * (logp - logq)).sum(-1)
+            kl = torch.where(bad.any(-1), torch.full_like(kl, math.inf), kl)  # a non-finite row is unbounded
+            kls.append(kl)
+            agree += int(((got.argmax(-1) == ref.argmax(-1)) & ~bad.any(-1)).sum())
+            targets = nxt[part]  # the positions of this part that predict a next token
+            picked_p.append(logp[:targets.numel()].gather(1, targets[:, None]))
+            picked_q.append(logq[:targets.numel()].gather(1, targets[:, None]))
+        positions += ids.numel()
+        nll_p -= float(torch.cat(picked_p).sum())
+        nll_q -= float(torch.cat(picked_q).sum())
         targets_n += nxt.numel()
     every = torch.cat(kls)
     finite = bool(torch.isfinite(every).all())

@@ -41,6 +41,8 @@ BLOCK = 128
 DAMP = 0.01
 #: clipping ratios searched for each group's scale (``1.0``: the group's largest weight on the grid's end)
 CLIP_RATIOS = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80, 0.76)
+#: rows GPTQ rounds at a time (:func:`gptq`): a 16,384-row chunk of float64 is 84 MB at d = 640
+ROW_CHUNK = 16_384
 
 
 @dataclass(frozen=True)
@@ -155,33 +157,52 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid: RoundingGrid, act_or
     largest inputs rounded first, while every other column can still absorb their error); the
     runtimes' groups are runs of adjacent columns, so each group's scale is then chosen up front
     from the unrounded weights ("static groups"). On the default model it does not beat the
-    in-order default (``studies/gptq_variants.py``), which the exporters use."""
-    w = weight.detach().to(torch.float64).clone()
-    out, cols = w.shape
+    in-order default (``studies/gptq_variants.py``), which the exporters use.
+
+    The rows are rounded :data:`ROW_CHUNK` at a time: each output row's rounding depends only on
+    that row and ``H``, so the codes are those of one pass over the whole matrix, while the
+    float64 working copies stay a chunk's size (a 262,144-token table in float64 is 1.3 GB, and
+    the scale search holds several such stacks)."""
+    out, cols = weight.shape
     per = _groups(cols, grid)
-    # a group's scale is chosen inside one lazy block: groups are powers of two, so a block of
-    # max(BLOCK, group) columns holds whole groups
-    block = BLOCK if grid.group is None else max(BLOCK, per)
     h = hessian.detach().to(torch.float64).clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    scales = torch.zeros(out, cols // per, dtype=torch.float64)
-    zeros = torch.zeros(out, cols // per, dtype=torch.float64)
-    order = torch.arange(cols)
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(cols)
     if act_order:
-        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-        scale, zero = choose_params(w.reshape(out * (cols // per), per), grid)
-        scales[:], zeros[:] = scale.reshape(out, -1), zero.reshape(out, -1)
-        w, h = w[:, order], h[order][:, order]
-    elif grid.group is None:
-        scales[:, :1], zeros[:, :1] = choose_params(w, grid)
-    group_of = order // per
+        h = h[order][:, order]
     h += DAMP * torch.diagonal(h).mean() * torch.eye(cols, dtype=h.dtype)
     try:
         hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except RuntimeError:  # numerically singular even after dampening: no error feedback to give
         return round_to_nearest(weight, grid)
+    parts = [_gptq_rows(weight[first:first + ROW_CHUNK], hinv, dead, order, grid, act_order, per)
+             for first in range(0, out, ROW_CHUNK)]
+    if len(parts) == 1:
+        return parts[0]
+    return RoundedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                         torch.cat([p.zeros for p in parts]), grid)
+
+
+def _gptq_rows(weight: torch.Tensor, hinv: torch.Tensor, dead: torch.Tensor, order: torch.Tensor,
+               grid: RoundingGrid, act_order: bool, per: int) -> RoundedWeight:
+    """GPTQ of some rows of a matrix, given the upper Cholesky factor ``hinv`` of the inverse
+    of the (dampened, act-order permuted) second moments and the column ``order``."""
+    w = weight.detach().to(torch.float64).clone()
+    out, cols = w.shape
+    # a group's scale is chosen inside one lazy block: groups are powers of two, so a block of
+    # max(BLOCK, group) columns holds whole groups
+    block = BLOCK if grid.group is None else max(BLOCK, per)
+    w[:, dead] = 0.0
+    scales = torch.zeros(out, cols // per, dtype=torch.float64)
+    zeros = torch.zeros(out, cols // per, dtype=torch.float64)
+    if act_order:
+        scale, zero = choose_params(w.reshape(out * (cols // per), per), grid)
+        scales[:], zeros[:] = scale.reshape(out, -1), zero.reshape(out, -1)
+        w = w[:, order]
+    elif grid.group is None:
+        scales[:, :1], zeros[:, :1] = choose_params(w, grid)
+    group_of = order // per
     # The column loop runs in numpy on transposed blocks (a column is a contiguous row): each
     # step is a handful of small vector operations, where numpy's per-call cost is a fraction of
     # torch's. The arithmetic is the same elementwise IEEE float64 operations in the same order
@@ -374,6 +395,24 @@ def scheme_grids(model: nn.Module, scheme, weight_grid) -> Callable[[str], Round
     return grid_of
 
 
+#: a token-interface tensor this large is shared between a model and its rounded copies
+SHARE_MIN_ELEMENTS = 1 << 20
+
+
+def copy_for_rounding(prepared: nn.Module) -> nn.Module:
+    """A deep copy of ``prepared`` that shares its token interface's large tensors (the
+    embedding's and the head's tables and factors) with ``prepared``: rounding writes the body's
+    weights of the copy in place, never the interface's (the head is not calibrated, and a
+    rounded table is a new tensor), and a 262,144-token table is 671 MB a copy."""
+    import copy
+    import itertools
+
+    interface = [m for m in (prepared.get_input_embeddings(), prepared.get_output_embeddings()) if m is not None]
+    memo: dict[int, Any] = {id(t): t for m in interface for t in itertools.chain(m.parameters(), m.buffers())
+                            if t.numel() >= SHARE_MIN_ELEMENTS}
+    return copy.deepcopy(prepared, memo)
+
+
 def calibrated_model(prepared: nn.Module, scheme, weight_grid, blocks: list[torch.Tensor],
                      codes: dict[str, RoundedWeight] | None = None,
                      log: Callable[[str], None] | None = None, act_order: bool = False) -> nn.Module:
@@ -382,9 +421,7 @@ def calibrated_model(prepared: nn.Module, scheme, weight_grid, blocks: list[torc
     is not changed. ``codes`` from an earlier call are reused as they are (the body of the
     materialized and the factorized model is the same: one calibration serves both).
     ``act_order``: :func:`gptq`'s."""
-    import copy
-
-    model = copy.deepcopy(prepared).eval()
+    model = copy_for_rounding(prepared).eval()
     if codes is None:
         codes = calibrate(model, blocks, scheme_grids(model, scheme, weight_grid), "gptq", log, act_order)
     else:

@@ -51,6 +51,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..errors import PitError
+from ..model.core import row_chunks
 from ..model.modules import PITEmbedding, PITHead
 from ..model.quantized_interface import correction_matrix
 from ..schemes import Scheme
@@ -66,20 +67,29 @@ METHOD = ("fp32 model with its weights rounded in PyTorch to the scheme's grid (
 
 
 def fake_quantize(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool,
-                  full_range: bool = False) -> torch.Tensor:
+                  full_range: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``weight`` ``(rows, K)`` rounded to ``bits``-bit codes in groups of ``group`` along ``K``
-    (``None``: one group a row) and dequantized, in ``weight``'s dtype (computed in float64).
+    (``None``: one group a row) and dequantized, in ``dtype`` (default ``weight``'s; computed in
+    float64, by chunks of rows, so a 262,144-token table never has a float64 copy whole).
     ``full_range`` (symmetric only): ``scale = max|w| / 2^(b−1)`` (onnxruntime) instead of
     ``max|w| / (2^(b−1) − 1)``.
 
     Raises:
         PitError: ``group`` does not divide ``K``.
     """
-    w = weight.detach().to(torch.float64)
-    rows, k = w.shape
+    rows, k = weight.shape
     g = k if group is None else group
     if k % g:
         raise PitError(f"group size {g} does not divide the input dimension {k}")
+    out = torch.empty(rows, k, dtype=dtype or weight.dtype)
+    for part, chunk in row_chunks(weight):
+        out[part] = _fake_quantize_rows(chunk, bits, g, symmetric, full_range)
+    return out
+
+
+def _fake_quantize_rows(w: torch.Tensor, bits: int, g: int, symmetric: bool, full_range: bool) -> torch.Tensor:
+    """:func:`fake_quantize` of float64 rows ``w``, in float64."""
+    rows, k = w.shape
     blocks = w.reshape(rows, k // g, g)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
@@ -94,7 +104,7 @@ def fake_quantize(weight: torch.Tensor, bits: int, group: int | None, symmetric:
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         zero = torch.round(-low / scale).clamp(0, levels)
         out = ((torch.round(blocks / scale) + zero).clamp(0, levels) - zero) * scale
-    return out.reshape(rows, k).to(weight.dtype)
+    return out.reshape(rows, k)
 
 
 class _RoundedFactors(nn.Module):
@@ -127,28 +137,31 @@ def _linear_group(bits: int, scheme: Scheme, grid: WeightGrid) -> int | None:
     return None if bits == 8 and grid.per_channel_8bit else scheme.group_size
 
 
-def _round_table(rows: torch.Tensor, bits: int, scheme: Scheme, grid: WeightGrid, linear: bool) -> torch.Tensor:
-    """A token table ``(V, d)`` at ``bits`` (0: unchanged); ``linear``: read by a linear (the
-    head), whose 8-bit weights may take one scale a row."""
+def _table_grid(bits: int, scheme: Scheme, grid: WeightGrid, linear: bool) -> tuple[int, int | None]:
+    """``(bits, group)`` of a token table's rounding (bits 0: unchanged); ``linear``: read by a
+    linear (the head), whose 8-bit weights may take one scale a row."""
+    return bits, (_linear_group(bits, scheme, grid) if linear else scheme.group_size) if bits else None
+
+
+def _round_table(rows: torch.Tensor, bits: int, group: int | None, grid: WeightGrid) -> torch.Tensor:
+    """A token table ``(V, d)`` rounded at ``bits`` in groups of ``group`` (bits 0: unchanged), in
+    float64."""
     if not bits:
-        return rows
-    group = _linear_group(bits, scheme, grid) if linear else scheme.group_size
-    return fake_quantize(rows, bits, group, grid.tables_symmetric, grid.full_range)
+        return rows.to(torch.float64)
+    return fake_quantize(rows, bits, group, grid.tables_symmetric, grid.full_range, dtype=torch.float64)
 
 
 @torch.no_grad()
 def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -> PreTrainedModel:
     """A copy of the prepared fp32 model with its weights rounded to ``scheme`` on ``grid``
     (see the module docstring); ``prepared`` is not changed."""
-    import copy
-
     from transformers.pytorch_utils import Conv1D
 
     if scheme.dtype not in BODY_BITS:
         raise ValueError(f"rounded_model takes a quantized scheme, got {scheme.dtype!r}")
-    from .calibrated_rounding import rounded_weights
+    from .calibrated_rounding import copy_for_rounding, rounded_weights
 
-    model = copy.deepcopy(prepared).eval()
+    model = copy_for_rounding(prepared).eval()
     calibrated = rounded_weights(model)
     head = model.get_output_embeddings()
     embedding = model.get_input_embeddings()
@@ -167,9 +180,11 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
             weight.copy_(fake_quantize(weight, bits, group, grid.symmetric, grid.full_range))
     if isinstance(embedding, PITEmbedding) and isinstance(embedding.interface, PITFactors):
         factors = embedding.interface
-        z = factors.Zt.T.to(torch.float64)
-        zh = _round_table(z, grid.head_bits, scheme, grid, linear=True)
-        ze = _round_table(z, grid.embed_bits, scheme, grid, linear=False)
+        z = factors.Zt.T
+        head_grid = _table_grid(grid.head_bits, scheme, grid, linear=True)
+        embed_grid = _table_grid(grid.embed_bits, scheme, grid, linear=False)
+        zh = _round_table(z, *head_grid, grid)
+        ze = zh if embed_grid == head_grid else _round_table(z, *embed_grid, grid)  # one table where they agree
         t = factors.T.to(torch.float64)
         if scheme.pit_correction:
             m = torch.from_numpy(correction_matrix(zh.numpy(), ze.numpy(), t.numpy()))
@@ -179,17 +194,18 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
         else:
             m = factors.T_inv.to(torch.float64)  # holds a rotation already
         dtype = factors.T.dtype
-        tables = _RoundedFactors(zh.to(dtype), ze.to(dtype), factors.T.clone(), m.to(dtype))
+        zh_stored = zh.to(dtype)
+        tables = _RoundedFactors(zh_stored, zh_stored if ze is zh else ze.to(dtype), factors.T.clone(), m.to(dtype))
         model.expected_error_factors = tables  # registered, so .to()/.eval() reach it
         model.set_input_embeddings(PITEmbedding(tables, embedding.multiplier))
         model.set_output_embeddings(PITHead(tables, head.multiplier, head.bias))
         return model
     if isinstance(embedding, nn.Embedding):
-        rows = _round_table(embedding.weight, grid.embed_bits, scheme, grid, linear=False)
-        embedding.weight = nn.Parameter(rows.clone(), requires_grad=False)  # unties a tied head
+        rows = _round_table(embedding.weight, *_table_grid(grid.embed_bits, scheme, grid, linear=False), grid)
+        embedding.weight = nn.Parameter(rows.to(embedding.weight.dtype), requires_grad=False)  # unties a tied head
     if isinstance(head, nn.Linear):
-        rows = _round_table(head.weight, grid.head_bits, scheme, grid, linear=True)
-        head.weight = nn.Parameter(rows.clone(), requires_grad=False)
+        rows = _round_table(head.weight, *_table_grid(grid.head_bits, scheme, grid, linear=True), grid)
+        head.weight = nn.Parameter(rows.to(head.weight.dtype), requires_grad=False)
     return model
 
 

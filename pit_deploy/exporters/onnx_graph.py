@@ -86,13 +86,16 @@ def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
         raise PitError("the exported graph has no recognizable embedding Gather and head MatMul; "
                        "cannot quantize its token interface")
     table = numpy_helper.to_array(inits[gather.input[0]])
-    embed_rows = table.T if gather_axis(gather) == 1 else table
+    embed_rows = np.ascontiguousarray(table.T if gather_axis(gather) == 1 else table)
+    del table
     b = head.input[1]
-    if b in inits:
-        head_rows = numpy_helper.to_array(inits[b]).T
+    if b == gather.input[0] and gather_axis(gather) == 1:  # factorized: both read the one Zᵀ
+        head_rows = embed_rows  # one array (a 262k-token table is 671 MB a copy)
+    elif b in inits:
+        head_rows = np.ascontiguousarray(numpy_helper.to_array(inits[b]).T)
     else:  # a tied head: MatMul(h, Transpose(E))
-        head_rows = numpy_helper.to_array(inits[producer(graph, b).input[0]])
-    iface = Interface(gather, head, np.ascontiguousarray(embed_rows), np.ascontiguousarray(head_rows))
+        head_rows = np.ascontiguousarray(numpy_helper.to_array(inits[producer(graph, b).input[0]]))
+    iface = Interface(gather, head, embed_rows, head_rows)
     # factorized: Gather(Zt, axis=1) -> Transpose -> MatMul(., T_inv); head = MatMul(MatMul(h, T), Zt)
     first = producer(graph, head.input[0])
     if gather_axis(gather) == 1 and first is not None and first.op_type == "MatMul" and first.input[1] in inits:

@@ -37,7 +37,7 @@ class BlockTable:
     def dequantize(self) -> np.ndarray:
         """``(q − zero_point) · scale`` in float32, exactly as the runtime computes it."""
         n, kb = self.scales.shape
-        q = np.empty((n, kb, self.block), np.float32)
+        q = np.empty((n, kb, self.block), np.float32)  # worked on in place: one table-sized array
         if self.bits == 4:
             q[..., 0::2] = self.packed & 0x0F
             q[..., 1::2] = self.packed >> 4
@@ -48,7 +48,9 @@ class BlockTable:
         else:
             q[:] = self.packed
             z = self.zero_points.reshape(n, kb).astype(np.float32)
-        return ((q - z[..., None]) * self.scales[..., None]).reshape(n, kb * self.block)
+        q -= z[..., None]
+        q *= self.scales[..., None]
+        return q.reshape(n, kb * self.block)
 
 
 def block_quantize(rows: np.ndarray, bits: int, block: int) -> BlockTable:
@@ -165,7 +167,7 @@ def calibrated_table(graph, iface: Interface, bits: int, block: int, moments: np
     key = (weight_digest(iface.head_rows), hashlib.sha256(h.tobytes()).hexdigest(), bits, block)
     if cache is not None and cache.get("key") == key:
         return cache["table"]
-    rounded = gptq(torch.from_numpy(iface.head_rows.astype(np.float64)), torch.from_numpy(h),
+    rounded = gptq(torch.from_numpy(iface.head_rows), torch.from_numpy(h),  # float64 by row chunks in gptq
                    RoundingGrid(bits, block, symmetric=False))
     table = block_table_from_codes(rounded)
     if cache is not None:
@@ -258,8 +260,10 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool
         put(iface.t_name, t @ r)
         put(iface.t_inv_name, r.T @ t_inv)
     r64 = torch.from_numpy(r).to(torch.float64)
+    shared = iface.embed_rows is iface.head_rows
     iface.embed_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.embed_rows)), r64).numpy()
-    iface.head_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.head_rows)), r64).numpy()
+    iface.head_rows = iface.embed_rows if shared else \
+        rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.head_rows)), r64).numpy()
     put(iface.gather.input[0], iface.embed_rows.T)  # factorized: the gather reads Zᵀ (d, V) along axis 1
     if iface.head.input[1] != iface.gather.input[0]:
         put(iface.head.input[1], iface.head_rows.T)

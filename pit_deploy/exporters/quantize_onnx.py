@@ -185,7 +185,8 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
 
             inits = initializers(graph)
             t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
-            m = correction_matrix(head_q.dequantize(), emb_q.dequantize(), t)
+            z_head = head_q.dequantize()
+            m = correction_matrix(z_head, z_head if emb_q is head_q else emb_q.dequantize(), t)
             inits[iface.t_inv_name].CopyFrom(numpy_helper.from_array(m.astype(np.float32), iface.t_inv_name))
     remove_unused_initializers(graph)
     return details

@@ -94,28 +94,29 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     )
     exported = out_dir / "model.onnx"  # optimum's name, at the top
     decoder = onnx.load(str(exported), load_external_data=True)
-    interface = onnx.load(str(tmp_interface), load_external_data=True)
-    tmp_interface.unlink()
     exported.unlink()
     for old in out_dir.glob("*.onnx_data"):
         old.unlink()
     name = decoder_name(dtype)
     details: dict = {"task": ONNX_TASK, "decoder": name, "decoder_data": data_name(name),
                      "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
-    if dtype != "float32":
-        # a calibrated model's codes go in as they are (fold_at_load schemes take no calibration)
-        # and a calibrated model's token table is rounded by GPTQ too, once for both graphs (the
-        # second finds the first's codes in table_cache)
-        quantize = fold_graph if fold_at_load else \
-            partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
-                    table_cache={}, head_int8=head_int8)
+    # a calibrated model's codes go in as they are (fold_at_load schemes take no calibration)
+    # and a calibrated model's token table is rounded by GPTQ too, once for both graphs (the
+    # second finds the first's codes in table_cache)
+    quantize = None if dtype == "float32" else fold_graph if fold_at_load else \
+        partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
+                table_cache={}, head_int8=head_int8)
+    if quantize is not None:
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit)
-        interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
-                                table_bits=table_bits)
     (out_dir / name).parent.mkdir(exist_ok=True)
     save_deduplicated(decoder, out_dir / name, data_name(name))
-    del decoder
+    del decoder  # the interface graph holds the token table again: one graph in memory at a time
+    interface = onnx.load(str(tmp_interface), load_external_data=True)
+    tmp_interface.unlink()
+    if quantize is not None:
+        interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
+                                table_bits=table_bits)
     details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d)
     write_web_config(out_dir, WEB_DTYPES[dtype][0])
     return details
