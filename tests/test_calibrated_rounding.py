@@ -310,3 +310,44 @@ def test_progress_line_says_the_layer_and_the_time_left():
 
     assert progress_line("gptq", 3, 30, 7, 12.0) == "GPTQ: layer 3/30 (7 linears), 12 s, about 1 min 48 s left"
     assert progress_line("gptq", 30, 30, 7, 120.0).endswith("120 s, done")
+
+
+def test_gptq_by_row_chunks_gives_the_codes_of_one_pass(monkeypatch):
+    """Each output row's rounding depends only on that row and ``H``: rounding the rows a few at
+    a time (as a 262k-token table is, to bound the float64 copies) gives the same codes, scales
+    and zero points as one pass, in order and by act-order."""
+    from pit_deploy.exporters import calibrated_rounding
+
+    weight = torch.randn(37, 256, generator=torch.Generator().manual_seed(5))
+    x = _outlier_inputs(512, 256)
+    h = x.T @ x
+    for grid in (RoundingGrid(4, 32, False), RoundingGrid(8, None, True)):
+        for act_order in (False, True):
+            whole = gptq(weight, h, grid, act_order)
+            monkeypatch.setattr(calibrated_rounding, "ROW_CHUNK", 8)
+            chunked = gptq(weight, h, grid, act_order)
+            monkeypatch.undo()
+            assert torch.equal(whole.codes, chunked.codes) and torch.equal(whole.scales, chunked.scales)
+            assert torch.equal(whole.zeros, chunked.zeros)
+
+
+def test_rounded_copies_share_the_token_table_and_leave_the_model_alone(monkeypatch):
+    """The calibrated copy of a PIT model holds its body linears' rounded weights in tensors of
+    its own and reads the very token-table tensors of the model it was copied from (no second
+    copy of a large table); the model it came from keeps its weights."""
+    from pit_deploy.exporters import calibrated_rounding
+    from pit_deploy.tiny import tiny_pit_model
+
+    monkeypatch.setattr(calibrated_rounding, "SHARE_MIN_ELEMENTS", 1)
+    model = tiny_pit_model("llama").eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    table_ptrs = {p.data_ptr() for n, p in model.named_parameters() if "pit_interface" in n}
+    copy = calibrated_rounding.copy_for_rounding(model)
+    ids = [torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    codes = calibrate(copy, ids, lambda name: None if "lm_head" in name else RoundingGrid(4, 32, True))
+    assert codes
+    assert table_ptrs and {p.data_ptr() for n, p in copy.named_parameters() if "pit_interface" in n} == table_ptrs
+    for name in codes:
+        assert copy.get_submodule(name).weight.data_ptr() != model.get_submodule(name).weight.data_ptr()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name

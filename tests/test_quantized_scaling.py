@@ -173,3 +173,15 @@ def test_the_rounding_reproduces_both_runtimes_grids():
     per_row = fake_quantize(torch.from_numpy(w), 8, None, symmetric=True)
     steps = torch.from_numpy(np.abs(w).max(1, keepdims=True) / 127)
     assert float(((per_row - torch.from_numpy(w)).abs() / steps).max()) <= 0.5 + 1e-4
+
+
+def test_fake_quantize_by_row_chunks_is_one_pass(monkeypatch):
+    """The expected-error rounding works on a few rows at a time (a 262k-token table is 1.3 GB
+    a float64 copy): the values are those of one pass, in the dtype asked for."""
+    from pit_deploy.model import core
+
+    w = torch.randn(45, 64, generator=torch.Generator().manual_seed(2))
+    whole = fake_quantize(w, 4, 32, symmetric=False, dtype=torch.float64)
+    monkeypatch.setattr(core, "POLAR_CHUNK_ROWS", 8)
+    assert torch.equal(fake_quantize(w, 4, 32, symmetric=False, dtype=torch.float64), whole)
+    assert torch.equal(fake_quantize(w, 4, 32, symmetric=False), whole.to(torch.float32))

@@ -184,17 +184,20 @@ def table_candidates(prepared: Any, vocab: int, rotated_table: bool) -> list[tup
     weight with ``vocab`` rows or columns, as rows (``Zᵀ`` of a factorized model gives ``Z``),
     and with ``rotated_table`` (a factorized ONNX graph's table, which the exporter turns by
     ``R``) the same times ``R``."""
+    import torch
+
     from ..exporters.residual_rotation import rotation_matrix
+    from ..model.core import rotate_rows
 
     found = []
     for name, array in _float_weights(prepared).items():
         if vocab not in array.shape:
             continue
-        rows = array if array.shape[0] == vocab else array.T
-        found.append((name if rows is array else name + ".T", np.ascontiguousarray(rows, dtype=np.float32)))
-        if rotated_table:
-            r = rotation_matrix(rows.shape[1]).numpy()
-            found.append((name + " R", (rows.astype(np.float64) @ r).astype(np.float32)))
+        rows = np.ascontiguousarray(array if array.shape[0] == vocab else array.T, dtype=np.float32)
+        found.append((name if array.shape[0] == vocab else name + ".T", rows))
+        if rotated_table:  # as the exporter turns it: float64 by row chunks (no float64 copy of a 262k table)
+            r = rotation_matrix(rows.shape[1]).to(torch.float64)
+            found.append((name + " R", rotate_rows(torch.from_numpy(rows), r).numpy()))
     return found
 
 

@@ -395,21 +395,23 @@ def scheme_grids(model: nn.Module, scheme, weight_grid) -> Callable[[str], Round
     return grid_of
 
 
-#: a token-interface tensor this large is shared between a model and its rounded copies
+#: a tensor this large that rounding does not write is shared between a model and its rounded copies
 SHARE_MIN_ELEMENTS = 1 << 20
 
 
 def copy_for_rounding(prepared: nn.Module) -> nn.Module:
-    """A deep copy of ``prepared`` that shares its token interface's large tensors (the
-    embedding's and the head's tables and factors) with ``prepared``: rounding writes the body's
-    weights of the copy in place, never the interface's (the head is not calibrated, and a
-    rounded table is a new tensor), and a 262,144-token table is 671 MB a copy."""
+    """A deep copy of ``prepared`` whose linears' weights (``nn.Linear``, GPT-2's ``Conv1D``) are
+    its own — calibration and the expected-error model write rounded weights into them in place —
+    and whose other large tensors, the token table above all, are ``prepared``'s: nothing writes
+    those in place (a rounded table is a new tensor), and a 262,144-token table is 671 MB a copy."""
     import copy
     import itertools
 
-    interface = [m for m in (prepared.get_input_embeddings(), prepared.get_output_embeddings()) if m is not None]
-    memo: dict[int, Any] = {id(t): t for m in interface for t in itertools.chain(m.parameters(), m.buffers())
-                            if t.numel() >= SHARE_MIN_ELEMENTS}
+    from transformers.pytorch_utils import Conv1D
+
+    written = {id(m.weight) for m in prepared.modules() if isinstance(m, (nn.Linear, Conv1D))}
+    memo: dict[int, Any] = {id(t): t for t in itertools.chain(prepared.parameters(), prepared.buffers())
+                            if id(t) not in written and t.numel() >= SHARE_MIN_ELEMENTS}
     return copy.deepcopy(prepared, memo)
 
 
