@@ -14,12 +14,18 @@ Peak memory is the largest resident set of the command's process tree (``wait4``
 
 Usage::
 
-    python benchmarks/command_cost.py --model DIR [--runtime onnx,onnx-genai,executorch]
+    python benchmarks/command_cost.py (--model DIR | --random-model gemma3-270m)
+        [--runtime onnx,onnx-genai,executorch]
         [--dtype float32,int4] [--convert-arg=--accept-loss ...] [--export-arg ...]
         [--work DIR] [--out benchmarks/results/command_cost.json]
 
 ``--model`` is a plain Hugging Face directory (converted first, ``convert``'s defaults plus the
-``--convert-arg`` flags) or a PIT checkpoint (used as it is).
+``--convert-arg`` flags) or a PIT checkpoint (used as it is). ``--random-model NAME`` instead
+builds a model of a known architecture at its real size with random weights (and a tokenizer
+whose text lands on ids across the whole vocabulary) in ``--work``: what a command costs
+depends on the shapes, not on the weights, so the cost of a model you do not have on disk can
+be measured (``gemma3-270m``: Gemma 3 270M's configuration, 262,144 tokens; ``gemma3-tiny``: the
+same structure at a test size).
 """
 
 from __future__ import annotations
@@ -61,6 +67,40 @@ def folder_mib(path: Path) -> float | None:
     return round(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20, 1)
 
 
+#: ``--random-model`` configurations: Gemma 3 270M as published (``gemma3_text``: 18 layers, five
+#: sliding-window layers to one global, 262,144 tokens), and the same structure at a test size
+_GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    "gemma3-270m": dict(vocab_size=262_144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                        layer_types=_GEMMA3_LAYERS * 3, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                        query_pre_attn_scalar=256, max_position_embeddings=32_768),
+    "gemma3-tiny": dict(vocab_size=70_000, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                        layer_types=_GEMMA3_LAYERS, query_pre_attn_scalar=32, max_position_embeddings=512),
+}
+
+
+def random_model(name: str, out: Path) -> Path:
+    """Write the ``--random-model`` ``name`` to ``out`` (seeded; norm gains drawn around 1 as a
+    trained model's are, not left at the initial value); returns ``out``."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from pit_deploy.io.checkpoint import save_model
+    from pit_deploy.tiny import tiny_tokenizer
+
+    config = Gemma3TextConfig(**RANDOM_MODELS[name], tie_word_embeddings=True, architectures=["Gemma3ForCausalLM"])
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    save_model(model, out, tiny_tokenizer(spread_to=config.vocab_size))
+    return out
+
+
 def model_facts(model: Path) -> dict[str, Any]:
     """Parameter count (from the safetensors headers, no load) and the model's fp32 size."""
     from safetensors import safe_open
@@ -83,7 +123,10 @@ def model_facts(model: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, type=Path, help="a plain HF directory or a PIT checkpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, help="a plain HF directory or a PIT checkpoint")
+    source.add_argument("--random-model", choices=sorted(RANDOM_MODELS),
+                        help="a model of this architecture at its real size with random weights, built in --work")
     parser.add_argument("--runtime", default="onnx,onnx-genai,executorch", help="comma list of targets")
     parser.add_argument("--dtype", default="float32,int4", help="the export schemes, one export per target")
     parser.add_argument("--mode", default="factorized")
@@ -95,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
 
-    facts = model_facts(args.model)
     work = args.work or Path(tempfile.mkdtemp(prefix="command-cost-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.random_model:
+        args.model = random_model(args.random_model, work / "source")
+    facts = model_facts(args.model)
+    facts["weights"] = f"random ({args.random_model})" if args.random_model else "as given"
     rows: list[dict[str, Any]] = []
 
     def record(command: str, target: str | None, argv: list[str], out: Path | None) -> dict[str, Any]:

@@ -382,3 +382,16 @@ def test_pipeline_time(work, tmp_path):
     kinds = {p["kind"] for p in run["parts"]}
     assert {"gptq", "artifact", "stage"} <= kinds, run["parts"]
     assert run["cli"]["help_s"] > 0 and run["cli"]["list_s"] > 0
+
+
+def test_command_cost_of_a_random_model(tmp_path):
+    """``--random-model``: a Gemma 3 structure past 65,536 tokens with random weights is built in
+    the work folder, converted and exported; the result says the weights were random."""
+    out = tmp_path / "command_cost.json"
+    assert run_benchmark("command_cost", ["--random-model", "gemma3-tiny", "--runtime", "onnx", "--dtype", "float32",
+                                          "--convert-arg=--accept-loss", "--convert-arg=--calib-tokens=256",
+                                          "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
+    data = well_formed(out, "command_cost", "rows")
+    assert data["model"]["vocab_size"] == 70_000 and data["model"]["weights"] == "random (gemma3-tiny)"
+    assert [r["command"] for r in data["rows"]] == ["convert", "export", "verify"]
+    assert data["rows"][1]["exit_code"] == 0
