@@ -144,11 +144,12 @@ def _table_grid(bits: int, scheme: Scheme, grid: WeightGrid, linear: bool) -> tu
 
 
 def _round_table(rows: torch.Tensor, bits: int, group: int | None, grid: WeightGrid) -> torch.Tensor:
-    """A token table ``(V, d)`` rounded at ``bits`` in groups of ``group`` (bits 0: unchanged), in
-    float64."""
+    """A token table ``(V, d)`` rounded at ``bits`` in groups of ``group`` (bits 0: unchanged), a
+    new tensor in ``rows``' dtype: the values the rounded model computes with (and the PIT
+    correction is computed from), as a runtime holds its dequantized table."""
     if not bits:
-        return rows.to(torch.float64)
-    return fake_quantize(rows, bits, group, grid.tables_symmetric, grid.full_range, dtype=torch.float64)
+        return rows.clone()
+    return fake_quantize(rows, bits, group, grid.tables_symmetric, grid.full_range)
 
 
 @torch.no_grad()
@@ -194,18 +195,17 @@ def rounded_model(prepared: PreTrainedModel, scheme: Scheme, grid: WeightGrid) -
         else:
             m = factors.T_inv.to(torch.float64)  # holds a rotation already
         dtype = factors.T.dtype
-        zh_stored = zh.to(dtype)
-        tables = _RoundedFactors(zh_stored, zh_stored if ze is zh else ze.to(dtype), factors.T.clone(), m.to(dtype))
+        tables = _RoundedFactors(zh, ze, factors.T.clone(), m.to(dtype))
         model.expected_error_factors = tables  # registered, so .to()/.eval() reach it
         model.set_input_embeddings(PITEmbedding(tables, embedding.multiplier))
         model.set_output_embeddings(PITHead(tables, head.multiplier, head.bias))
         return model
     if isinstance(embedding, nn.Embedding):
         rows = _round_table(embedding.weight, *_table_grid(grid.embed_bits, scheme, grid, linear=False), grid)
-        embedding.weight = nn.Parameter(rows.to(embedding.weight.dtype), requires_grad=False)  # unties a tied head
+        embedding.weight = nn.Parameter(rows, requires_grad=False)  # unties a tied head
     if isinstance(head, nn.Linear):
         rows = _round_table(head.weight, *_table_grid(grid.head_bits, scheme, grid, linear=True), grid)
-        head.weight = nn.Parameter(rows.to(head.weight.dtype), requires_grad=False)
+        head.weight = nn.Parameter(rows, requires_grad=False)
     return model
 
 
