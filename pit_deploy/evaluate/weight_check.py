@@ -105,7 +105,9 @@ class WeightCheck:
 
 def from_codes(name: str, qz: np.ndarray, scales: np.ndarray, bits: int, block: int, cols: int) -> Stored:
     rows, blocks = scales.shape
-    values = (qz.reshape(rows, blocks, block).astype(np.float32) * scales[..., None]).reshape(rows, -1)
+    values = qz.reshape(rows, blocks, block).astype(np.float32)
+    values *= scales[..., None]  # in place: one float32 table, not two
+    values = values.reshape(rows, -1)
     return Stored(name, values[:, :cols], bits, block, qz[:, :cols] if cols == qz.shape[1] else None,
                   scales if cols == qz.shape[1] else None)
 

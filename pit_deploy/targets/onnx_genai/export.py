@@ -45,6 +45,7 @@ from transformers import PreTrainedModel
 
 from ...errors import PitError
 from ...io.checkpoint import save_model
+from ...model.core import row_chunks
 from ...model.families import FUSED_PROJECTIONS
 from ...schemes import Scheme, names_linear
 from . import (BUILDER_ARCHITECTURES, BUILDER_DATA, BUILDER_PROJECTIONS, CONFIG_NAME, DECODER_NAME, INTERFACE_NAME,
@@ -168,11 +169,19 @@ def _plain_twin(model: PreTrainedModel) -> PreTrainedModel:
     prefixes = (FACTORS_ATTR + ".", modules[id(model.get_input_embeddings())] + ".",
                 modules[id(model.get_output_embeddings())] + ".")
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
-    zt, t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("Zt", "T", "T_inv"))
+    zt = factors.Zt.detach()
+    t, t_inv = (getattr(factors, n).detach().to(torch.float64) for n in ("T", "T_inv"))
     emb_name = next(n for n, p in plain.named_parameters() if p is plain.get_input_embeddings().weight)
     head_name = next(n for n, p in plain.named_parameters() if p is plain.get_output_embeddings().weight)
-    state[emb_name] = ((zt.T @ t_inv) / adapter.embedding_multiplier(config)).float()
-    state[head_name] = ((t @ zt).T / adapter.logits_multiplier(config)).float()
+    # written into the twin's own (uninitialized) tables, which load_state_dict then keeps
+    embedding, head = plain.get_input_embeddings().weight.data, plain.get_output_embeddings().weight.data
+    emb_scale, head_scale = adapter.embedding_multiplier(config), adapter.logits_multiplier(config)
+    # E = Z T⁻¹ and W_out = T Zᵀ in float64, a chunk of tokens at a time (the same products,
+    # token for token): no float64 copy of a 262k-token table
+    for part, rows in row_chunks(zt.T):
+        embedding[part] = ((rows @ t_inv) / emb_scale).float()
+        head[part] = ((t @ rows.T).T / head_scale).float()
+    state[emb_name], state[head_name] = embedding, head
     bias = getattr(model.get_output_embeddings(), "bias", None)
     if bias is not None:
         state[head_name.rsplit(".", 1)[0] + ".bias"] = bias.detach().float()
@@ -440,6 +449,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
         twin = _plain_twin(model)
         with _table_for_builder(twin):
             hf_dir = builder_checkpoint(twin, tokenizer, Path(tmp) / "hf")
+        del twin  # the builder reads the checkpoint; a factorized model's twin holds two V×d tables
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
     # the builder splits Phi-3's gate_up_proj into gate_proj and up_proj nodes
     calibrated = split_fused(rounded_weights(model)) if dtype != "float32" else {}
