@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="command-cost-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.random_model:
+        shutil.rmtree(work / "source", ignore_errors=True)  # built by this script: made again
         args.model = random_model(args.random_model, work / "source")
     facts = model_facts(args.model)
     facts["weights"] = f"random ({args.random_model})" if args.random_model else "as given"
