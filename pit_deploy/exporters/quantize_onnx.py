@@ -122,7 +122,7 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
     ensure_ms_domain(model)
     rotated = rotate_table(graph, iface, int8_block=block if head_int8 else None)
     head_int8 = head_int8 and rotated  # only a turned factorized table has its factor on the grid
-    shared = np.array_equal(iface.embed_rows, iface.head_rows)
+    shared = iface.embed_rows is iface.head_rows or np.array_equal(iface.embed_rows, iface.head_rows)
     head_q = block_quantize(iface.head_rows, bits, block) if head_moments is None else \
         calibrated_table(graph, iface, bits, block, head_moments, table_cache)
     emb_q = head_q if shared else block_quantize(iface.embed_rows, bits, block)

@@ -72,11 +72,11 @@ def row_chunks(a: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[slice, tor
         yield part, chunk * scale if scale != 1.0 else chunk
 
 
-def rotate_rows(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``U R`` in float32 (``r`` float64), each chunk of rows rotated in float64."""
-    out = torch.empty(u.shape, dtype=torch.float32)
+def rotate_rows(u: torch.Tensor, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``U R`` in ``dtype`` (``r`` float64, ``d×k``), each chunk of rows multiplied in float64."""
+    out = torch.empty(u.shape[0], r.shape[1], dtype=dtype)
     for part, chunk in row_chunks(u):
-        out[part] = (chunk @ r).to(torch.float32)
+        out[part] = (chunk @ r).to(dtype)
     return out
 
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...model.core import row_chunks
+from ...model.core import rotate_rows
 from ...model.quantized_interface import table_map
 
 #: seed of the rotation: the same model exports to the same program
@@ -87,10 +87,7 @@ def rotated_table(zt: torch.Tensor, table_map: torch.Tensor) -> torch.Tensor:
     :func:`head_factors`: the table a rotated quantized head and its gather read. By row chunks
     (the same products, row for row): ``Zᵀ`` is never copied to float64 whole (1.3 GB at a
     262,144-token vocabulary)."""
-    out = torch.empty(zt.shape[1], zt.shape[0], dtype=torch.float64)
-    for part, chunk in row_chunks(zt.T):
-        out[part] = chunk @ table_map
-    return out
+    return rotate_rows(zt.T, table_map, dtype=torch.float64)
 
 
 def random_rotation(d: int, seed: int = ROTATION_SEED) -> torch.Tensor:
