@@ -239,7 +239,7 @@ def scramble_pte(folder: Path, vocab: int, seed: int = 0, head: bool = False) ->
     from pit_deploy.targets.executorch.stored_weights import pte_stored
 
     stored = next(s for s in pte_stored(folder / "model.pte")
-                  if "/xnnpack" in s.name and (s.values.shape[0] == vocab) == head)
+                  if "/xnnpack" in s.name and (s.shape[0] == vocab) == head)
     prefix = stored.name.rsplit("/", 1)[1]
     for path in sorted(folder.glob("model.pt[ed]")):
         hits = [entry for key, entry in _pte_entries(path).items() if key.startswith(prefix)]
@@ -347,6 +347,45 @@ def llama_pte(sources, cheap_calibration, tmp_path_factory) -> Path:
     return _exported(LLAMA_PTE, sources, tmp_path_factory)
 
 
+def test_a_table_holding_its_recorded_codes_is_never_dequantized_nor_its_forms_made(sources, cheap_calibration,
+                                                                                      tmp_path_factory, monkeypatch):
+    """A GPTQ-rounded factorized table matches its recorded digest: the check makes none of the
+    table's reference forms (each a float32 ``V×d`` array, 671 MB at a 262k vocabulary) and
+    dequantizes none of the calibrated tensors; an 8-bit table rounded to nearest is compared by
+    value, so there the forms are made."""
+    import pit_deploy.evaluate.onnx_weights as onnx_weights
+    from pit_deploy.evaluate import weight_check
+
+    export = _exported(EXPORTS[0], sources, tmp_path_factory)  # llama onnx factorized int8, int4, …
+    made, dense = [], []
+    real_forms, real_dense = onnx_weights.table_candidates, weight_check.Stored.dense
+
+    def forms(*args, **kwargs):
+        made.append(True)
+        return real_forms(*args, **kwargs)
+
+    def dequantize(self, rows=None):
+        dense.append((self.name, self.values is None, rows))
+        return real_dense(self, rows)
+
+    monkeypatch.setattr(onnx_weights, "table_candidates", forms)
+    monkeypatch.setattr(weight_check.Stored, "dense", dequantize)
+    checks = _weight_checks(export)
+    assert checks["onnx-factorized-int4"]["failure"] is None and checks["onnx-factorized-int4"]["calibrated"] > 0
+    made.clear(), dense.clear()
+    from pit_deploy.evaluate.verify import load_reference
+    from pit_deploy.io.manifest import Manifest
+
+    reference, _ = load_reference(export)
+    art = next(a for a in Manifest.read(export).artifacts if a.path == "onnx-factorized-int4")
+    check = weight_check.check_artifact_weights(export, art, reference)
+    assert check.failure is None and check.calibrated == check.tensors, check
+    assert not made and not dense, (made, dense)
+    art = next(a for a in Manifest.read(export).artifacts if a.path == "onnx-factorized-int8")
+    check = weight_check.check_artifact_weights(export, art, reference)
+    assert check.failure is None and made and any(lazy for _, lazy, _ in dense), (made, dense)
+
+
 def test_a_deleted_expected_error_is_refused_before_any_work(onnx_int8, tmp_path, capsys):
     """Without ``details.expected`` the scaled KL check would be dropped: unusable input (exit 2,
     re-export), not a pass on the absolute bounds alone."""
@@ -415,7 +454,7 @@ def test_random_bytes_in_a_gptq_head_of_a_pte_fail(llama_pte, tmp_path, scheme):
 
     folder = f"executorch-factorized-{scheme}"
     vocab = json.loads((llama_pte / "reference" / "config.json").read_text())["vocab_size"]
-    head_side = [s.name for s in pte_stored(llama_pte / folder / "model.pte") if s.values.shape[0] == vocab]
+    head_side = [s.name for s in pte_stored(llama_pte / folder / "model.pte") if s.shape[0] == vocab]
     directory = _copy(llama_pte, tmp_path)
     assert scramble_pte(directory / folder, vocab, head=True) in head_side
     rehash(directory)
@@ -465,7 +504,7 @@ def test_torchao_hqq_rounding_passes_the_exporters_own_codes_and_no_others():
     reference = weight.numpy()
 
     stored = from_codes("w", codes, scales, 4, 32, 128)
-    assert off_grid(stored.values, reference, stored)[0] > 0  # clipped past one step of the widest grid
+    assert off_grid(stored, reference)[0] > 0  # clipped past one step of the widest grid
     assert torchao_hqq_rounding(stored, reference)
     rng = np.random.default_rng(0)
     assert not torchao_hqq_rounding(from_codes("w", rng.integers(-8, 8, codes.shape), scales, 4, 32, 128), reference)

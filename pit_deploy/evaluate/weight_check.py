@@ -56,18 +56,23 @@ from ..model.families import FUSED_PROJECTIONS, split_part
 STEP_SLACK = 1e-3
 #: rows of an artifact tensor that pick the form of the token table it holds
 PROBE_ROWS = 8
+#: rows compared on the grid at a time (:func:`off_grid`)
+GRID_ROWS = 8192
 
 
 @dataclass
 class Stored:
-    """One quantized tensor as the artifact stores it, dequantized to ``(rows, K)``.
+    """One quantized tensor as the artifact stores it, ``(rows, K)``.
 
+    ``values``: the dequantized tensor, or ``None`` where it is kept as ``qz``/``scales`` and
+    dequantized only when compared by value (:meth:`dense`): a tensor that holds its recorded
+    calibrated codes is never dequantized, which spares a float32 copy of a 262k-token table.
     ``qz``/``scales``: the integer codes minus their zero points ``(rows, K)`` and the block
     scales ``(rows, K / block)`` where the format has them (for the calibrated-codes digest);
     ``bits``: the grid's bits (``None``: a float type with relative step ``ulp``)."""
 
     name: str
-    values: np.ndarray
+    values: np.ndarray | None
     bits: int | None
     block: int
     qz: np.ndarray | None = None
@@ -84,6 +89,29 @@ class Stored:
     #: a ``.pte`` linear's role in its program
     #: (:func:`pit_deploy.targets.executorch.stored_weights._plan_roles`), ``None`` where none is known
     role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.values is None and (self.qz is None or self.scales is None):
+            raise ValueError(f"{self.name}: neither values nor codes and scales")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape if self.values is not None else self.qz.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def dense(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The dequantized values (float32), of ``rows`` only where given; computed from the codes
+        on each call where the tensor keeps none (so a whole table is not kept beside its codes)."""
+        if self.values is not None:
+            return self.values if rows is None else self.values[rows]
+        qz, scales = (self.qz, self.scales) if rows is None else (self.qz[rows], self.scales[rows])
+        blocks = scales.shape[1]
+        values = qz.reshape(qz.shape[0], blocks, -1).astype(np.float32)
+        values *= scales[..., None]  # in place: one float32 array, not two
+        return values.reshape(qz.shape[0], -1)
 
 
 @dataclass
@@ -104,12 +132,15 @@ class WeightCheck:
 
 
 def from_codes(name: str, qz: np.ndarray, scales: np.ndarray, bits: int, block: int, cols: int) -> Stored:
+    """A tensor of ``cols`` columns from its codes minus zero points ``(rows, K)`` and block
+    scales: kept as codes (dequantized when compared by value) where ``K`` is ``cols``;
+    dequantized and cut to ``cols`` where the format pads its rows to whole blocks."""
+    if cols == qz.shape[1]:
+        return Stored(name, None, bits, block, qz, scales)
     rows, blocks = scales.shape
     values = qz.reshape(rows, blocks, block).astype(np.float32)
     values *= scales[..., None]  # in place: one float32 table, not two
-    values = values.reshape(rows, -1)
-    return Stored(name, values[:, :cols], bits, block, qz[:, :cols] if cols == qz.shape[1] else None,
-                  scales if cols == qz.shape[1] else None)
+    return Stored(name, values.reshape(rows, -1)[:, :cols], bits, block)
 
 
 # --------------------------------------------------------------------------------------
@@ -134,16 +165,23 @@ def grid_step(reference: np.ndarray, stored: Stored) -> np.ndarray:
     return np.repeat(step, block, axis=1)[:, :cols]
 
 
-def off_grid(stored_values: np.ndarray, reference: np.ndarray, stored: Stored) -> tuple[int, float]:
-    """``(elements beyond one grid step, the worst distance in steps)``."""
-    step = grid_step(reference, stored)
-    diff = np.abs(stored_values.astype(np.float64) - reference.astype(np.float64))
-    allowed = step * (1 + STEP_SLACK) + 1e-12
-    bad = ~(diff <= allowed)  # NaN counts as beyond
-    worst = float(np.nanmax(diff / np.maximum(step, 1e-30))) if diff.size else 0.0
-    if not np.isfinite(stored_values).all():
-        worst = float("inf")
-    return int(bad.sum()), worst
+def off_grid(stored: Stored, reference: np.ndarray) -> tuple[int, float]:
+    """``(elements of ``stored`` beyond one grid step of ``reference``, the worst distance in
+    steps)``, :data:`GRID_ROWS` rows at a time (each row's grid is its own; a 262k-token table
+    compared whole would take float64 copies of several times its size)."""
+    bad, worst = 0, 0.0
+    for start in range(0, max(stored.shape[0], 1), GRID_ROWS):
+        rows = slice(start, start + GRID_ROWS)
+        values, ref = stored.dense(rows), reference[rows]
+        step = grid_step(ref, stored)
+        diff = np.abs(values.astype(np.float64) - ref.astype(np.float64))
+        allowed = step * (1 + STEP_SLACK) + 1e-12
+        bad += int((~(diff <= allowed)).sum())  # NaN counts as beyond
+        if diff.size:
+            worst = max(worst, float(np.nanmax(diff / np.maximum(step, 1e-30))))
+        if not np.isfinite(values).all():
+            worst = float("inf")
+    return bad, worst
 
 
 # --------------------------------------------------------------------------------------
@@ -168,9 +206,18 @@ class Pairing:
     names: tuple[str, ...] = ()
     once: bool = True
     codes: tuple[tuple[str, ...], ...] = ()
+    #: makes ``candidates`` on first use (:meth:`forms`): a token table's forms are full ``V×d``
+    #: arrays, not needed when the stored table holds its recorded calibrated codes
+    lazy: Callable[[], list[tuple[str, np.ndarray]]] | None = None
 
     def __post_init__(self) -> None:
         self.codes = self.codes or ((self.names,) if self.names else ())
+
+    def forms(self) -> list[tuple[str, np.ndarray]]:
+        """:attr:`candidates`, made by :attr:`lazy` the first time they are asked for."""
+        if self.lazy is not None:
+            self.candidates, self.lazy = self.lazy(), None
+        return self.candidates
 
 
 def _float_weights(model: Any) -> dict[str, np.ndarray]:
@@ -216,11 +263,12 @@ class ReferenceWeights:
     forms (``tables``, from :func:`table_candidates` or a target's own, such as
     :func:`pit_deploy.targets.executorch.stored_weights.pte_table_candidates`)."""
 
-    def __init__(self, prepared: Any, vocab: int, tables: list[tuple[str, np.ndarray]]):
+    def __init__(self, prepared: Any, vocab: int,
+                 tables: list[tuple[str, np.ndarray]] | Callable[[], list[tuple[str, np.ndarray]]]):
         self.state = _float_weights(prepared)
         self.modules = dict(prepared.named_modules())
         self.vocab = vocab
-        self.tables = tables
+        self._tables = tables
         self.embed_key = self._key_of(prepared.get_input_embeddings())
         self.head_key = self._key_of(prepared.get_output_embeddings())
 
@@ -270,8 +318,19 @@ class ReferenceWeights:
         ``E`` and ``W_out``)."""
         other = self.head_key if gather else self.embed_key
         own = self.embed_key if gather else self.head_key
-        forms = [(n, a) for n, a in self.tables if other is None or other == own or other not in n]
-        return Pairing("the token table's " + ("embedding" if gather else "head"), forms, names, once)
+
+        def forms() -> list[tuple[str, np.ndarray]]:
+            return [(n, a) for n, a in self.tables if other is None or other == own or other not in n]
+
+        return Pairing("the token table's " + ("embedding" if gather else "head"), [], names, once, lazy=forms)
+
+    @property
+    def tables(self) -> list[tuple[str, np.ndarray]]:
+        """The token table's forms, made on first use where they were given as a function (and
+        kept: both sides of a table read them)."""
+        if callable(self._tables):
+            self._tables = self._tables()
+        return self._tables
 
 
 def _probe_rows(rows: int) -> np.ndarray:
@@ -281,11 +340,11 @@ def _probe_rows(rows: int) -> np.ndarray:
 def best_candidate(stored: Stored, candidates: list[tuple[str, np.ndarray]]) -> tuple[str, np.ndarray] | None:
     """The candidate closest to ``stored`` on a few rows, measured in grid steps (the forms of one
     token table: :meth:`ReferenceWeights.table`)."""
-    candidates = [(n, a) for n, a in candidates if a.shape == stored.values.shape]
+    candidates = [(n, a) for n, a in candidates if a.shape == stored.shape]
     if not candidates:
         return None
-    rows = _probe_rows(stored.values.shape[0])
-    probe = Stored(stored.name, stored.values[rows], stored.bits, stored.block, ulp=stored.ulp,
+    rows = _probe_rows(stored.shape[0])
+    probe = Stored(stored.name, stored.dense(rows), stored.bits, stored.block, ulp=stored.ulp,
                    f16_scales=stored.f16_scales)
     scores = []
     for name, array in candidates:
@@ -371,14 +430,15 @@ def compare(stored_tensors: list[Stored], pair: Callable[[Stored], Pairing | str
             result.calibrated += 1
             held.update(holds)
             continue
-        pick = pairing.candidates[0] if len(pairing.candidates) == 1 else best_candidate(stored, pairing.candidates)
+        forms = pairing.forms()
+        pick = forms[0] if len(forms) == 1 else best_candidate(stored, forms)
         ref_name, ref = pick if pick is not None else (pairing.label, None)
-        if ref is None or ref.shape != stored.values.shape:
+        if ref is None or ref.shape != stored.shape:
             shape = "" if ref is None else f" of shape {tuple(ref.shape)}"
-            result.failure = (f"quantized tensor {stored.name} {tuple(stored.values.shape)}: its reference weight "
+            result.failure = (f"quantized tensor {stored.name} {stored.shape}: its reference weight "
                               f"{pairing.label}{shape} does not have its shape")
             return result
-        bad, worst = off_grid(stored.values, ref, stored)
+        bad, worst = off_grid(stored, ref)
         if bad and own_rounding is not None and own_rounding(stored, ref):
             continue
         if bad:
@@ -387,7 +447,7 @@ def compare(stored_tensors: list[Stored], pair: Callable[[Stored], Pairing | str
             how = (f"neither within one grid step of its reference weight {ref_name} nor the calibrated codes "
                    f"recorded for {', '.join(calibrated)}" if calibrated
                    else f"not within one grid step of its reference weight {ref_name}")
-            result.failure = (f"quantized tensor {stored.name}: {bad} of {stored.values.size} values {how} "
+            result.failure = (f"quantized tensor {stored.name}: {bad} of {stored.size} values {how} "
                               f"({grid}, worst {worst:.3g} steps)")
             return result
     if not result.tensors:

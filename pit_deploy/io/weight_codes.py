@@ -22,9 +22,14 @@ CODES_DIGEST = "sha256 of (codes − zero points) as int16 (rows × K) then the 
 def code_digest(qz: np.ndarray, scales: np.ndarray) -> str:
     """sha256 of a tensor's codes minus zero points (int16, ``(rows, K)``) and its block scales
     (float32, ``(rows, blocks)``): the same for every layout the runtimes store them in."""
-    h = hashlib.sha256(np.ascontiguousarray(qz, dtype=np.int16).tobytes())
-    h.update(np.ascontiguousarray(scales, dtype=np.float32).tobytes())
+    h = hashlib.sha256(_bytes_of(np.ascontiguousarray(qz, dtype=np.int16)))
+    h.update(_bytes_of(np.ascontiguousarray(scales, dtype=np.float32)))
     return h.hexdigest()
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, read in place (``tobytes`` would copy a 262k-token table)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def codes_entry(qz: Any, scales: Any) -> dict[str, Any]:

@@ -329,8 +329,9 @@ def _delegate_weights(graph: dict[str, Any], data: _PteData, where: str,
         if bits == 4:
             q = unpack_codes(np.frombuffer(codes, np.uint8), 4, rows, scales.shape[1], block).reshape(rows, cols)
         else:
-            q = np.frombuffer(codes, np.int8).astype(np.int32).reshape(rows, cols)
-        stored = from_codes(name, q - zero, scales, bits, block, cols)
+            q = np.frombuffer(codes, np.int8).astype(np.int16).reshape(rows, cols)
+        q -= zero  # int16 (every code minus its zero point fits): the digest reads it as it is
+        stored = from_codes(name, q, scales, bits, block, cols)
         stored.places, stored.role = (where, key), role
         out.append(stored)
     return out
@@ -377,13 +378,14 @@ def _table_weights(plan: Any, data: _PteData, seen: set[str], skipped: list[str]
             s = s.reshape(rows, -1)
             if bits == 4:  # the even column in the high nibble, codes q + 8 (the op's reference kernel)
                 packed = codes.astype(np.uint8)
-                q = np.empty((rows, packed.shape[1] * 2), np.int32)
-                q[:, 0::2], q[:, 1::2] = (packed >> 4).astype(np.int32) - 8, (packed & 0x0F).astype(np.int32) - 8
+                q = np.empty((rows, packed.shape[1] * 2), np.int16)  # int16: half an int32 table
+                q[:, 0::2], q[:, 1::2] = packed >> 4, packed & 0x0F
+                q -= 8
             else:
-                q = codes.astype(np.int32)
+                q = codes.astype(np.int16)
             block = q.shape[1] // s.shape[1]
             if raw_z:
-                q = q - np.repeat(_array(raw_z, zero).astype(np.int32).reshape(rows, -1), block, axis=1)
+                q -= np.repeat(_array(raw_z, zero).astype(np.int16).reshape(rows, -1), block, axis=1)
             stored = from_codes(name, q, s, bits, block, q.shape[1])
             stored.places, stored.gather = (name,), True
             out.append(stored)
@@ -548,7 +550,7 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
     quantized embedding operators) are paired by their role in the model."""
     from collections import Counter
 
-    linears = [s for s in stored if not s.gather and s.values.shape[0] != vocab]
+    linears = [s for s in stored if not s.gather and s.shape[0] != vocab]
     order = {id(s): i for i, s in enumerate(linears)}
     flat = [path for group in body for path in group]
     member_of: dict[int, list[str]] = {}
@@ -567,7 +569,7 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
             members = [path for path in group if shapes[path] == shape]
             if shape is None or len(members) < 2:
                 continue
-            held = [s for s in run if s.values.shape == shape]
+            held = [s for s in run if s.shape == shape]
             if None not in [roles.get(path) for path in members] and \
                     Counter(roles.get(path) for path in members) == Counter(s.role for s in held):
                 by_role.update(id(s) for s in held)
@@ -580,7 +582,7 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
     def pair(s: Stored) -> Pairing | str:
         if s.gather:
             return reference.table(True, ("token_table",))
-        if s.values.shape[0] == vocab:
+        if s.shape[0] == vocab:
             return reference.table(False, ("head",), once=True)
         i = order[id(s)]
         if len(linears) != len(flat):
@@ -589,10 +591,10 @@ def pte_pairing(stored: list[Stored], reference: ReferenceWeights, body: list[li
         group = member_of[id(s)]
         found = [(path, reference.linear(path)) for path in group]
         fits = [(path, hit) for path, hit in found if hit is not None
-                and hit.candidates[0][1].shape == s.values.shape]
+                and hit.candidates[0][1].shape == s.shape]
         if not fits:
             shapes = ", ".join(str(tuple(hit.candidates[0][1].shape)) for _, hit in found if hit is not None)
-            return (f"the program's linear #{i + 1} has shape {tuple(s.values.shape)}, but the reference model "
+            return (f"the program's linear #{i + 1} has shape {s.shape}, but the reference model "
                     f"computes {', '.join(group)} there ({shapes}): the program does not compute the model's "
                     "linears in its order")
         if id(s) in by_role and roles is not None:
@@ -626,7 +628,7 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     covered = [s for s in stored if all(s is not x for x in left)]
     notes = []
     if left:
-        notes.append("not covered: " + ", ".join(f"{s.name} {tuple(s.values.shape)}" for s in left)
+        notes.append("not covered: " + ", ".join(f"{s.name} {s.shape}" for s in left)
                      + " (the quantized head, and a gather that reads its codes: rounded by GPTQ at export, "
                      "and their codes match no digest the manifest records; re-export to record them; "
                      "KL and interface bounds only)")
@@ -640,7 +642,7 @@ def check_pte_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
     prepared = prepare(reference, artifact_mode(art))
     rotated = section(details, "scheme").get("rotate_residual") and rotation_blocker(prepared) is None
     body_model = rotate_residual(prepared) if rotated else prepared
-    weights = ReferenceWeights(body_model, vocab, pte_table_candidates(prepared, details, vocab))
+    weights = ReferenceWeights(body_model, vocab, lambda: pte_table_candidates(prepared, details, vocab))
     groups, roles = _body_linears(body_model)
     by_value: list[str] = []
     pair = pte_pairing(stored, weights, groups, vocab, details, roles, by_value)
@@ -684,8 +686,8 @@ def _uncovered_head(stored: list[Stored], details: dict[str, Any], vocab: int) -
     if "head" in section(section(quant, CODES_FIELD), "tensors"):
         return []  # recorded: a head that matches no digest is compared on the grid, and fails
     recorded = recorded_codes(details)
-    rows = [s for s in stored if s.values.shape[0] == vocab and not s.gather]
-    tables = [s for s in stored if s.values.shape[0] == vocab and s.gather]
+    rows = [s for s in stored if s.shape[0] == vocab and not s.gather]
+    tables = [s for s in stored if s.shape[0] == vocab and s.gather]
     left = [s for s in rows if not holds_codes(s, recorded, ("head",))]
     if left and quant.get("shared_table"):
         left += [s for s in tables if not holds_codes(s, recorded, ("token_table",))]
