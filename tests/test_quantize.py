@@ -211,10 +211,10 @@ def _factorized_interface_graph(v: int, d: int, seed: int = 0):
              helper.make_node("MatMul", ["gt", "T_inv"], ["emb"]),
              helper.make_node("MatMul", ["h", "T"], ["ht"]),
              helper.make_node("MatMul", ["ht", "Zt"], ["logits"])]
-    graph = helper.make_graph(nodes, "interface", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "s"]),
-                                                   helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "s", d])],
-                              [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, "s", d]),
-                               helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", v])], inits)
+    graph = helper.make_graph(nodes, "interface", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "n"]),
+                                                   helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "m", d])],
+                              [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [1, "n", d]),
+                               helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "m", v])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
@@ -259,6 +259,78 @@ def test_rotated_table_computes_the_same_interface_on_onnxruntime():
     emb, _ = session.run(None, {"ids": np.arange(v)[None], "h": np.zeros((1, v, d), np.float32)})
     _, w_out = session.run(None, {"ids": np.zeros((1, d), np.int64), "h": np.eye(d, dtype=np.float32)[None]})
     assert np.abs(w_out[0].astype(np.float64) @ emb[0] - np.eye(d)).max() < 1e-4
+
+
+def test_unused_initializers_are_removed_in_place_and_in_order():
+    """Dead nodes go, then every initializer no node reads; the others stay in their order, the
+    very messages they were (not copies: a copy of a decoder's weights stays in upb's arena)."""
+    from onnx import helper, numpy_helper
+
+    from pit_deploy.exporters.onnx_graph import remove_unused_initializers
+
+    inits = [numpy_helper.from_array(np.full((2, 2), k, np.float32), f"w{k}") for k in range(5)]
+    nodes = [helper.make_node("MatMul", ["x", "w3"], ["a"]), helper.make_node("MatMul", ["a", "w1"], ["y"]),
+             helper.make_node("MatMul", ["x", "w4"], ["dead"])]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", 1, [2, 2])], inits)
+    kept = [graph.initializer[1], graph.initializer[3]]
+    remove_unused_initializers(graph)
+    assert [i.name for i in graph.initializer] == ["w1", "w3"] and [n.output[0] for n in graph.node] == ["a", "y"]
+    kept[0].name = "renamed"  # the same message, not a copy
+    assert graph.initializer[0].name == "renamed"
+
+
+def test_a_table_turned_for_a_quantizer_is_left_out_of_the_graph():
+    """``rotate_table(write_table=False)``: the turned rows in the interface record only (the
+    quantizer replaces the table's readers next), the graph's float32 table as it was; the
+    factors turned all the same."""
+    import onnx
+    from onnx import numpy_helper
+
+    from pit_deploy.exporters.onnx_graph import find_graph_interface
+    from pit_deploy.exporters.onnx_tables import rotate_table
+
+    v, d = 200, 64
+    model = _factorized_interface_graph(v, d)
+    turned, kept = onnx.ModelProto(), onnx.ModelProto()
+    turned.CopyFrom(model), kept.CopyFrom(model)
+    written, left = find_graph_interface(turned.graph, v, d), find_graph_interface(kept.graph, v, d)
+    assert rotate_table(turned.graph, written) and rotate_table(kept.graph, left, write_table=False)
+    assert np.array_equal(written.head_rows, left.head_rows)
+    arrays = [{i.name: numpy_helper.to_array(i) for i in m.graph.initializer} for m in (model, turned, kept)]
+    assert np.array_equal(arrays[2]["Zt"], arrays[0]["Zt"]) and not np.array_equal(arrays[1]["Zt"], arrays[0]["Zt"])
+    for name in ("T", "T_inv"):
+        assert np.array_equal(arrays[2][name], arrays[1][name])
+
+
+def test_an_interface_graph_run_in_parts_gives_the_whole_runs_tables(monkeypatch):
+    """verify runs an interface graph over a few thousand ids and a few basis rows at a time
+    (onnxruntime keeps the memory of its largest run): the same ``E`` and head logits as one run
+    of every id and every basis row, on a 4-bit table with the correction."""
+    import onnxruntime as ort
+
+    import pit_deploy.runtime.ort_driver as ort_driver
+    from pit_deploy.exporters.onnx_graph import find_graph_interface
+    from pit_deploy.exporters.quantize_onnx import rewrite_interface
+
+    v, d = 200, 64
+    model = _factorized_interface_graph(v, d)
+    rewrite_interface(model, find_graph_interface(model.graph, v, d), 4, 32, correct=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    emb, _ = session.run(None, {"ids": np.arange(v)[None], "h": np.zeros((1, 1, d), np.float32)})
+    _, logits = session.run(None, {"ids": np.zeros((1, 1), np.int64), "h": np.eye(d, dtype=np.float32)[None]})
+    calls = []
+
+    def run(ids, hidden):
+        calls.append((len(ids), len(hidden)))
+        e, lg = session.run(None, {"ids": ids[None], "h": hidden[None]})
+        return e[0], lg[0]
+
+    monkeypatch.setattr(ort_driver, "INTERFACE_IDS", 37)
+    monkeypatch.setattr(ort_driver, "INTERFACE_ROWS", 10)
+    parts_emb, parts_logits = ort_driver.interface_in_parts(run, v, d)
+    assert max(n for n, _ in calls) == 37 and max(m for _, m in calls) == 10 and len(calls) == 6 + 7
+    assert np.allclose(parts_emb.numpy(), emb[0], rtol=1e-6, atol=1e-7)
+    assert np.allclose(parts_logits.numpy(), logits[0], rtol=1e-6, atol=1e-7)
 
 
 def test_int8_grid_rows_pass_the_int8_activation_kernel_unrounded():

@@ -570,8 +570,9 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
                        "(tampered manifest?); re-export")
     driver = driver or driver_class(art.target)(directory / art.path)
     try:
-        figures = kl_parity(driver, reference, blocks)
+        # the interface first: its two V×d tables are gone before the prefills grow the decoder's buffers
         delta, ref_delta, weights_shared, notes = _interface_figures(directory, art, driver, reference)
+        figures = kl_parity(driver, reference, blocks)
     finally:
         driver.close()
     quant = art.details.get("quantization", {}) if isinstance(art.details, dict) else {}
@@ -600,6 +601,8 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
     """Compare one fp32 artifact with the reference (see the module docstring) on ``driver``
     (default: the runtime's own; :mod:`.verify_aarch64` passes its replay of the emulated run)."""
     driver = driver or driver_class(art.target)(directory / art.path)
+    # the interface first: its two V×d tables are gone before the prefills grow the runtime's buffers
+    delta, ref_delta, weights_shared, notes_if = _interface_figures(directory, art, driver, reference)
     vocab = art.shapes["vocab_size"]
     max_seq = art.shapes.get("max_seq_len")
     max_prompt = (max_seq - GREEDY_TOKENS) if max_seq else 10**9
@@ -641,7 +644,6 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
         total += got.shape[0]
         runtime_choice = got[p - 1 :].argmax(-1)
         greedy_ok &= bool(torch.equal(runtime_choice, greedy)) and bool(finite_rows[p - 1 :].all())
-    delta, ref_delta, weights_shared, notes_if = _interface_figures(directory, art, driver, reference)
     driver.close()
     notes += notes_if
     if tokenizer is None:

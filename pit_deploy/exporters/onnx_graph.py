@@ -183,11 +183,16 @@ def remove_dead_nodes(graph) -> int:
 
 
 def remove_unused_initializers(graph) -> None:
+    """Remove dead nodes (:func:`remove_dead_nodes`), then every initializer no node reads, in
+    place and in order. In place: rebuilding the list would copy every kept tensor, and under the
+    upb protobuf runtime a removed message's memory stays in its model's arena until the model
+    is freed, so each rebuild of a decoder's initializers held its weights once more (three
+    rebuilds in a quantized export of Gemma 3 270M's shape: 2.1 GB)."""
     remove_dead_nodes(graph)
     used = {i for n in graph.node for i in n.input}
-    keep = [init for init in graph.initializer if init.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
+    for index in range(len(graph.initializer) - 1, -1, -1):
+        if graph.initializer[index].name not in used:
+            del graph.initializer[index]
 
 
 def ensure_ms_domain(model) -> None:

@@ -114,9 +114,10 @@ def block_table_from_codes(rounded) -> BlockTable:
     rows = output channels, groups along the input) in ``MatMulNBits`` layout: unsigned codes
     (a symmetric grid's moved up by ``2^(b−1)``, its zero points with them), 4-bit ones two a
     byte, low nibble first."""
-    bits, offset = rounded.grid.bits, -rounded.grid.qmin
-    codes = (rounded.codes.numpy().astype(np.int32) + offset).astype(np.uint8)
-    zeros = (rounded.zeros.numpy().astype(np.int32) + offset).astype(np.uint8)
+    bits, offset = rounded.grid.bits, np.int16(-rounded.grid.qmin)
+    # int16 (the codes' own type) until the bytes: an int32 copy of a 262k-token table is 671 MB
+    codes = (rounded.codes.numpy().astype(np.int16, copy=False) + offset).astype(np.uint8)
+    zeros = (rounded.zeros.numpy().astype(np.int16, copy=False) + offset).astype(np.uint8)
     n, k = codes.shape
     kb = zeros.shape[1]
     block = k // kb
@@ -196,7 +197,7 @@ def int8_block_grid_rows(a: np.ndarray, block: int) -> np.ndarray:
     return (np.round(blocks / step) * step).reshape(n, d)
 
 
-def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool:
+def rotate_table(graph, iface: Interface, int8_block: int | None = None, write_table: bool = True) -> bool:
     """Turn a factorized graph's token table by ``R`` before it is quantized: the table's rows
     become ``Z R``, the head's factor ``T R`` and the embedding's ``Rᵀ T⁻¹`` (``R`` the
     randomized Hadamard matrix of :func:`.residual_rotation.rotation_matrix`), so that
@@ -218,6 +219,11 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool
     range on them; ``R`` spreads them over every coordinate (incoherence processing, as in QuIP,
     Chee et al., 2023, arXiv:2307.13304, and QuaRot, Ashkboos et al., 2024, arXiv:2404.00456).
     Default model: ``studies/onnx-genai-int4.md``, "GPTQ in the builder's body".
+
+    ``write_table=False``: the turned rows are left in ``iface`` only, and the graph's float32
+    table as it was, for a caller that replaces the table's readers next (a quantizing one: a
+    float32 table written into a graph only to be dropped costs a copy of it, 671 MB at a
+    262k-token vocabulary, that the model's protobuf arena keeps until the graph is freed).
 
     Returns:
         whether the table was turned: only a factorized graph whose table and factors no node
@@ -264,7 +270,8 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None) -> bool
     iface.embed_rows = rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.embed_rows)), r64).numpy()
     iface.head_rows = iface.embed_rows if shared else \
         rotate_rows(torch.from_numpy(np.ascontiguousarray(iface.head_rows)), r64).numpy()
-    put(iface.gather.input[0], iface.embed_rows.T)  # factorized: the gather reads Zᵀ (d, V) along axis 1
-    if iface.head.input[1] != iface.gather.input[0]:
-        put(iface.head.input[1], iface.head_rows.T)
+    if write_table:
+        put(iface.gather.input[0], iface.embed_rows.T)  # factorized: the gather reads Zᵀ (d, V) along axis 1
+        if iface.head.input[1] != iface.gather.input[0]:
+            put(iface.head.input[1], iface.head_rows.T)
     return True

@@ -120,7 +120,8 @@ def rewrite_interface(model, iface: Interface, bits: int, block: int, correct: b
 
     graph = model.graph
     ensure_ms_domain(model)
-    rotated = rotate_table(graph, iface, int8_block=block if head_int8 else None)
+    # the table's readers are replaced below: the turned rows need not go into the graph
+    rotated = rotate_table(graph, iface, int8_block=block if head_int8 else None, write_table=False)
     head_int8 = head_int8 and rotated  # only a turned factorized table has its factor on the grid
     shared = iface.embed_rows is iface.head_rows or np.array_equal(iface.embed_rows, iface.head_rows)
     head_q = block_quantize(iface.head_rows, bits, block) if head_moments is None else \

@@ -7,6 +7,7 @@ graph. Each target names its own files (``onnx``: :mod:`pit_deploy.targets.onnx.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -14,7 +15,30 @@ import torch
 from .base import Driver, loading, numpy_step
 from .standalone import OrtDecoder, ort_session_options
 
-__all__ = ["OrtDriver"]
+__all__ = ["OrtDriver", "interface_in_parts"]
+
+#: ids an interface graph embeds per run, and basis rows its head multiplies per run: onnxruntime
+#: keeps the memory its largest run needed, which for all 262,144 ids at once was 3 GB
+INTERFACE_IDS = 16384
+INTERFACE_ROWS = 64
+
+
+def interface_in_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int,
+                       dim: int, hidden_dtype: type = np.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``E`` ``(vocab, dim)`` and the head's logits of the ``dim`` basis vectors ``(dim, vocab)``,
+    float32, from ``run(ids, hidden) -> (embeddings (n, dim), logits (m, vocab))`` (an interface
+    graph's session): :data:`INTERFACE_IDS` ids a run (beside one basis row), then
+    :data:`INTERFACE_ROWS` basis rows a run (beside one id), into arrays allocated once."""
+    emb = np.empty((vocab, dim), np.float32)
+    logits = np.empty((dim, vocab), np.float32)
+    basis = np.eye(dim, dtype=hidden_dtype)
+    for start in range(0, vocab, INTERFACE_IDS):
+        stop = min(vocab, start + INTERFACE_IDS)
+        emb[start:stop] = run(np.arange(start, stop, dtype=np.int64), basis[:1])[0]
+    for start in range(0, dim, INTERFACE_ROWS):
+        stop = min(dim, start + INTERFACE_ROWS)
+        logits[start:stop] = run(np.zeros(1, np.int64), basis[start:stop])[1]
+    return torch.from_numpy(emb), torch.from_numpy(logits)
 
 
 class OrtDriver(Driver):
@@ -50,10 +74,12 @@ class OrtDriver(Driver):
                 str(path), sess_options=ort_session_options(self.threads),
                 providers=["CPUExecutionProvider"],
             )
-        emb, logits = sess.run(
-            None, {"input_ids": np.arange(vocab, dtype=np.int64), "hidden": np.eye(dim, dtype=np.float32)}
-        )
-        return torch.from_numpy(emb), torch.from_numpy(logits)
+
+        def run(ids: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            emb, logits = sess.run(None, {"input_ids": ids, "hidden": hidden})
+            return emb, logits
+
+        return interface_in_parts(run, vocab, dim)
 
     def close(self) -> None:
         self.decoder.close()

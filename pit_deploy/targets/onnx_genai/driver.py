@@ -26,7 +26,7 @@ import torch
 
 from ...errors import PitError
 from ...runtime.base import loading
-from ...runtime.ort_driver import OrtDriver
+from ...runtime.ort_driver import OrtDriver, interface_in_parts
 from ...runtime.standalone import ort_session_options
 from . import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
 
@@ -64,15 +64,18 @@ class GenaiDriver(OrtDriver):
                 or inputs["hidden"] not in _NP:
             raise PitError(f"{path} is not an interface graph (inputs {sorted(inputs)}, outputs {sorted(outputs)}; "
                            "expected input_ids and hidden in, embeddings and head_logits out); re-export")
-        io = _NP[inputs["hidden"]]
-        with loading(path, "onnxruntime"):
-            emb, logits = sess.run(["embeddings", "head_logits"], {
-                "input_ids": np.arange(vocab, dtype=np.int64)[None], "hidden": np.eye(dim, dtype=io)[None]})
-        emb, logits = np.asarray(emb), np.asarray(logits)
-        if emb.shape != (1, vocab, dim) or logits.shape != (1, dim, vocab):
-            raise PitError(f"{path} gives embeddings {emb.shape[1:]} and head logits {logits.shape[1:]}, not "
-                           f"{(vocab, dim)} and {(dim, vocab)}: it is not this artifact's interface graph; re-export")
-        return torch.from_numpy(emb[0].astype(np.float32)), torch.from_numpy(logits[0].astype(np.float32))
+
+        def run(ids: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            with loading(path, "onnxruntime"):
+                emb, logits = sess.run(["embeddings", "head_logits"], {"input_ids": ids[None], "hidden": hidden[None]})
+            emb, logits = np.asarray(emb), np.asarray(logits)
+            if emb.shape != (1, len(ids), dim) or logits.shape != (1, len(hidden), vocab):
+                raise PitError(f"{path} gives embeddings {emb.shape[1:]} and head logits {logits.shape[1:]} for "
+                               f"{len(ids)} ids and {len(hidden)} basis rows, not {(len(ids), dim)} and "
+                               f"{(len(hidden), vocab)}: it is not this artifact's interface graph; re-export")
+            return emb[0], logits[0]
+
+        return interface_in_parts(run, vocab, dim, _NP[inputs["hidden"]])
 
 
 def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str]:
