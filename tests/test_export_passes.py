@@ -45,6 +45,23 @@ def test_factorized_state_holds_z_once_and_no_solve():
     assert find_interface(model) is not None
 
 
+def test_factorize_copies_no_token_table_and_leaves_the_model_alone():
+    """The factorized copy's ``Zᵀ`` is its own tensor (not a view of the model's ``Z``), equal to
+    the float64 route's rounding; the model keeps its interface, dtype and values, also when the
+    copy is cast (the copy shares the interface object while it is made, never after)."""
+    model = _pit("llama")
+    interface = find_interface(model)
+    z = interface.Z.detach().clone()
+    twin = factorize(model, torch.bfloat16)
+    zt = twin.pit_factors.Zt
+    assert zt.dtype == torch.bfloat16 and torch.equal(zt, z.to(torch.float64).T.to(torch.bfloat16))
+    assert interface.Z.dtype == torch.float32 and torch.equal(interface.Z.detach(), z)
+    assert find_interface(model) is interface and find_interface(twin) is None
+    ours = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    assert not ours & {t.data_ptr() for t in list(twin.parameters()) + list(twin.buffers())}
+    assert torch.equal(factorize(model).pit_factors.Zt, z.T)
+
+
 def test_t_inverse_is_float64_accurate():
     model = _pit("qwen3")
     f = factorize(model).pit_factors

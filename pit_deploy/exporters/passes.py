@@ -57,8 +57,9 @@ class PITFactors(nn.Module):
     def from_interface(cls, interface, dtype: torch.dtype = torch.float32) -> "PITFactors":
         _, t = interface.transform_float64()
         t_inv = interface.inverse_transform()
-        z = interface.Z.detach().to(torch.float64)
-        return cls(z.T.to(dtype), t.to(dtype), t_inv.to(dtype))
+        # Z straight to dtype: the one rounding a float64 detour would make (float64 holds every
+        # float32/16 value exactly), without a float64 copy of a V×d table
+        return cls(interface.Z.detach().T.to(dtype), t.to(dtype), t_inv.to(dtype))
 
     @property
     def vocab_size(self) -> int:
@@ -105,7 +106,8 @@ def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
     base = unwrap_model(model)
     interface = _require_pit(base)
     factors = PITFactors.from_interface(interface, dtype)
-    twin = copy.deepcopy(base)
+    # the copy shares the interface (it is taken off the copy below) rather than copying its V×d Z
+    twin = copy.deepcopy(base, memo={id(interface): interface})
     adapter = adapter_for(twin.config)
     old_head = twin.get_output_embeddings()
     bias = getattr(old_head, "bias", None)

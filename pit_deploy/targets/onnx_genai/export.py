@@ -538,12 +538,13 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     adapter = adapter_for(config)
     a = builder_embedding_multiplier(config, adapter.embedding_multiplier(config))
     b = float(adapter.logits_multiplier(config))
-    zt = factors.Zt.detach().to(torch.float64)
+    zt = factors.Zt.detach().to(torch.float32)  # as it is: a float64 detour rounds back to the same values
     m = factors.T_inv.detach().to(torch.float64) / a
     th = factors.T.detach().to(torch.float64) / b
     names = {"Zt": "pit.Zt", "M": "pit.M", "T": "pit.T"}
     for key, value in (("Zt", zt), ("M", m), ("T", th)):
         graph.initializer.append(numpy_helper.from_array(value.to(torch.float32).numpy(), names[key]))
+    del zt
     emb_out, logits = gather.output[0], head.output[0]
     emb_nodes = [
         helper.make_node("Gather", [names["Zt"], "input_ids"], ["/pit/embed/Gather/output_0"], axis=1,
@@ -566,11 +567,13 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
             nodes.append(node)
     dropped = {gather.input[0], *(name for name in head.input[1:] if name)}
     still_read = {name for node in nodes for name in node.input}
-    kept = [i for i in graph.initializer if i.name not in dropped or i.name in still_read]
     del graph.node[:]
     graph.node.extend(nodes)
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    # in place (:func:`~pit_deploy.exporters.onnx_graph.remove_unused_initializers` says why)
+    for index in range(len(graph.initializer) - 1, -1, -1):
+        name = graph.initializer[index].name
+        if name in dropped and name not in still_read:
+            del graph.initializer[index]
     v, d = factors.vocab_size, factors.hidden_size
     details: dict[str, Any] = {"replaced": sorted(dropped),
                                "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
