@@ -312,6 +312,40 @@ def test_progress_line_says_the_layer_and_the_time_left():
     assert progress_line("gptq", 30, 30, 7, 120.0).endswith("120 s, done")
 
 
+def test_a_tables_gptq_reports_each_row_chunk_where_asked(monkeypatch, tmp_path):
+    """Within ``rounding_progress``, GPTQ of a matrix of several row chunks (a token table) says
+    each chunk with the time left; a one-chunk matrix, or GPTQ outside the block, says nothing.
+    An export prints those lines while a factorized table is rounded."""
+    from pit_deploy import api
+    from pit_deploy.data import calibration
+    from pit_deploy.exporters import calibrated_rounding
+    from pit_deploy.exporters.calibrated_rounding import rounding_progress
+    from pit_deploy.io.checkpoint import save_model
+    from pit_deploy.tiny import tiny_pit_model, tiny_tokenizer
+
+    monkeypatch.setattr(calibrated_rounding, "ROW_CHUNK", 8)
+    weight, h = torch.randn(20, 64, generator=torch.Generator().manual_seed(1)), torch.eye(64)
+    lines: list[str] = []
+    gptq(weight, h, RoundingGrid(4, 32, False))
+    with rounding_progress(lines.append):
+        gptq(weight[:8], h, RoundingGrid(4, 32, False))
+        assert not lines
+        gptq(weight, h, RoundingGrid(4, 32, False))
+    gptq(weight, h, RoundingGrid(4, 32, False))
+    assert [line.split(" rows, ")[0] for line in lines] == [f"GPTQ of a 20-row table: {n}/20" for n in (8, 16, 20)]
+    assert "left" in lines[0] and lines[-1].endswith(" s, done")
+
+    monkeypatch.setattr(calibrated_rounding, "ROW_CHUNK", 128)
+    monkeypatch.setattr(calibration, "CALIBRATION_TOKENS", 256)
+    save_model(tiny_pit_model("llama"), tmp_path / "pit", tiny_tokenizer())
+    said: list[str] = []
+    api.export(tmp_path / "pit", tmp_path / "out", runtime="onnx", mode="factorized", dtype="int4",
+               max_seq_len=64, say=said.append)
+    table = [line.strip() for line in said if line.strip().startswith("GPTQ of a 512-row table")]
+    assert [line.split(" rows, ")[0] for line in table] == [f"GPTQ of a 512-row table: {n}/512" for n in
+                                                            (128, 256, 384, 512)], said
+
+
 def test_gptq_by_row_chunks_gives_the_codes_of_one_pass(monkeypatch):
     """Each output row's rounding depends only on that row and ``H``: rounding the rows a few at
     a time (as a 262k-token table is, to bound the float64 copies) gives the same codes, scales

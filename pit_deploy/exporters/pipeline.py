@@ -24,6 +24,7 @@ from ..converters.conversion import convert_model
 from ..model.families import body_linears
 from ..model.inspect import find_interface
 from ..errors import PitError
+from .calibrated_rounding import rounding_progress
 from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions
 from .recipes import Recipe
@@ -143,8 +144,9 @@ def export_model(
                     body = calibration.rotated(prepared, mode) if scheme.rotate_residual else prepared
                     source = calibration.model(body, mode, scheme, grid) if scheme.rounding == "gptq" else body
                     say(f"exporting {name}")
-                    details = target.export(source, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
-                                            scheme=scheme, opset=opset)
+                    with rounding_progress(lambda line: say(f"    {line}")):  # a token table's GPTQ, chunk by chunk
+                        details = target.export(source, tmp / name, tokenizer=loaded.tokenizer, recipe=recipe,
+                                                scheme=scheme, opset=opset)
                     if scheme.quantized:
                         details["scheme"] = scheme.settings()
                         if scheme.rounding == "gptq":
