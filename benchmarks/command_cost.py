@@ -11,6 +11,8 @@ size each command peaks at.
 
 Peak memory is the largest resident set of the command's process tree (``wait4``'s
 ``ru_maxrss``: the command's process or any process it started and waited for), not a sum.
+Each command runs with the GPTQ codes cache off (``PIT_DEPLOY_CACHE=off``): a second run of the
+same model would otherwise read the body's codes instead of computing them.
 
 Usage::
 
@@ -50,7 +52,7 @@ def run_command(argv: list[str], log: Path) -> dict[str, Any]:
     start = time.perf_counter()
     with log.open("w", encoding="utf-8") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "pit_deploy", *argv], stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "PIT_DEPLOY_CACHE": "off"})
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - start
@@ -180,7 +182,8 @@ def _write(args: argparse.Namespace, facts: dict[str, Any], rows: list[dict[str,
     worst = max((r["peak_rss_mib"] for r in rows), default=None)
     result = {"model": facts, "rows": rows, "complete": complete,
               "settings": {"runtime": args.runtime, "dtype": args.dtype, "mode": args.mode, "recipe": args.recipe,
-                           "convert_args": args.convert_arg, "export_args": args.export_arg},
+                           "convert_args": args.convert_arg, "export_args": args.export_arg,
+                           "gptq_codes_cache": "off"},
               "peak_rss_mib": worst,
               "peak_over_fp32": round(worst / facts["fp32_mib"], 2) if worst and facts["fp32_mib"] else None,
               "machine": {"cpu_count": os.cpu_count()}}
