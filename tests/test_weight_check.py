@@ -386,6 +386,27 @@ def test_a_table_holding_its_recorded_codes_is_never_dequantized_nor_its_forms_m
     assert check.failure is None and made and any(lazy for _, lazy, _ in dense), (made, dense)
 
 
+def test_a_gguf_file_is_dequantized_one_tensor_at_a_time(sources, tmp_path_factory):
+    """The GGUF reader keeps each tensor as a loader (gguf-py's dequantization of the file's bytes)
+    with its shape: the values come when the tensor is compared, equal to gguf-py's, and are not
+    kept after (the whole file in float32 is the model's fp32 size)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from pit_deploy.targets.gguf.stored_weights import gguf_stored
+
+    export = _exported(EXPORTS[1], sources, tmp_path_factory)
+    path = next(export.rglob("*q8_0*.gguf"))
+    stored = gguf_stored(path)
+    raw = {t.name: t for t in GGUFReader(str(path)).tensors}
+    assert stored and all(s.values is None and s.qz is None for s in stored)
+    for s in stored:
+        t = raw[s.name]
+        want = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1, int(t.shape[0]))
+        assert s.shape == want.shape and np.array_equal(s.dense(), want) and s.values is None
+        assert np.array_equal(s.dense(np.array([0, want.shape[0] - 1])), want[[0, -1]])
+
+
 def test_a_deleted_expected_error_is_refused_before_any_work(onnx_int8, tmp_path, capsys):
     """Without ``details.expected`` the scaled KL check would be dropped: unusable input (exit 2,
     re-export), not a pass on the absolute bounds alone."""

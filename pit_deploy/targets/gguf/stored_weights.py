@@ -22,7 +22,8 @@ GGUF_FLOAT_ULP = {"F16": 2.0 ** -10, "BF16": 2.0 ** -7}
 
 
 def gguf_stored(path: Path) -> list[Stored]:
-    """Every tensor of the GGUF file at ``path`` that is not float32, dequantized by gguf-py."""
+    """Every tensor of the GGUF file at ``path`` that is not float32, dequantized by gguf-py when
+    it is compared (one tensor at a time: the whole file in float32 is the model's fp32 size)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -31,12 +32,17 @@ def gguf_stored(path: Path) -> list[Stored]:
         kind = t.tensor_type.name
         if kind == "F32":
             continue
-        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        values = values.reshape(-1, int(t.shape[0]))  # ggml's ne[0] is the row length
+        cols = int(t.shape[0])  # ggml's ne[0] is the row length
+        rows = int(np.prod([int(n) for n in t.shape])) // cols
+
+        def load(t: Any = t, cols: int = cols) -> np.ndarray:  # dequantized when compared, not kept
+            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1, cols)
+
         # a k-quant's sub-block scales are themselves rounded against the 256-value super-block's
         block = 256 if kind.endswith("_K") else 32
-        out.append(Stored(t.name, values, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
-                          if kind not in GGUF_BITS else None, f16_scales=kind in GGUF_BITS))
+        out.append(Stored(t.name, None, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
+                          if kind not in GGUF_BITS else None, f16_scales=kind in GGUF_BITS,
+                          load=load, rows_cols=(rows, cols)))
     return out
 
 
