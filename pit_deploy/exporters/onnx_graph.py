@@ -190,8 +190,14 @@ def remove_unused_initializers(graph) -> None:
     rebuilds in a quantized export of Gemma 3 270M's shape: 2.1 GB)."""
     remove_dead_nodes(graph)
     used = {i for n in graph.node for i in n.input}
+    delete_initializers(graph, {init.name for init in graph.initializer} - used)
+
+
+def delete_initializers(graph, names: set[str]) -> None:
+    """Delete the initializers named ``names`` in place, the others kept in order
+    (:func:`remove_unused_initializers` says why in place)."""
     for index in range(len(graph.initializer) - 1, -1, -1):
-        if graph.initializer[index].name not in used:
+        if graph.initializer[index].name in names:
             del graph.initializer[index]
 
 

@@ -519,7 +519,7 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     from onnx import helper, numpy_helper
 
     from ...model.families import adapter_for
-    from ...exporters.onnx_graph import save_deduplicated
+    from ...exporters.onnx_graph import delete_initializers, save_deduplicated
     from ...exporters.quantize_onnx import quantize_graph
 
     path = folder / DECODER_NAME
@@ -569,11 +569,7 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     still_read = {name for node in nodes for name in node.input}
     del graph.node[:]
     graph.node.extend(nodes)
-    # in place (:func:`~pit_deploy.exporters.onnx_graph.remove_unused_initializers` says why)
-    for index in range(len(graph.initializer) - 1, -1, -1):
-        name = graph.initializer[index].name
-        if name in dropped and name not in still_read:
-            del graph.initializer[index]
+    delete_initializers(graph, dropped - still_read)
     v, d = factors.vocab_size, factors.hidden_size
     details: dict[str, Any] = {"replaced": sorted(dropped),
                                "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
