@@ -46,9 +46,9 @@ def test_factorized_state_holds_z_once_and_no_solve():
 
 
 def test_factorize_copies_no_token_table_and_leaves_the_model_alone():
-    """The factorized copy's ``Zᵀ`` is its own tensor (not a view of the model's ``Z``), equal to
-    the float64 route's rounding; the model keeps its interface, dtype and values, also when the
-    copy is cast (the copy shares the interface object while it is made, never after)."""
+    """Cast, the factorized copy's ``Zᵀ`` and body are its own tensors, ``Zᵀ`` equal to the float64
+    route's rounding; the model keeps its interface, dtype and values (the copy shares the
+    interface object while it is made, never after)."""
     model = _pit("llama")
     interface = find_interface(model)
     z = interface.Z.detach().clone()
@@ -59,7 +59,27 @@ def test_factorize_copies_no_token_table_and_leaves_the_model_alone():
     assert find_interface(model) is interface and find_interface(twin) is None
     ours = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     assert not ours & {t.data_ptr() for t in list(twin.parameters()) + list(twin.buffers())}
-    assert torch.equal(factorize(model).pit_factors.Zt, z.T)
+
+
+def test_factorize_in_the_model_dtype_reads_the_model_tensors_and_swaps_none_of_them():
+    """In the model's own dtype the copy holds no second token table or body: ``Zᵀ`` is a view of
+    ``Z`` and each body weight is the model's data under the copy's own ``Parameter`` — so a
+    ``.data`` swap or a cast of the copy (what the exporters do) leaves the model as it was."""
+    model = _pit("llama")
+    interface = find_interface(model)
+    z = interface.Z.detach().clone()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    twin = factorize(model)
+    assert torch.equal(twin.pit_factors.Zt, z.T) and twin.pit_factors.Zt.data_ptr() == interface.Z.data_ptr()
+    ours = dict(model.named_parameters())
+    theirs = dict(twin.named_parameters())
+    body = [name for name in theirs if name in ours]
+    assert body and all(theirs[n].data_ptr() == ours[n].data_ptr() and theirs[n] is not ours[n] for n in body)
+    weight = theirs[body[0]]
+    weight.data = torch.zeros_like(weight)  # what onnx-genai's builder hook does to the embedding table
+    twin.to(torch.float16)
+    assert all(p.dtype == torch.float32 and torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    assert find_interface(model) is interface
 
 
 def test_t_inverse_is_float64_accurate():

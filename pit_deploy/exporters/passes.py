@@ -48,7 +48,10 @@ class PITFactors(nn.Module):
 
     def __init__(self, zt: torch.Tensor, t: torch.Tensor, t_inv: torch.Tensor):
         super().__init__()
-        self.register_buffer("Zt", zt.contiguous())
+        # Zt as given, a transposed view of Z where the dtype is Z's: the factorized twin then reads
+        # the PIT model's table instead of holding a second V×d copy (an exporter writes it out
+        # in its own layout; nothing writes into it in place)
+        self.register_buffer("Zt", zt)
         self.register_buffer("T", t.contiguous())
         self.register_buffer("T_inv", t_inv.contiguous())
 
@@ -58,7 +61,8 @@ class PITFactors(nn.Module):
         _, t = interface.transform_float64()
         t_inv = interface.inverse_transform()
         # Z straight to dtype: the one rounding a float64 detour would make (float64 holds every
-        # float32/16 value exactly), without a float64 copy of a V×d table
+        # float32/16 value exactly), without a float64 copy of a V×d table; in Z's own dtype, Z
+        # itself (a view)
         return cls(interface.Z.detach().T.to(dtype), t.to(dtype), t_inv.to(dtype))
 
     @property
@@ -102,12 +106,20 @@ def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
 
     The copy's state dict holds ``pit_factors.Zt`` / ``.T`` / ``.T_inv`` (and the head bias, if
     any) instead of ``Z`` and ``L``. The original model is not modified.
+
+    Where a tensor of the model is already in ``dtype``, the copy reads it rather than holding its
+    own (:func:`shared_memo`): ``Zt`` is a view of ``Z``, and the body's weights are the model's
+    tensors under the copy's own ``Parameter`` objects. A 270M model at a 262,144-token vocabulary
+    is 1 GB of float32; the copy adds the ``d×d`` factors. Nothing writes into a prepared model's
+    weights in place: whatever rounds or rotates them works on a copy of its own
+    (:func:`pit_deploy.exporters.calibrated_rounding.copy_for_rounding`,
+    :func:`pit_deploy.exporters.residual_rotation.rotate_residual`).
     """
     base = unwrap_model(model)
     interface = _require_pit(base)
     factors = PITFactors.from_interface(interface, dtype)
     # the copy shares the interface (it is taken off the copy below) rather than copying its V×d Z
-    twin = copy.deepcopy(base, memo={id(interface): interface})
+    twin = copy.deepcopy(base, memo={id(interface): interface, **shared_memo(base, dtype)})
     adapter = adapter_for(twin.config)
     old_head = twin.get_output_embeddings()
     bias = getattr(old_head, "bias", None)
@@ -121,6 +133,21 @@ def factorize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
     twin.to(dtype)
     twin.eval()
     return twin
+
+
+def shared_memo(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """A :func:`copy.deepcopy` memo under which a copy of ``model`` reads each of its tensors
+    already in ``dtype`` instead of copying it: parameters as new ``nn.Parameter`` objects over
+    the same data (a ``.data`` swap or a cast on the copy's parameter leaves the model's alone),
+    buffers as they are (a module replaces a buffer, it does not write into it)."""
+    memo: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        if param.dtype == dtype:
+            memo[id(param)] = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        if buffer.dtype == dtype:
+            memo[id(buffer)] = buffer
+    return memo
 
 
 class InterfaceProbe(nn.Module):

@@ -148,7 +148,10 @@ def rotate_residual(prepared: PreTrainedModel, seed: int = ROTATION_SEED) -> Pre
     why = rotation_blocker(prepared)
     if why is not None:
         raise PitError(f"rotate_residual: {why}; set rotate_residual = false for this model")
-    model = copy.deepcopy(prepared)
+    source = prepared.get_input_embeddings()
+    # a factorized table is read, never written, by the rotation (it moves into T⁻¹): shared
+    table = {id(source.interface.Zt): source.interface.Zt} if _factorized(source) else {}
+    model = copy.deepcopy(prepared, table)
     dtype = next(model.parameters()).dtype
     q = rotation_matrix(model.config.hidden_size, seed)
     fold_and_rotate(model, q, PRESERVE_FAMILIES[model.config.model_type])

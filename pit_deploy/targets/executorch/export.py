@@ -347,11 +347,11 @@ def quantize_linears(model: PreTrainedModel, dtype: str, group_size: int,
     (``studies/pte-head-and-table.md``). The input embedding is quantized separately
     (:func:`.token_table.quantize_token_table`).
     """
-    import copy
-
     from torchao.quantization import quantize_
 
-    twin = copy.deepcopy(model)
+    from ...exporters.calibrated_rounding import copy_for_rounding
+
+    twin = copy_for_rounding(model)  # its linears are replaced and rewritten; the token table is read
     head = twin.get_output_embeddings()
 
     def linear(module: nn.Module) -> bool:  # a quantized linear: every nn.Linear but the head
