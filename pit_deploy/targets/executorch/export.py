@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -267,10 +268,29 @@ def lower_to_edge(model: PreTrainedModel, max_seq_len: int, interface_methods: b
         model.config._attn_implementation = llm_ops.ATTN_NAME
     try:
         with skip_idle_passes() if trim_passes else contextlib.nullcontext(), fixed_frequencies(model, max_seq_len), \
-                tanh_gelu_spelled_out(model):
+                tanh_gelu_spelled_out(model), contiguous_table(model):
             return _lower(model, max_seq_len, interface_methods, use_llm_ops, rewrites, external_data), use_llm_ops
     finally:
         model.config._attn_implementation = saved_attn
+
+
+@contextlib.contextmanager
+def contiguous_table(model: PreTrainedModel) -> Iterator[None]:
+    """While ``model`` is lowered: its factorized ``Zᵀ`` as one contiguous tensor. A factorized
+    model reads ``Zᵀ`` as a view of the PIT model's ``Z`` (:func:`pit_deploy.exporters.passes.factorize`),
+    and the lowering makes a non-contiguous constant contiguous once per method that reads it:
+    ``forward``, ``embed`` and ``head`` each held a ``V×d`` copy (1.3 GB more at a 262,144-token
+    vocabulary). The view is put back afterwards."""
+    factors = getattr(model, FACTORS_ATTR, None)
+    if factors is None or factors.Zt.is_contiguous():
+        yield
+        return
+    view = factors.Zt
+    factors.Zt = view.contiguous()
+    try:
+        yield
+    finally:
+        factors.Zt = view
 
 
 def _lower(model: PreTrainedModel, max_seq_len: int, interface_methods: bool, use_llm_ops: bool,
