@@ -105,6 +105,10 @@ def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str
     return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"
 
 
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
     """Run the folder through ``onnxruntime_genai`` itself: the generator's logits of a prompt
     and of a few greedy steps against :class:`GenaiDriver`'s, a bound (:data:`GENERATOR_REL_L2`,
@@ -115,34 +119,42 @@ def check_generator(ctx: Any, art: Any, result: Any, quantized: bool) -> None:
             useless to the people it is for).
     """
     folder = ctx.directory / art.path
+    prompt = np.arange(3, 11, dtype=np.int64)
+    steps = 4
+    # the decoder session's logits of the prompt and the greedy steps first, the generator's after:
+    # each loads the folder's weights, and opened together they held them twice
+    refs: list[np.ndarray] = []
+    refused = None
+    driver = GenaiDriver(folder)
+    try:
+        refs.append(driver.prefill(torch.from_numpy(prompt)).numpy()[-1])
+        for i in range(steps - 1):
+            refs.append(driver.step(int(refs[-1].argmax()), len(prompt) + i).numpy())
+    except RuntimeError as exc:  # the runtime refuses to run the folder: it fails the check
+        refused = _first_line(exc)
+    finally:
+        driver.close()
+    del driver
     with loading(folder / CONFIG_NAME, "onnxruntime_genai"):
         import onnxruntime_genai as og
 
         model = og.Model(str(folder))
     with loading(folder / "tokenizer.json", "onnxruntime_genai's tokenizer"):
         og.Tokenizer(model)  # what an app built on the folder loads beside the model
-    prompt = np.arange(3, 11, dtype=np.int64)
-    steps = 4
-    driver = GenaiDriver(folder)
     errors: list[float] = []
     try:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens(prompt[None])
-        ref = driver.prefill(torch.from_numpy(prompt)).numpy()[-1]
-        for i in range(steps):
-            got = np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1, ref.shape[-1])[-1]
-            errors.append(float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
-            token = int(ref.argmax())
-            if i + 1 < steps:
-                generator.append_tokens(np.array([[token]], np.int64))
-                ref = driver.step(token, len(prompt) + i).numpy()
-        refused = None
+        if refused is None:
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+            generator = og.Generator(model, params)
+            generator.append_tokens(prompt[None])
+            for i, ref in enumerate(refs):
+                got = np.asarray(generator.get_output("logits"), dtype=np.float32).reshape(-1, ref.shape[-1])[-1]
+                errors.append(float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)))
+                if i + 1 < steps:
+                    generator.append_tokens(np.array([[int(ref.argmax())]], np.int64))
     except RuntimeError as exc:  # the runtime refuses to generate with this folder: it fails the check
-        refused = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    finally:
-        driver.close()
+        refused = _first_line(exc)
     worst, bound = (float(np.max(errors)) if refused is None else math.inf), GENERATOR_REL_L2  # NaN propagates
     fails = [] if worst <= bound else [
         f"onnxruntime_genai's generator cannot generate {steps} tokens after an {len(prompt)}-token prompt with this "
