@@ -211,9 +211,14 @@ def test_a_corrupted_pte_is_exit_2(tmp_path):
     pytest.importorskip("executorch")
     from pit_deploy.targets.executorch.driver import ExecuTorchDriver
 
+    import torch
+
     (tmp_path / "model.pte").write_bytes(b"ET12" + bytes(range(256)) * 16)
+    driver = ExecuTorchDriver(tmp_path)  # the program is opened on first use: each use says why it cannot be
     with pytest.raises(PitError, match="cannot be loaded by the ExecuTorch runtime"):
-        ExecuTorchDriver(tmp_path)
+        driver.interface(16, 4)
+    with pytest.raises(PitError, match="cannot be loaded by the ExecuTorch runtime"):
+        driver.prefill(torch.tensor([1, 2]))
 
 
 def test_generation_past_the_model_positions_is_exit_2_before_measuring(export, capsys):

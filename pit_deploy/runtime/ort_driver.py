@@ -45,23 +45,12 @@ class OrtDriver(Driver):
     """The decoder through :class:`OrtDecoder`; the interface graph through its own session. A
     subclass names the folder's graphs (:meth:`decoder_path`, :meth:`interface_path`).
 
-    The decoder's session is opened on first use, not here: verification measures the
-    interface first, and the interface graph's session holds the token table again, so opened
-    together the two sessions held the weights twice (at a 262,144-token vocabulary, 1.3 GB of
-    the peak)."""
+    The decoder's session is opened on first use (:attr:`Driver.decoder`)."""
 
-    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
-        super().__init__(folder, threads)
-        self._decoder: OrtDecoder | None = None
-
-    @property
-    def decoder(self) -> OrtDecoder:
-        """The decoder graph's session, opened on first use."""
-        if self._decoder is None:
-            path = self.decoder_path()
-            with loading(path, "onnxruntime"):
-                self._decoder = OrtDecoder(path, self.threads)
-        return self._decoder
+    def open_decoder(self) -> OrtDecoder:
+        path = self.decoder_path()
+        with loading(path, "onnxruntime"):
+            return OrtDecoder(path, self.threads)
 
     def decoder_path(self) -> Path:
         """The folder's decoder graph."""
@@ -94,5 +83,4 @@ class OrtDriver(Driver):
         return interface_in_parts(run, vocab, dim)
 
     def close(self) -> None:
-        if self._decoder is not None:
-            self._decoder.close()
+        self.close_decoder()

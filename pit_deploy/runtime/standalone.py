@@ -170,6 +170,17 @@ def pte_data_file(pte: str | Path) -> Path | None:
     return data if data.is_file() else None
 
 
+def load_pte_program(path: str | Path, threads: int | None = None) -> tuple[Any, bool]:
+    """``(program, whether the LLM custom ops loaded)`` of a ``.pte`` (with its named data file,
+    if there is one beside it), on ``threads`` threads. No method is loaded yet."""
+    from executorch.runtime import Runtime
+
+    set_executorch_threads(threads)
+    have_ops = load_llm_custom_ops()
+    data = pte_data_file(path)
+    return Runtime.get().load_program(str(path), data_path=None if data is None else str(data)), have_ops
+
+
 class PteDecoder:
     """A ``.pte`` program's ``forward(tokens [1, S], input_pos [1])`` over the static KV cache in
     the program's mutable buffers (the ExecuTorch LLM runner's convention). The program returns
@@ -177,12 +188,7 @@ class PteDecoder:
     ``[1, S, V]``); :meth:`prefill` still gives every position's."""
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
-        from executorch.runtime import Runtime
-
-        set_executorch_threads(threads)
-        have_ops = load_llm_custom_ops()
-        data = pte_data_file(path)
-        self.program = Runtime.get().load_program(str(path), data_path=None if data is None else str(data))
+        self.program, have_ops = load_pte_program(path, threads)
         try:
             self.forward = self.program.load_method("forward")
         except RuntimeError as exc:

@@ -9,12 +9,10 @@ static KV cache kept in the program's mutable buffers.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ...runtime.base import Driver, loading
-from ...runtime.standalone import PteDecoder
+from ...runtime.standalone import PteDecoder, load_pte_program
 from . import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
 
 __all__ = ["ExecuTorchDriver"]
@@ -25,10 +23,9 @@ class ExecuTorchDriver(Driver):
 
     runtime = "executorch"
 
-    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
-        super().__init__(folder, threads)
+    def open_decoder(self) -> PteDecoder:
         with loading(self.folder / PTE_NAME, "the ExecuTorch runtime"):
-            self.decoder = PteDecoder(self.folder / PTE_NAME, threads)
+            return PteDecoder(self.folder / PTE_NAME, self.threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(ids.tolist())
@@ -44,7 +41,11 @@ class ExecuTorchDriver(Driver):
         the program's ``embed`` and ``head`` methods, fed in chunks no larger than the methods
         were exported for (``INTERFACE_IDS``, ``INTERFACE_HIDDEN_ROWS``; programs exported before
         the limit take any)."""
-        program = self.decoder.program
+        if self._decoder is not None:
+            program = self._decoder.program
+        else:  # the program alone: loading `forward` packs the delegate's weights, which embed/head need not wait for
+            with loading(self.folder / PTE_NAME, "the ExecuTorch runtime"):
+                program, _ = load_pte_program(self.folder / PTE_NAME, self.threads)
         embed, head = program.load_method("embed"), program.load_method("head")
         ids, basis = torch.arange(vocab, dtype=torch.long), torch.eye(dim, dtype=torch.float32)
         # each chunk's output goes straight into tables allocated once: a list of chunks joined by
@@ -58,4 +59,4 @@ class ExecuTorchDriver(Driver):
         return emb, out
 
     def close(self) -> None:
-        self.decoder.close()
+        self.close_decoder()

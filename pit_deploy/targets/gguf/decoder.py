@@ -72,6 +72,11 @@ def read_spec(path: Path) -> dict[str, Any]:
     return json.loads(spec.read_text(encoding="utf-8")) if spec.is_file() else {}
 
 
+def decoder_threads(threads: int | None) -> int:
+    """The threads llama.cpp runs on: ``threads``, or half the CPUs (llama.cpp's own default)."""
+    return threads or max(1, (os.cpu_count() or 2) // 2)
+
+
 class LlamaCppDecoder:
     """``llama_cpp.Llama`` with ``logits_all`` (every position's logits kept) and the recorded
     KV-cache type; ``prefill`` restarts the cache, ``step`` appends one token."""
@@ -86,7 +91,7 @@ class LlamaCppDecoder:
         spec = read_spec(path)
         self.kv_cache_type = kv_cache_type or spec.get("kv_cache_type", "f16")
         kv = KV_TYPES[self.kv_cache_type]
-        threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        threads = decoder_threads(threads)
         self.threads = threads
         self.llm = Llama(model_path=str(path), n_ctx=context or int(spec.get("context_length", DEFAULT_CONTEXT)), n_batch=512, n_threads=threads,
                          n_threads_batch=threads, logits_all=True, type_k=kv, type_v=kv, flash_attn=False,

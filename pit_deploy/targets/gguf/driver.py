@@ -19,7 +19,7 @@ import torch
 from ...errors import PitError
 from ...runtime.base import Driver, loading, numpy_step
 from . import SPEC_NAME
-from .decoder import LlamaCppDecoder
+from .decoder import LlamaCppDecoder, decoder_threads
 from .interface import runtime_interface
 
 __all__ = ["LlamaCppDriver"]
@@ -37,9 +37,10 @@ class LlamaCppDriver(Driver):
         self.path = self.folder / get_target(self.runtime).primary_path(self.folder)
         if not self.path.is_file():
             raise PitError(f"{self.path} is missing (named by {self.folder / SPEC_NAME}); re-export")
+
+    def open_decoder(self) -> LlamaCppDecoder:
         with loading(self.path, "llama.cpp"):
-            self.decoder = LlamaCppDecoder(self.path, threads)
-        self.kv_cache_type = self.decoder.kv_cache_type
+            return LlamaCppDecoder(self.path, self.threads)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.tolist()))
@@ -49,11 +50,11 @@ class LlamaCppDriver(Driver):
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         with loading(self.path, "llama.cpp"):
-            table, head = runtime_interface(self.path, self.decoder.threads)
+            table, head = runtime_interface(self.path, decoder_threads(self.threads))
         if table.shape != (vocab, dim) or head.shape != (dim, vocab):
             raise PitError(f"{self.path}: token table {table.shape} / head {head.T.shape}, expected {(vocab, dim)}; "
                            "the file does not match its manifest — re-export")
         return torch.from_numpy(table), torch.from_numpy(head)
 
     def close(self) -> None:
-        self.decoder.close()
+        self.close_decoder()
