@@ -15,8 +15,9 @@ from ..data.corpus import Block, DataConfig, TextSource, validation_blocks
 from .loss import token_nll_sum
 
 
-#: bytes of float32 logits one held-out batch may hold (:func:`block_nll`)
-LOGITS_BUDGET = 512 * 2**20
+#: bytes of float32 logits one held-out batch may hold (:func:`block_nll`): one row of 256 tokens
+#: at a 262,144-token vocabulary (the loss makes two more copies of them, a soft cap one more)
+LOGITS_BUDGET = 256 * 2**20
 
 
 @torch.no_grad()
