@@ -82,6 +82,24 @@ def test_factorize_in_the_model_dtype_reads_the_model_tensors_and_swaps_none_of_
     assert find_interface(model) is interface
 
 
+def test_materialize_copies_the_body_unless_the_export_pass_shares_it():
+    """``materialize_model`` gives a model of its own (it may be trained); the export pass's copy
+    reads the PIT model's body tensors, holds its own two tables, and is the same model."""
+    from pit_deploy.converters.materialize import materialize_model
+
+    model = _pit("llama")
+    ours = {p.data_ptr() for p in model.parameters()}
+    own = materialize_model(model)
+    assert not ours & {p.data_ptr() for p in own.parameters()}
+    shared = materialize(model)
+    tables = {shared.get_input_embeddings().weight.data_ptr(), shared.get_output_embeddings().weight.data_ptr()}
+    body = {p.data_ptr() for p in shared.parameters()} - tables
+    assert body and body <= ours and not tables & ours
+    assert all(torch.equal(a, b) for a, b in zip(own.state_dict().values(), shared.state_dict().values()))
+    assert all(p.dtype == torch.float16 for p in materialize(model, torch.float16).parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_t_inverse_is_float64_accurate():
     model = _pit("qwen3")
     f = factorize(model).pit_factors

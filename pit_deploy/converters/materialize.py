@@ -20,12 +20,18 @@ from ..model.modules import INTERFACE_ATTR, PIT_CONFIG_KEY
 
 
 @torch.no_grad()
-def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None,
+                      share_body: bool = False) -> PreTrainedModel:
     """A new, vanilla untied model with ``E = Z T⁻¹`` and ``W_out = T Zᵀ`` as plain weights.
 
     Computed in float64 from ``(Z, T)`` by row chunks and cast once to ``dtype`` (default: the model's), with
     the family multipliers undone so that the *effective* interface is exactly PIT's. The
     result has no project modules: plain ``transformers`` saves and loads it.
+
+    The new model takes the two tables as they are computed (no second copy of either) and
+    copies the body, unless ``share_body``: then each body tensor already in ``dtype`` is the
+    model's own data under the new model's ``Parameter`` — for an exporter, which never writes
+    into its input's weights, not for a model that is trained or edited afterwards.
     """
     base = unwrap_model(model)
     interface = find_interface(base)
@@ -40,7 +46,8 @@ def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None) 
     with no_init_weights():
         plain = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     state = {
-        k: v
+        k: (v.to(dtype) if v.is_floating_point() else v) if share_body else
+        (v.to(dtype, copy=True) if v.is_floating_point() else v.clone())
         for k, v in base.state_dict().items()
         if not k.startswith(INTERFACE_ATTR + ".")
     }
@@ -50,8 +57,9 @@ def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None) 
         dtype, adapter.embedding_multiplier(config), adapter.logits_multiplier(config))
     head_bias = getattr(base.get_output_embeddings(), "bias", None)
     if head_bias is not None:
-        state[head_name.rsplit(".", 1)[0] + ".bias"] = head_bias.detach().to(dtype)
-    plain.load_state_dict(state, strict=True)
+        state[head_name.rsplit(".", 1)[0] + ".bias"] = head_bias.detach().to(dtype, copy=not share_body)
+    # assign: the new model's (never written, so never resident) tensors are replaced, not copied into
+    plain.load_state_dict(state, strict=True, assign=True)
     plain.eval()
     return plain
 

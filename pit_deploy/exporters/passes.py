@@ -97,7 +97,7 @@ def _require_pit(model: nn.Module):
 def materialize(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A vanilla untied copy of a PIT ``model`` (E, W_out from float64), in ``dtype``."""
     _require_pit(model)
-    return materialize_model(model, dtype)
+    return materialize_model(model, dtype, share_body=True)  # the exporters copy what they write
 
 
 @torch.no_grad()
