@@ -45,12 +45,12 @@ def materialize_model(model: PreTrainedModel, dtype: torch.dtype | None = None,
     adapter = adapter_for(config)
     with no_init_weights():
         plain = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
-    state = {
-        k: (v.to(dtype) if v.is_floating_point() else v) if share_body else
-        (v.to(dtype, copy=True) if v.is_floating_point() else v.clone())
-        for k, v in base.state_dict().items()
-        if not k.startswith(INTERFACE_ATTR + ".")
-    }
+    def body(v: torch.Tensor) -> torch.Tensor:  # the model's tensor where shared and already right, else a copy
+        if not v.is_floating_point():
+            return v if share_body else v.clone()
+        return v.to(dtype, copy=not share_body)
+
+    state = {k: body(v) for k, v in base.state_dict().items() if not k.startswith(INTERFACE_ATTR + ".")}
     emb_name = _param_name(plain, plain.get_input_embeddings().weight)
     head_name = _param_name(plain, plain.get_output_embeddings().weight)
     state[emb_name], state[head_name] = interface.materialized_rows(

@@ -292,6 +292,7 @@ def _load_hub(
     except Exception as exc:
         raise PitError(f"cannot load {repo_id!r} from the Hub ({_short(exc)})") from None
     model.eval()
+    own_memory(model)
     return LoadedModel(model, tokenizer, {"kind": "hub", "id": repo_id})
 
 
