@@ -333,6 +333,43 @@ def test_an_interface_graph_run_in_parts_gives_the_whole_runs_tables(monkeypatch
     assert np.allclose(parts_logits.numpy(), logits[0], rtol=1e-6, atol=1e-7)
 
 
+
+def test_the_interface_defect_summed_by_parts_is_the_whole_tables_figure(monkeypatch):
+    """verify measures delta_ti without the runtime's whole E (640 MiB at a 262k vocabulary):
+    W_out E summed over the interface graph's runs gives the very figure of the two whole tables
+    where each run is a whole number of the float64 sum's row chunks, and the same to rounding
+    where it is not."""
+    import onnxruntime as ort
+
+    import pit_deploy.model.core as core
+    import pit_deploy.runtime.ort_driver as ort_driver
+    from pit_deploy.exporters.onnx_graph import find_graph_interface
+    from pit_deploy.exporters.quantize_onnx import rewrite_interface
+    from pit_deploy.model.quantized_interface import identity_defect, identity_defect_by_parts
+
+    v, d = 200, 64
+    model = _factorized_interface_graph(v, d)
+    rewrite_interface(model, find_graph_interface(model.graph, v, d), 4, 32, correct=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def run(ids, hidden):
+        e, lg = session.run(None, {"ids": ids[None], "h": hidden[None]})
+        return e[0], lg[0]
+
+    monkeypatch.setattr(core, "POLAR_CHUNK_ROWS", 16)
+    monkeypatch.setattr(ort_driver, "INTERFACE_ROWS", 10)
+    monkeypatch.setattr(ort_driver, "INTERFACE_IDS", 32)
+    whole = identity_defect(*ort_driver.interface_in_parts(run, v, d))
+    assert 0 < whole < 1e-3
+    assert ort_driver.defect_in_parts(run, v, d) == whole
+    monkeypatch.setattr(ort_driver, "INTERFACE_IDS", 37)
+    assert ort_driver.defect_in_parts(run, v, d) == pytest.approx(whole, rel=1e-9)
+    emb, head = ort_driver.interface_in_parts(run, v, d)
+    with pytest.raises(ValueError, match="expected 0"):
+        identity_defect_by_parts(head.numpy(), [(10, emb.numpy()[10:])])
+    with pytest.raises(ValueError, match="cover 100 ids of 200"):
+        identity_defect_by_parts(head.numpy(), [(0, emb.numpy()[:100])])
+
 def test_int8_grid_rows_pass_the_int8_activation_kernel_unrounded():
     """A row on the grid of int8_block_grid_rows goes through MatMulNBits' int8 activations
     (accuracy_level 4) as through its float32 ones; a row off the grid does not (the premise)."""

@@ -52,11 +52,10 @@ from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, json_text, lock_target, write_json_atomic
 from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests, pin_sha256,
                            read_manifest_json)
-from ..model.quantized_interface import identity_defect
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, ParityBounds, QuantizedBounds, bounds_for, registered, scheme_names
 from ..targets import VerifyContext, get_target, target_names
-from .bound_checks import agreement_failures, kl_failures, logit_failures, rel_l2
+from .bound_checks import agreement_failures, kl_failures, logit_failures, max_abs_diff, rel_l2
 
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
@@ -386,20 +385,13 @@ def worst(values: Sequence[float]) -> float:
     return max(values, default=0.0)
 
 
-def delta_ti_of(emb: torch.Tensor, head_logits: torch.Tensor) -> float:
-    """``‖W_out E − I‖_F`` (float64) from embeddings ``(V, d)`` and head logits of ``I_d`` ``(d, V)``."""
-    return identity_defect(emb, head_logits)
-
-
 def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, float, bool | None, list[str]]:
     """``delta_ti`` measured on the runtime, the reference's, and the target's own interface
     checks (ONNX: whether the interface graph reads the decoder's very weight bytes)."""
     from ..model.inspect import interface_delta_ti
 
     vocab, dim = art.shapes["vocab_size"], art.shapes["hidden_size"]
-    emb, head = driver.interface(vocab, dim)
-    runtime_figure = delta_ti_of(emb, head)
-    del emb, head  # two V×d tables: gone before the reference's figure
+    runtime_figure = driver.interface_defect(vocab, dim)
     weights_shared, notes = get_target(art.target).interface_checks(directory / art.path, dim)
     return runtime_figure, interface_delta_ti(reference), weights_shared, list(notes)
 
@@ -635,7 +627,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
         got = torch.cat([pre, dec])
         finite_rows = torch.isfinite(got).all(-1)
         nonfinite += int((~torch.isfinite(got)).sum())
-        abs_errs.append(float((got.double() - ref_logits.double()).abs().max()))
+        abs_errs.append(max_abs_diff(got, ref_logits))
         pre_errs.append(rel_l2(pre, ref_logits[:p]))
         if steps:
             dec_errs.append(rel_l2(dec, ref_logits[p:]))

@@ -14,7 +14,7 @@ tables ``(V, d)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -26,26 +26,58 @@ from .core import rotate_rows, row_chunks
 MAX_GRAM_COND = 1e12
 
 
-def cross_gram(a: Any, b: Any) -> Any:
-    """``aᵀ b`` in float64 for ``a`` ``(V, d₁)`` and ``b`` ``(V, d₂)`` (numpy arrays or torch
-    tensors on one device, any float dtype), summed by row chunks
+def cross_gram(a: Any, b: Any, b_scale: float = 1.0, out: Any = None) -> Any:
+    """``aᵀ (b · b_scale)`` in float64 for ``a`` ``(V, d₁)`` and ``b`` ``(V, d₂)`` (numpy arrays or
+    torch tensors on one device, any float dtype), summed by row chunks
     (:func:`~pit_deploy.model.core.row_chunks`: a 262k-token table is never copied to float64
-    whole, 1.3 GB per copy at d = 640); numpy in, numpy out."""
+    whole, 1.3 GB per copy at d = 640); numpy in, numpy out. ``b_scale`` multiplies each chunk of
+    ``b`` in ``b``'s own dtype, as a runtime that scales the gathered rows does (Gemma's ``√d``),
+    without a scaled copy of the whole table. ``out`` (a float64 sum of the same kind, from an
+    earlier call) is added to in place and returned: a sum over a table's consecutive parts."""
     as_numpy = not isinstance(a, torch.Tensor)
     ta = torch.from_numpy(np.asarray(a)) if as_numpy else a
     tb = torch.from_numpy(np.asarray(b)) if as_numpy else b
-    total = torch.zeros(ta.shape[1], tb.shape[1], dtype=torch.float64, device=ta.device)
+    if out is None:
+        total = torch.zeros(ta.shape[1], tb.shape[1], dtype=torch.float64, device=ta.device)
+    else:
+        total = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
     for part, chunk in row_chunks(ta):
-        total += chunk.T @ tb[part].to(torch.float64)
+        rows = tb[part] if b_scale == 1.0 else tb[part] * float(b_scale)
+        total += chunk.T @ rows.to(torch.float64)
     return total.numpy() if as_numpy else total
 
 
-def identity_defect(e: Any, w_out: Any) -> float:
+def identity_defect(e: Any, w_out: Any, e_scale: float = 1.0) -> float:
     """``delta_ti = ‖W_out E − I_d‖_F`` in float64, for ``E`` ``(V, d)`` and ``W_out`` ``(d, V)``:
     torch tensors (on their device) or numpy arrays. A head stored as PyTorch stores it
     (``(V, d)``, ``logits = h @ head.T``) is ``W_out = head.T``. ``W_out E`` is summed by row
-    chunks (:func:`cross_gram`)."""
-    product = cross_gram(w_out.T, e)
+    chunks (:func:`cross_gram`); ``e_scale`` multiplies ``E`` in its own dtype first (a table
+    whose runtime scales the gathered rows)."""
+    return _off_identity(cross_gram(w_out.T, e, e_scale))
+
+
+def identity_defect_by_parts(w_out: Any, parts: Iterable[tuple[int, Any]], e_scale: float = 1.0) -> float:
+    """:func:`identity_defect` of ``W_out`` ``(d, V)`` and an ``E`` that arrives as consecutive
+    ``(first id, rows (n, d))`` parts, so that a runtime's whole table is never held: the same
+    float64 sum, term for term, where every part but the last has a multiple of
+    :data:`~pit_deploy.model.core.POLAR_CHUNK_ROWS` rows (``e_scale`` as there).
+
+    Raises:
+        ValueError: the parts do not cover ``0 … V`` in order.
+    """
+    total, expected = None, 0
+    for start, rows in parts:
+        if start != expected:
+            raise ValueError(f"the table's part starts at id {start}, expected {expected}")
+        expected = start + len(rows)
+        total = cross_gram(w_out[:, start:expected].T, rows, e_scale, out=total)
+    if expected != w_out.shape[1]:
+        raise ValueError(f"the table's parts cover {expected} ids of {w_out.shape[1]}")
+    return _off_identity(total)
+
+
+def _off_identity(product: Any) -> float:
+    """``‖product − I‖_F`` of a float64 square matrix (torch or numpy)."""
     if isinstance(product, torch.Tensor):
         eye = torch.eye(product.shape[0], dtype=torch.float64, device=product.device)
         return float(torch.linalg.matrix_norm(product - eye))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from ..errors import PitError
 
@@ -99,6 +99,16 @@ class Driver(ABC):
     @abstractmethod
     def interface(self, vocab: int, dim: int) -> tuple[Any, Any]:
         """``(E (V, d), head logits of I_d (d, V))`` computed by the runtime itself."""
+
+    def interface_defect(self, vocab: int, dim: int) -> float:
+        """``delta_ti = ‖W_out E − I‖_F`` of :meth:`interface`'s tables. A runtime that computes
+        the embedding a part at a time overrides this to sum ``W_out E`` over the parts
+        (:func:`~pit_deploy.model.quantized_interface.identity_defect_by_parts`, the same
+        figure) and never hold ``E`` whole: 640 MiB at 262,144 tokens and d = 640."""
+        from ..model.quantized_interface import identity_defect
+
+        emb, head = self.interface(vocab, dim)
+        return identity_defect(emb, head)
 
     def close(self) -> None:
         """Release the runtime's resources (default: nothing to do)."""

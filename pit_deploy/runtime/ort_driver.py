@@ -7,15 +7,16 @@ graph. Each target names its own files (``onnx``: :mod:`pit_deploy.targets.onnx.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
+from ..model.quantized_interface import identity_defect_by_parts
 from .base import Driver, loading, numpy_step
 from .standalone import OrtDecoder, ort_session_options
 
-__all__ = ["OrtDriver", "interface_in_parts"]
+__all__ = ["OrtDriver", "defect_in_parts", "interface_in_parts"]
 
 #: ids an interface graph embeds per run, and basis rows its head multiplies per run: onnxruntime
 #: keeps the memory its largest run needed, which for all 262,144 ids at once was 3 GB
@@ -30,15 +31,38 @@ def interface_in_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray,
     graph's session): :data:`INTERFACE_IDS` ids a run (beside one basis row), then
     :data:`INTERFACE_ROWS` basis rows a run (beside one id), into arrays allocated once."""
     emb = np.empty((vocab, dim), np.float32)
+    for start, rows in _embedding_parts(run, vocab, dim, hidden_dtype):
+        emb[start:start + len(rows)] = rows
+    return torch.from_numpy(emb), torch.from_numpy(_head_logits(run, vocab, dim, hidden_dtype))
+
+
+def defect_in_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int,
+                    dim: int, hidden_dtype: type = np.float32) -> float:
+    """``delta_ti`` from the same runs as :func:`interface_in_parts` (so the same figure), the head's
+    logits first and then ``W_out E`` summed over each run's embeddings: ``E`` is never whole."""
+    head = torch.from_numpy(_head_logits(run, vocab, dim, hidden_dtype))  # torch, as interface() returns them
+    parts = ((start, torch.from_numpy(rows)) for start, rows in _embedding_parts(run, vocab, dim, hidden_dtype))
+    return identity_defect_by_parts(head, parts)
+
+
+def _embedding_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int, dim: int,
+                     hidden_dtype: type) -> Iterator[tuple[int, np.ndarray]]:
+    """``(first id, embeddings)`` of :data:`INTERFACE_IDS` ids a run (beside one basis row)."""
+    basis = np.eye(1, dim, dtype=hidden_dtype)
+    for start in range(0, vocab, INTERFACE_IDS):
+        yield start, run(np.arange(start, min(vocab, start + INTERFACE_IDS), dtype=np.int64), basis)[0]
+
+
+def _head_logits(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int, dim: int,
+                 hidden_dtype: type) -> np.ndarray:
+    """The head's logits of the ``dim`` basis vectors ``(dim, vocab)``, float32: :data:`INTERFACE_ROWS`
+    basis rows a run (beside one id)."""
     logits = np.empty((dim, vocab), np.float32)
     basis = np.eye(dim, dtype=hidden_dtype)
-    for start in range(0, vocab, INTERFACE_IDS):
-        stop = min(vocab, start + INTERFACE_IDS)
-        emb[start:stop] = run(np.arange(start, stop, dtype=np.int64), basis[:1])[0]
     for start in range(0, dim, INTERFACE_ROWS):
         stop = min(dim, start + INTERFACE_ROWS)
         logits[start:stop] = run(np.zeros(1, np.int64), basis[start:stop])[1]
-    return torch.from_numpy(emb), torch.from_numpy(logits)
+    return logits
 
 
 class OrtDriver(Driver):
@@ -67,6 +91,17 @@ class OrtDriver(Driver):
         return numpy_step(self.decoder, token, pos)
 
     def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        run, hidden_dtype = self.interface_runner(vocab, dim)
+        return interface_in_parts(run, vocab, dim, hidden_dtype)
+
+    def interface_defect(self, vocab: int, dim: int) -> float:
+        run, hidden_dtype = self.interface_runner(vocab, dim)
+        return defect_in_parts(run, vocab, dim, hidden_dtype)
+
+    def interface_runner(self, vocab: int, dim: int) -> tuple[Callable[[np.ndarray, np.ndarray],
+                                                                       tuple[np.ndarray, np.ndarray]], type]:
+        """``(run(ids, hidden) -> (embeddings, logits), the hidden input's dtype)`` over a session
+        of the folder's interface graph (a target whose graph takes other shapes overrides this)."""
         import onnxruntime as ort
 
         path = self.interface_path()
@@ -80,7 +115,7 @@ class OrtDriver(Driver):
             emb, logits = sess.run(None, {"input_ids": ids, "hidden": hidden})
             return emb, logits
 
-        return interface_in_parts(run, vocab, dim)
+        return run, np.float32
 
     def close(self) -> None:
         self.close_decoder()

@@ -9,8 +9,12 @@ static KV cache kept in the program's mutable buffers.
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import torch
 
+from ...model.core import POLAR_CHUNK_ROWS
+from ...model.quantized_interface import identity_defect_by_parts
 from ...runtime.base import Driver, loading
 from ...runtime.standalone import PteDecoder, load_pte_program
 from . import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
@@ -41,22 +45,47 @@ class ExecuTorchDriver(Driver):
         the program's ``embed`` and ``head`` methods, fed in chunks no larger than the methods
         were exported for (``INTERFACE_IDS``, ``INTERFACE_HIDDEN_ROWS``; programs exported before
         the limit take any)."""
+        embed, head = self._interface_methods()
+        # each chunk's output goes straight into tables allocated once: a list of chunks joined by
+        # torch.cat held every V×d table twice (1.3 GB more at a 262,144-token vocabulary)
+        emb = torch.empty(vocab, dim)
+        for start, rows in _embedding_parts(embed, vocab, dim):
+            emb[start:start + len(rows)] = rows
+        return emb, _head_logits(head, vocab, dim)
+
+    def interface_defect(self, vocab: int, dim: int) -> float:
+        embed, head = self._interface_methods()
+        return identity_defect_by_parts(_head_logits(head, vocab, dim), _embedding_parts(embed, vocab, dim))
+
+    def _interface_methods(self) -> tuple[Any, Any]:
+        """The program's ``embed`` and ``head`` methods."""
         if self._decoder is not None:
             program = self._decoder.program
         else:  # the program alone: loading `forward` packs the delegate's weights, which embed/head need not wait for
             with loading(self.folder / PTE_NAME, "the ExecuTorch runtime"):
                 program, _ = load_pte_program(self.folder / PTE_NAME, self.threads)
-        embed, head = program.load_method("embed"), program.load_method("head")
-        ids, basis = torch.arange(vocab, dtype=torch.long), torch.eye(dim, dtype=torch.float32)
-        # each chunk's output goes straight into tables allocated once: a list of chunks joined by
-        # torch.cat held every V×d table twice (1.3 GB more at a 262,144-token vocabulary)
-        emb = torch.empty(vocab, dim)
-        for start, chunk in zip(range(0, vocab, INTERFACE_IDS), ids.split(INTERFACE_IDS)):
-            emb[start:start + len(chunk)] = embed.execute([chunk])[0]
-        out = torch.empty(dim, vocab)
-        for start, chunk in zip(range(0, dim, INTERFACE_HIDDEN_ROWS), basis.split(INTERFACE_HIDDEN_ROWS)):
-            out[start:start + len(chunk)] = head.execute([chunk])[0]
-        return emb, out
+        return program.load_method("embed"), program.load_method("head")
 
     def close(self) -> None:
         self.close_decoder()
+
+
+def _embedding_parts(embed: Any, vocab: int, dim: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first id, rows)`` of ``embed`` over all ids, :data:`POLAR_CHUNK_ROWS` ids a part (the rows
+    :func:`~pit_deploy.model.quantized_interface.identity_defect_by_parts` sums at a time, so its
+    figure is the whole table's), each part filled by calls of ``INTERFACE_IDS`` ids."""
+    for first in range(0, vocab, POLAR_CHUNK_ROWS):
+        ids = torch.arange(first, min(vocab, first + POLAR_CHUNK_ROWS), dtype=torch.long)
+        rows = torch.empty(len(ids), dim)
+        for start, chunk in zip(range(0, len(ids), INTERFACE_IDS), ids.split(INTERFACE_IDS)):
+            rows[start:start + len(chunk)] = embed.execute([chunk])[0]
+        yield first, rows
+
+
+def _head_logits(head: Any, vocab: int, dim: int) -> torch.Tensor:
+    """``head`` on the ``dim`` basis vectors ``(dim, vocab)``, ``INTERFACE_HIDDEN_ROWS`` rows a call."""
+    out = torch.empty(dim, vocab)
+    basis = torch.eye(dim, dtype=torch.float32)
+    for start, chunk in zip(range(0, dim, INTERFACE_HIDDEN_ROWS), basis.split(INTERFACE_HIDDEN_ROWS)):
+        out[start:start + len(chunk)] = head.execute([chunk])[0]
+    return out

@@ -47,7 +47,7 @@ import os
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -55,7 +55,8 @@ from transformers import PreTrainedModel
 
 from ...errors import PitError
 from ...io.gguf_files import gguf_raw_tensor, read_gguf_tensors
-from ...model.quantized_interface import corrected_table, identity_defect
+from ...model.core import POLAR_CHUNK_ROWS
+from ...model.quantized_interface import corrected_table, identity_defect, identity_defect_by_parts
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
 from .decoder import DEFAULT_CONTEXT
@@ -382,21 +383,35 @@ def table_scale(config: Any) -> np.float32:
     return np.float32(1.0)
 
 
-def _table_figures(head: np.ndarray, plain_table: np.ndarray, table_type: str | None,
-                   scale: np.float32) -> dict[str, Any]:
+def _table_figures(head: np.ndarray, plain_rows: Callable[[slice], np.ndarray], table_type: str | None,
+                   scale: np.float32, corrected: np.ndarray | None = None) -> dict[str, Any]:
     """``delta_ti`` of the dequantized ``head`` with the table quantized as the source
-    (``plain_table``, dequantized, times the graph's ``scale``), and — where gguf-py can round the
-    table's type — with the corrected table rounded to that type: what storing the correction at
-    the file's precision would leave (the reason it is stored in float32)."""
+    (``plain_rows(rows)``: a slice of its rows dequantized, times the graph's ``scale``), and — where
+    gguf-py can round the table's type — with the corrected table (``corrected``, or computed
+    here) rounded to that type: what storing the correction at the file's precision would leave
+    (the reason it is stored in float32). Both by parts of rows (every type here rounds each row
+    on its own): a dequantized 262k-token table and gguf-py's temporaries were 2 GB more."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    out = {"delta_ti_uncorrected": identity_defect(plain_table * scale, head.T)}
+    vocab = head.shape[0]
+    out = {"delta_ti_uncorrected": identity_defect_by_parts(head.T, _row_parts(plain_rows, vocab), scale)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
     if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
-        rounded = dequantize(quantize(corrected_table(head, scale), qtype), qtype)
-        out["delta_ti_corrected_table_rounded"] = identity_defect(rounded * scale, head.T)
+        table = corrected_table(head, scale) if corrected is None else corrected
+
+        def rounded(rows: slice) -> np.ndarray:
+            return dequantize(quantize(table[rows], qtype), qtype)
+
+        out["delta_ti_corrected_table_rounded"] = identity_defect_by_parts(head.T, _row_parts(rounded, vocab), scale)
     return out
+
+
+def _row_parts(rows: Callable[[slice], np.ndarray], count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, rows(slice))`` over ``count`` rows, :data:`POLAR_CHUNK_ROWS` at a time (the parts
+    :func:`identity_defect_by_parts` sums exactly as the whole table)."""
+    for start in range(0, count, POLAR_CHUNK_ROWS):
+        yield start, rows(slice(start, min(count, start + POLAR_CHUNK_ROWS)))
 
 
 #: the file types gguf-py writes itself: the body's ggml type and llama.cpp's ``general.file_type``
@@ -422,13 +437,15 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
         codes[HEAD] = (quantize(tensors[HEAD], head_t), head_t)
         head = dequantize(codes[HEAD][0], head_t)
         plain = quantize(tensors[EMBED], body_t)
-        info.update(_table_figures(head, dequantize(plain, body_t), kind, scale))
-        if correction:
-            tensors = {**tensors, EMBED: corrected_table(head, scale)}
+        table = corrected_table(head, scale) if correction else None
+        info.update(_table_figures(head, lambda rows: dequantize(plain[rows], body_t), kind, scale, table))
+        if table is not None:
+            tensors = {**tensors, EMBED: table}
             info["table_type"] = "F32"
-            info["delta_ti_corrected"] = identity_defect(tensors[EMBED] * scale, head.T)
+            info["delta_ti_corrected"] = identity_defect(table, head.T, scale)
         else:
             codes[EMBED] = (plain, body_t)
+        del head
     write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType[_GGUF_PY_TYPES[kind]])
     return info
 
@@ -448,22 +465,27 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
         f32, first = Path(tmp) / "f32.gguf", Path(tmp) / "first.gguf"
         write_gguf(f32, model, tokenizer, tensors)
         llama_quantize(f32, first, kind, head_type=head_t)
-        read = read_gguf_tensors(first, (EMBED, HEAD))
         chosen = types(first)
         info: dict[str, Any] = {"head_type": chosen.get(HEAD, chosen.get(EMBED)), "table_type": chosen.get(EMBED)}
-        if HEAD in read:  # (tied: llama.cpp's head is its table; nothing to correct)
-            info.update(_table_figures(read[HEAD], read[EMBED], chosen.get(EMBED), scale))
-        if HEAD not in read or not correction:
+        if HEAD not in chosen:  # (tied: llama.cpp's head is its table; nothing to correct)
             first.replace(path)
             return info
-        write_gguf(f32, model, tokenizer, {**tensors, EMBED: corrected_table(read[HEAD], scale)})
+        read = read_gguf_tensors(first, (EMBED, HEAD))
+        table = corrected_table(read[HEAD], scale) if correction else None
+        info.update(_table_figures(read[HEAD], read[EMBED].__getitem__, chosen.get(EMBED), scale, table))
+        del read  # each V×d table is let go once used: five at once are 3 GB at 262k tokens
+        if table is None:
+            first.replace(path)
+            return info
+        write_gguf(f32, model, tokenizer, {**tensors, EMBED: table})
+        del table
         llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
         if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
             raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
                            "corrected table would not match it")
-        final = read_gguf_tensors(path, (EMBED, HEAD))
         info["table_type"] = types(path).get(EMBED)
-        info["delta_ti_corrected"] = identity_defect(final[EMBED] * scale, final[HEAD].T)
+        final = read_gguf_tensors(path, (EMBED, HEAD))
+        info["delta_ti_corrected"] = identity_defect(final[EMBED], final[HEAD].T, scale)
     return info
 
 

@@ -10,7 +10,7 @@ length, ``past_key_values.N.key/value`` grown by each step's ``present.N.*``). T
 itself is checked against this session by :func:`check_generator` (verify's extra for the
 target), so both ways of running the folder are measured.
 
-``interface()`` runs ``interface.onnx``, the decoder's own embedding and head nodes reading the
+``interface()`` (and ``interface_defect()``) run ``interface.onnx``, the decoder's own embedding and head nodes reading the
 decoder's weight bytes (:func:`shared_interface_weights` checks that).
 """
 
@@ -19,14 +19,14 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ...errors import PitError
 from ...runtime.base import loading
-from ...runtime.ort_driver import OrtDriver, interface_in_parts
+from ...runtime.ort_driver import OrtDriver
 from ...runtime.standalone import ort_session_options
 from . import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
 
@@ -51,7 +51,8 @@ class GenaiDriver(OrtDriver):
     def interface_path(self) -> Path:
         return self.folder / INTERFACE_NAME
 
-    def interface(self, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def interface_runner(self, vocab: int, dim: int) -> tuple[Callable[[np.ndarray, np.ndarray],
+                                                                       tuple[np.ndarray, np.ndarray]], type]:
         import onnxruntime as ort
 
         path = self.interface_path()
@@ -75,7 +76,7 @@ class GenaiDriver(OrtDriver):
                                f"{(len(hidden), vocab)}: it is not this artifact's interface graph; re-export")
             return emb[0], logits[0]
 
-        return interface_in_parts(run, vocab, dim, _NP[inputs["hidden"]])
+        return run, _NP[inputs["hidden"]]
 
 
 def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str]:
