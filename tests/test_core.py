@@ -194,3 +194,21 @@ def test_spec_validation() -> None:
         PITSpec(diagonal="relu")
     with pytest.raises(ValueError, match="positive"):
         PITSpec(clamp_min=0.0)
+
+
+def test_an_interface_takes_a_fresh_table_without_a_second_copy_and_rows_rotate_in_place(monkeypatch):
+    """A conversion hands PITInterface the Z it just computed (640 MiB at a 262k vocabulary):
+    ``copy=False`` keeps that very tensor, the default still copies a caller's; rotating U's rows
+    into U itself gives what rotating into a new table gives."""
+    import pit_deploy.model.core as core
+    from pit_deploy.model.core import rotate_rows
+
+    monkeypatch.setattr(core, "POLAR_CHUNK_ROWS", 64)  # several chunks, each read before it is written
+    g = torch.Generator().manual_seed(0)
+    z, _ = polar_factor(torch.randn(300, 8, generator=g, dtype=torch.float64), dtype=torch.float32)
+    lf = torch.eye(8, dtype=torch.float64)
+    assert PITInterface(z, lf, copy=False).Z.data_ptr() == z.data_ptr()
+    assert PITInterface(z, lf).Z.data_ptr() != z.data_ptr()
+    r, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
+    rotated = rotate_rows(z, r)
+    assert rotate_rows(z, r, out=z) is z and torch.equal(z, rotated)

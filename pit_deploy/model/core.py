@@ -72,9 +72,13 @@ def row_chunks(a: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[slice, tor
         yield part, chunk * scale if scale != 1.0 else chunk
 
 
-def rotate_rows(u: torch.Tensor, r: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``U R`` in ``dtype`` (``r`` float64, ``d×k``), each chunk of rows multiplied in float64."""
-    out = torch.empty(u.shape[0], r.shape[1], dtype=dtype)
+def rotate_rows(u: torch.Tensor, r: torch.Tensor, dtype: torch.dtype = torch.float32,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``U R`` in ``dtype`` (``r`` float64, ``d×k``), each chunk of rows multiplied in float64;
+    into ``out`` where given, which may be ``u`` itself (``d = k``; each chunk is read before it
+    is written)."""
+    if out is None:
+        out = torch.empty(u.shape[0], r.shape[1], dtype=dtype)
     for part, chunk in row_chunks(u):
         out[part] = (chunk @ r).to(dtype)
     return out
@@ -239,7 +243,9 @@ class PITInterface(nn.Module):
     this class, which is registered once in the model (see ``pit_deploy.converters``).
     """
 
-    def __init__(self, z: torch.Tensor, l_factor: torch.Tensor, spec: PITSpec = PITSpec()):
+    def __init__(self, z: torch.Tensor, l_factor: torch.Tensor, spec: PITSpec = PITSpec(), copy: bool = True):
+        """``copy=False`` makes ``Z`` the very tensor given (where it is in ``Z``'s dtype): for a
+        caller whose ``z`` is its own fresh result, a second ``V×d`` table is 640 MiB at 262k tokens."""
         super().__init__()
         if z.ndim != 2 or l_factor.shape != (z.shape[1], z.shape[1]):
             raise ValueError(
@@ -247,7 +253,8 @@ class PITInterface(nn.Module):
             )
         self.spec = spec
         dtype = z.dtype if z.dtype.is_floating_point and z.dtype != torch.float64 else torch.float32
-        self.Z = nn.Parameter(z.to(dtype).clone(), requires_grad=spec.train_z)
+        z = z.to(dtype)
+        self.Z = nn.Parameter(z.clone() if copy else z, requires_grad=spec.train_z)
         off, free_diag = self._free_parameters(l_factor)
         self.L_offdiag = nn.Parameter(off.to(torch.float32))
         self.L_diag = nn.Parameter(free_diag.to(torch.float32))
@@ -485,7 +492,7 @@ def init_from_embedding(
         h_sym, h_inv = spd_and_inverse(h)
         t = h_inv if t_init == "input" else h_sym
     lf = torch.linalg.cholesky(0.5 * (t + t.T))
-    return PITInterface(u.to(torch.float32), lf, spec)
+    return PITInterface(u.to(torch.float32), lf, spec, copy=False)
 
 
 def init_random(
@@ -497,5 +504,5 @@ def init_random(
 ) -> PITInterface:
     """From-scratch interface: ``Z`` from thin QR/polar of a Gaussian, ``T = I``."""
     z = random_stiefel(vocab_size, hidden_size, generator, method)
-    return PITInterface(z.to(torch.float32), torch.eye(hidden_size, dtype=torch.float64), spec)
+    return PITInterface(z.to(torch.float32), torch.eye(hidden_size, dtype=torch.float64), spec, copy=False)
 

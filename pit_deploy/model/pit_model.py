@@ -77,5 +77,5 @@ def empty_pit_model(config, dtype: torch.dtype = torch.float32) -> PreTrainedMod
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     v, d = model.get_input_embeddings().weight.shape
     spec = spec_from_block(block)
-    interface = PITInterface(torch.empty(v, d, dtype=dtype), torch.eye(d), spec)
+    interface = PITInterface(torch.empty(v, d, dtype=dtype), torch.eye(d), spec, copy=False)
     return install_interface(model, interface, adapter, block)
