@@ -306,10 +306,6 @@ class CalibrationStats:
         return self._pooled("fisher")
 
 
-#: positions of a calibration sequence whose next-token probabilities are computed at a time
-PROBABILITY_ROWS = 32
-
-
 def _head_logits(model: PreTrainedModel, x: torch.Tensor) -> torch.Tensor:
     """The source's logits from final-norm inputs ``x``: the final norm, the head, Granite's
     ``logits_scaling`` and Gemma 2's final soft-capping (the families in
@@ -374,21 +370,16 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
                 logits = _head_logits(model, state).float()
             x = state.to(torch.float64)
             n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            p = torch.softmax(logits, dim=-1)
+            del logits  # a sequence's logits and probabilities are 256 MiB each at 262k tokens
+            pu = (p @ u32).to(torch.float64)
             labels = position_groups(len(x), prompt_len, shared if seen_chat else 0)
             seen_chat = seen_chat or prompt_len is not None
-            # the probabilities a few positions at a time: a sequence's logits are 256 MiB at 262k
-            # tokens, and its probabilities whole would be as much again
-            for start in range(0, len(x), PROBABILITY_ROWS):
-                part = slice(start, start + PROBABILITY_ROWS)
-                p = torch.softmax(logits[part], dim=-1)
-                pu = (p @ u32).to(torch.float64)
-                here = labels[part]
-                for name in dict.fromkeys(lab for lab in here if lab is not None):
-                    idx = torch.tensor([j for j, lab in enumerate(here) if lab == name])
-                    if name not in sums:  # not setdefault: that would allocate a V-sized sum per row
-                        sums[name] = _GroupSums(u.shape[1], u.shape[0])
-                    sums[name].add(n[part], p, pu, idx)
-            del logits
+            for name in dict.fromkeys(lab for lab in labels if lab is not None):
+                idx = torch.tensor([j for j, lab in enumerate(labels) if lab == name])
+                if name not in sums:  # not setdefault: that would allocate a V-sized sum per row
+                    sums[name] = _GroupSums(u.shape[1], u.shape[0])
+                sums[name].add(n, p, pu, idx)
     finally:
         handle.remove()
     if not sums:
