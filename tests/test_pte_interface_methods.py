@@ -55,7 +55,6 @@ def test_the_interface_is_measured_whole_through_the_chunks(chunked_export, caps
     emb, head = ExecuTorchDriver(chunked_export / "executorch-factorized").interface(512, 64)
     assert tuple(emb.shape) == (512, 64) and tuple(head.shape) == (64, 512)
     # what verify measures: W_out E summed over the embedding's parts, the whole tables' figure
-    monkeypatch.setattr(driver, "POLAR_CHUNK_ROWS", 96)
     monkeypatch.setattr("pit_deploy.model.core.POLAR_CHUNK_ROWS", 96)
     defect = ExecuTorchDriver(chunked_export / "executorch-factorized").interface_defect(512, 64)
     assert defect == identity_defect(emb, head) and 0 < defect < 1e-4

@@ -14,12 +14,13 @@ tables ``(V, d)``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from ..errors import PitError
+from . import core
 from .core import rotate_rows, row_chunks
 
 #: a quantized table whose Gram matrix is worse conditioned than this has lost rank
@@ -74,6 +75,14 @@ def identity_defect_by_parts(w_out: Any, parts: Iterable[tuple[int, Any]], e_sca
     if expected != w_out.shape[1]:
         raise ValueError(f"the table's parts cover {expected} ids of {w_out.shape[1]}")
     return _off_identity(total)
+
+
+def table_parts(rows: Callable[[slice], Any], count: int) -> Iterator[tuple[int, Any]]:
+    """``(first row, rows(slice))`` over ``count`` rows, :data:`~pit_deploy.model.core.POLAR_CHUNK_ROWS`
+    at a time: the parts :func:`identity_defect_by_parts` sums exactly as the whole table."""
+    step = core.POLAR_CHUNK_ROWS
+    for start in range(0, count, step):
+        yield start, rows(slice(start, min(count, start + step)))
 
 
 def _off_identity(product: Any) -> float:

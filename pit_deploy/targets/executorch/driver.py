@@ -13,8 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...model.core import POLAR_CHUNK_ROWS
-from ...model.quantized_interface import identity_defect_by_parts
+from ...model.quantized_interface import identity_defect_by_parts, table_parts
 from ...runtime.base import Driver, loading
 from ...runtime.standalone import PteDecoder, load_pte_program
 from . import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
@@ -71,15 +70,17 @@ class ExecuTorchDriver(Driver):
 
 
 def _embedding_parts(embed: Any, vocab: int, dim: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(first id, rows)`` of ``embed`` over all ids, :data:`POLAR_CHUNK_ROWS` ids a part (the rows
-    :func:`~pit_deploy.model.quantized_interface.identity_defect_by_parts` sums at a time, so its
-    figure is the whole table's), each part filled by calls of ``INTERFACE_IDS`` ids."""
-    for first in range(0, vocab, POLAR_CHUNK_ROWS):
-        ids = torch.arange(first, min(vocab, first + POLAR_CHUNK_ROWS), dtype=torch.long)
-        rows = torch.empty(len(ids), dim)
+    """``(first id, rows)`` of ``embed`` over all ids in the parts of
+    :func:`~pit_deploy.model.quantized_interface.table_parts` (so the summed figure is the whole
+    table's), each part filled by calls of ``INTERFACE_IDS`` ids."""
+    def rows(part: slice) -> torch.Tensor:
+        ids = torch.arange(part.start, part.stop, dtype=torch.long)
+        out = torch.empty(len(ids), dim)
         for start, chunk in zip(range(0, len(ids), INTERFACE_IDS), ids.split(INTERFACE_IDS)):
-            rows[start:start + len(chunk)] = embed.execute([chunk])[0]
-        yield first, rows
+            out[start:start + len(chunk)] = embed.execute([chunk])[0]
+        return out
+
+    return table_parts(rows, vocab)
 
 
 def _head_logits(head: Any, vocab: int, dim: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ import os
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -55,8 +55,7 @@ from transformers import PreTrainedModel
 
 from ...errors import PitError
 from ...io.gguf_files import gguf_raw_tensor, read_gguf_tensors
-from ...model.core import POLAR_CHUNK_ROWS
-from ...model.quantized_interface import corrected_table, identity_defect, identity_defect_by_parts
+from ...model.quantized_interface import corrected_table, identity_defect, identity_defect_by_parts, table_parts
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
 from .decoder import DEFAULT_CONTEXT
@@ -395,7 +394,7 @@ def _table_figures(head: np.ndarray, plain_rows: Callable[[slice], np.ndarray], 
     from gguf.quants import dequantize, quantize
 
     vocab = head.shape[0]
-    out = {"delta_ti_uncorrected": identity_defect_by_parts(head.T, _row_parts(plain_rows, vocab), scale)}
+    out = {"delta_ti_uncorrected": identity_defect_by_parts(head.T, table_parts(plain_rows, vocab), scale)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
     if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
         table = corrected_table(head, scale) if corrected is None else corrected
@@ -403,15 +402,8 @@ def _table_figures(head: np.ndarray, plain_rows: Callable[[slice], np.ndarray], 
         def rounded(rows: slice) -> np.ndarray:
             return dequantize(quantize(table[rows], qtype), qtype)
 
-        out["delta_ti_corrected_table_rounded"] = identity_defect_by_parts(head.T, _row_parts(rounded, vocab), scale)
+        out["delta_ti_corrected_table_rounded"] = identity_defect_by_parts(head.T, table_parts(rounded, vocab), scale)
     return out
-
-
-def _row_parts(rows: Callable[[slice], np.ndarray], count: int) -> Iterator[tuple[int, np.ndarray]]:
-    """``(start, rows(slice))`` over ``count`` rows, :data:`POLAR_CHUNK_ROWS` at a time (the parts
-    :func:`identity_defect_by_parts` sums exactly as the whole table)."""
-    for start in range(0, count, POLAR_CHUNK_ROWS):
-        yield start, rows(slice(start, min(count, start + POLAR_CHUNK_ROWS)))
 
 
 #: the file types gguf-py writes itself: the body's ggml type and llama.cpp's ``general.file_type``
