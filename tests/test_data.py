@@ -202,3 +202,39 @@ def test_kl_figures_by_parts_of_a_sequence_are_the_whole_sequence_figures(monkey
     rows[0][2][20, 7] = float("nan")
     damaged = heldout.kl_figures(rows)
     assert damaged.nonfinite_outputs == 1 and math.isinf(damaged.kl_mean)
+
+
+def _bos_adding(tok):
+    """``tok`` with a post-processor that puts ``<s>`` before every text, as Gemma's and Llama 3's do."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = tok.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def test_a_tokenizer_that_adds_bos_gets_blocks_led_by_it_that_cover_every_token_once(tmp_path, tok):
+    from pit_deploy.data.corpus import block_lead
+
+    assert block_lead(tok) is None  # adds no BOS: blocks as cut from the packed stream
+    bos_tok = _bos_adding(tiny_tokenizer())
+    assert block_lead(bos_tok) == bos_tok.bos_token_id == 1
+    corpus = make_corpus(tmp_path, n_docs=6)
+    cfg = DataConfig(str(corpus), seq_len=16, val_fraction=0.0)
+    plain = TrainStream(TextSource(cfg), tok, cfg).next_batch(6)
+    led = TrainStream(TextSource(cfg), bos_tok, cfg).next_batch(6)
+    assert led.ids.shape == (6, 17) and bool((led.ids[:, 0] == 1).all())
+    # the same token stream: each id of the packed documents is a target exactly once
+    stream = [plain.ids[0, 0].item()] + plain.targets.flatten().tolist()
+    assert led.targets.flatten().tolist() == stream[: 6 * 16]
+    assert bool((led.target_mask == 1).all())
+    # resumed from its saved position, a led stream goes on with the same blocks
+    a = TrainStream(TextSource(cfg), bos_tok, cfg)
+    a.next_batch(2)
+    b = TrainStream(TextSource(cfg), bos_tok, cfg)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert torch.equal(a.next_batch(3).ids, b.next_batch(3).ids)
+    val_cfg = DataConfig(str(corpus), seq_len=16, val_fraction=0.5)
+    val = validation_blocks(TextSource(val_cfg), bos_tok, val_cfg, 3)
+    assert val is not None and bool((val.ids[:, 0] == 1).all())

@@ -231,22 +231,44 @@ class Block:
         return self.mask[:, 1:]
 
 
-class _Packer:
-    """Concatenates encoded documents and cuts ``seq_len + 1`` blocks overlapping by one."""
+def block_lead(tokenizer) -> int | None:
+    """The id every block starts with: the tokenizer's BOS when it puts one before every text it
+    encodes (Gemma, Llama 3), so that blocks cut from the middle of packed documents look to
+    the model as its pretraining did (a Gemma model without its BOS is far from itself at every
+    position); ``None`` for a tokenizer that adds none (GPT-2 style, SmolLM2)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    probe = tokenizer("a")["input_ids"]
+    return bos if probe and probe[0] == bos else None
 
-    def __init__(self, seq_len: int, ids: list[int] | None = None, mask: list[int] | None = None):
+
+class _Packer:
+    """Concatenates encoded documents and cuts ``seq_len + 1`` blocks overlapping by one; with a
+    ``lead`` id, blocks of ``lead`` and the next ``seq_len`` ids, which do not overlap (the lead,
+    never a target, takes the place of the previous block's last id)."""
+
+    def __init__(self, seq_len: int, ids: list[int] | None = None, mask: list[int] | None = None,
+                 lead: int | None = None):
         self.seq_len = seq_len
         self.ids = list(ids or [])
         self.mask = list(mask or [])
+        self.lead = lead
 
     def add(self, ids: list[int], mask: list[int]) -> None:
         self.ids.extend(ids)
         self.mask.extend(mask)
 
     def ready(self) -> bool:
-        return len(self.ids) >= self.seq_len + 1
+        return len(self.ids) >= self.seq_len + (self.lead is None)
 
     def pop(self) -> tuple[list[int], list[int]]:
+        if self.lead is not None:
+            n = self.seq_len
+            ids, mask = [self.lead] + self.ids[:n], [0] + self.mask[:n]
+            del self.ids[:n]
+            del self.mask[:n]
+            return ids, mask
         n = self.seq_len + 1
         ids, mask = self.ids[:n], self.mask[:n]
         del self.ids[: n - 1]
@@ -272,7 +294,8 @@ class TrainStream:
         self.epoch = 0
         self.cursor = 0  # documents of this epoch consumed (local) or hub state
         self.hub_state: dict | None = None
-        self.packer = _Packer(cfg.seq_len)
+        self.lead = block_lead(tokenizer)
+        self.packer = _Packer(cfg.seq_len, lead=self.lead)
         self._docs: Iterator[Document] | None = None
         self._epoch_had_tokens = False
 
@@ -290,7 +313,7 @@ class TrainStream:
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
         self.hub_state = state.get("hub_state")
-        self.packer = _Packer(self.cfg.seq_len, state["buffer_ids"], state["buffer_mask"])
+        self.packer = _Packer(self.cfg.seq_len, state["buffer_ids"], state["buffer_mask"], lead=self.lead)
         self._docs = None
         self._epoch_had_tokens = True
 
@@ -431,7 +454,7 @@ class TextSource:
 def validation_blocks(source: TextSource, tokenizer, cfg: DataConfig, n_blocks: int) -> Block | None:
     """The first ``n_blocks`` packed blocks of the validation split (fixed order), or ``None``
     when the split holds no text."""
-    packer = _Packer(cfg.seq_len)
+    packer = _Packer(cfg.seq_len, lead=block_lead(tokenizer))
     rows: list[tuple[list[int], list[int]]] = []
     for doc in source.val_documents():
         packer.add(*encode(doc, tokenizer))
@@ -453,6 +476,7 @@ __all__ = [
     "TextSource",
     "TrainStream",
     "validation_blocks",
+    "block_lead",
     "is_validation",
     "encode",
     "stdlib_root",
