@@ -280,7 +280,7 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
     if before is not None and after is not None:
         say(f"held-out NLL (default corpus, 8×256 tokens): source {before:.3f}, converted {after:.3f} "
             f"({after - before:+.3f} nats/token)")
-        check_loss_rise(before, after, max_loss_rise, accept_loss, chosen)
+        check_loss_rise(before, after, max_loss_rise, accept_loss, chosen, source=model)
     delta_ti = interface_delta_ti(converted)
     say(f"delta_ti = {delta_ti:.3e}; saving to {out}")
     path = save_model(converted, out, loaded.tokenizer, force=force)
@@ -289,7 +289,8 @@ def convert(model: PathLike, out: PathLike, *, t_init: str | None = None, calib:
                       source=dict(loaded.source))
 
 
-def check_loss_rise(before: float, after: float, bound: float, accept: bool, t_init: str) -> None:
+def check_loss_rise(before: float, after: float, bound: float, accept: bool, t_init: str,
+                    source: str = "SRC") -> None:
     """Refuse a conversion whose held-out NLL rose by more than ``bound`` (or became non-finite),
     unless ``accept``: a model that lost what it knew is not shipped without being asked for.
 
@@ -304,13 +305,18 @@ def check_loss_rise(before: float, after: float, bound: float, accept: bool, t_i
         return
     from .errors import BoundError
 
-    why = ("" if t_init != "preserve" else
-           " (this family's conversion cannot keep what the source computes: docs/conversion.md)")
+    if t_init == "preserve":  # only a family without the rotation symmetry (post-norms) gets here
+        why = " (this family's conversion cannot keep what the source computes: docs/conversion.md)"
+        then = (f"To convert and train it back in one step, distill it from the source: pit-deploy train --model "
+                f"{source} --distill --distill-weight 1 (docs/conversion.md, 'Post-normalized blocks'); to keep "
+                "this checkpoint anyway, pass --accept-loss")
+    else:
+        why, then = "", ("To keep it anyway, pass --accept-loss and train the model from this checkpoint "
+                         "(docs/training.md)")
     raise BoundError(
         f"the conversion raised the held-out NLL from {before:.3f} to {after:.3f} nats/token ({rise:+.3f}), past "
-        f"the bound of {bound:g} (--max-loss-rise){why}; nothing was written. To keep it anyway, pass --accept-loss "
-        "and train the model from this checkpoint (docs/training.md)", source_nll=before, converted_nll=after,
-        bound=bound)
+        f"the bound of {bound:g} (--max-loss-rise){why}; nothing was written. {then}", source_nll=before,
+        converted_nll=after, bound=bound)
 
 
 def _heldout(loaded: Any) -> float | None:

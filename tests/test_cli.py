@@ -161,6 +161,20 @@ def test_a_conversion_past_the_loss_bound_is_exit_1_with_its_figures_and_writes_
     assert not out.exists() and not any(p.name.startswith(".o") for p in tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("t_init", ["preserve", "output"])
+def test_the_loss_bound_error_names_the_way_back_for_the_conversion_that_failed(t_init) -> None:
+    from pit_deploy.api import check_loss_rise
+    from pit_deploy.errors import BoundError
+
+    with pytest.raises(BoundError) as caught:
+        check_loss_rise(2.1, 5.0, 0.25, False, t_init, source="models/gemma-3")
+    text = str(caught.value)
+    assert "nothing was written" in text and "--accept-loss" in text, text
+    distill = "pit-deploy train --model models/gemma-3 --distill --distill-weight 1" in text
+    assert distill == (t_init == "preserve"), text  # a PIT checkpoint cannot be distilled: the source is named
+    check_loss_rise(2.1, 2.2, 0.25, False, t_init)  # within the bound: nothing to say
+
+
 @pytest.mark.parametrize("flags", [["--accept-loss"], ["--max-loss-rise", "50"]], ids=["accept", "wider-bound"])
 def test_a_lossy_conversion_is_kept_when_asked(lossy_source, tmp_path, capsys, caplog, flags) -> None:
     out = tmp_path / "o"

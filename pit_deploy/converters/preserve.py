@@ -592,7 +592,8 @@ def preserve_convert(model: PreTrainedModel, tokenizer: Any = None, spec: PITSpe
     if adapter.post_norms:  # no rotation symmetry: the body stays as it is, the final gain is fitted
         log.warning("%s normalizes each block's outputs before the residual add, so no rotation keeps it: the "
                     "conversion keeps the body and fits only the final gain, and the loss rises (by 2-3 nats/token on "
-                    "Gemma 3 270M; docs/conversion.md, 'Post-normalized blocks'); train the PIT model after converting",
+                    "Gemma 3 270M; docs/conversion.md, 'Post-normalized blocks') until it is distilled from the source "
+                    "(pit-deploy train --model SRC --distill --distill-weight 1)",
                     model_type)
         gfit = fit_diagonal_grouped(a, terms)
         d_vals, r = torch.diagonal(gfit).clone(), torch.eye(len(gfit), dtype=torch.float64)
