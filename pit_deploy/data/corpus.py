@@ -294,8 +294,7 @@ class TrainStream:
         self.epoch = 0
         self.cursor = 0  # documents of this epoch consumed (local) or hub state
         self.hub_state: dict | None = None
-        self.lead = block_lead(tokenizer)
-        self.packer = _Packer(cfg.seq_len, lead=self.lead)
+        self.packer = _Packer(cfg.seq_len, lead=block_lead(tokenizer))
         self._docs: Iterator[Document] | None = None
         self._epoch_had_tokens = False
 
@@ -313,7 +312,8 @@ class TrainStream:
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
         self.hub_state = state.get("hub_state")
-        self.packer = _Packer(self.cfg.seq_len, state["buffer_ids"], state["buffer_mask"], lead=self.lead)
+        self.packer = _Packer(self.cfg.seq_len, state["buffer_ids"], state["buffer_mask"],
+                              lead=self.packer.lead)
         self._docs = None
         self._epoch_had_tokens = True
 
