@@ -172,6 +172,10 @@ SETTINGS: tuple[SchemeSetting, ...] = (
                   "with float32 activations, or int8 ones (faster; its d x d factor is put on the int8 grid so "
                   "that W_out E = I still holds on the runtime) (default: the scheme's)",
                   values=HEAD_ACTIVATIONS, values_text="float32 or int8", cli_choices=True, always_recorded=False),
+    SchemeSetting("genai_group_size", "int", 0, "quantized onnx-genai: its MatMulNBits block size (body and token "
+                  "table) where it should differ from --group-size, which the other targets of the export keep; "
+                  "0 takes --group-size (default: the scheme's)", values=(0,) + GROUP_SIZES,
+                  values_text="0 (the group size) or one of " + ", ".join(map(str, GROUP_SIZES)), always_recorded=False),
     SchemeSetting("rotate_residual", "bool", False, "quantized .pte: round the body without first rotating the "
                   "residual stream by a randomized Hadamard matrix (int4's default rotates)",
                   flag="--no-rotate-residual", coded=True, always_recorded=False),
@@ -224,6 +228,9 @@ class Scheme:
         rotate_residual: quantized ``.pte``: rotate the residual stream by a randomized Hadamard
             matrix before the body is rounded (:mod:`pit_deploy.exporters.residual_rotation`; the
             float32 model computes the same, the interface is untouched).
+        genai_group_size: quantized ``onnx-genai``: the group size of that target's artifacts
+            where it differs from ``group_size`` (0: ``group_size``). The other targets of one
+            export keep ``group_size``: the best block differs between runtimes' kernels.
         runtimes: the targets this scheme is meant for (``None``: every target of its dtype).
         gptq_bounds: the bounds of an artifact whose body carries GPTQ codes (its manifest says
             ``rounding: gptq``), where they were measured apart from the plain rounding's;
@@ -244,6 +251,7 @@ class Scheme:
     rounding: str = setting_default("rounding")
     head_activations: str = setting_default("head_activations")
     rotate_residual: bool = setting_default("rotate_residual")
+    genai_group_size: int = setting_default("genai_group_size")
     fold_at_load: bool = False
     runtimes: tuple[str, ...] | None = None
     gptq_bounds: QuantizedBounds | None = None

@@ -122,9 +122,23 @@ def test_the_manifest_record_of_a_scheme_comes_from_the_settings():
 
     plain = get_scheme("int8").with_settings(head_activations="float32")
     assert set(plain.settings()) == {"name", "dtype"} | {e.name for e in SETTINGS if e.always_recorded}
-    changed = get_scheme("int4").with_settings(pte_shared_table=True, rotate_residual=True, head_activations="int8")
+    changed = get_scheme("int4").with_settings(pte_shared_table=True, rotate_residual=True, head_activations="int8",
+                                               genai_group_size=64)
     record = changed.settings()
     assert set(record) == {"name", "dtype"} | {e.name for e in SETTINGS}
     assert record["int4_8bit_layers"] == list(changed.int4_8bit_layers) and record["pte_head_bits"] == changed.table_bits
     assert get_scheme("int8").with_settings(int4_8bit_layers=("v_proj",)).settings()["int4_8bit_layers"] == []
     assert get_scheme("float32").settings() == {"name": "float32", "dtype": "float32"}
+
+
+def test_a_genai_group_size_that_does_not_fit_the_model_is_refused_before_any_work():
+    """``genai_group_size`` is checked against the hidden size as ``group_size`` is, and names itself."""
+    from types import SimpleNamespace
+
+    from pit_deploy.errors import PitError
+    from pit_deploy.exporters.recipes import Recipe
+
+    config = SimpleNamespace(hidden_size=64, max_position_embeddings=512, model_type="llama")
+    Recipe(runtimes=("onnx-genai",), dtype=("int4",), genai_group_size=64).check_model(config)
+    with pytest.raises(PitError, match="genai_group_size 128 does not divide the hidden size 64"):
+        Recipe(runtimes=("onnx-genai",), dtype=("int4",), genai_group_size=128).check_model(config)

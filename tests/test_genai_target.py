@@ -4,6 +4,7 @@ commands (``pit-deploy export``/``verify``), and a family the builder lacks refu
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -89,6 +90,8 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
             if n.op_type == "MatMulNBits" and n.name.startswith("/model/layers.")}
     assert {n for n, b in bits.items() if b == 8} == {f"/model/layers.{i}/{p}/MatMul_Q8" for i in range(2)
                                                      for p in ("attn/v_proj", "mlp/down_proj")}
+    # GPTQ's codes are asymmetric: every body node reads the zero points they bring
+    assert all(len(n.input) > 3 and n.input[3] for n in decoder.graph.node if n.name in bits)
     assert art.details["builder_int8_layers"] == ["v_proj", "down_proj"]
     assert art.details["factorized"]["table_byte_ranges"] == 1  # the 8-bit table, once
     # the table holds Z R: the head's factor is T R (an orthogonal turn of T: about the same T Tᵀ,
@@ -130,6 +133,33 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(rows_path.read_text())["rows"]
     assert len(rows) == 2 and all(r["first_divergence"] is None and "pit_deploy" not in r["imported"] for r in rows)
+
+
+def test_genai_group_size_sets_the_genai_blocks_and_leaves_the_other_targets_at_group_size(tmp_path, capsys):
+    """``--genai-group-size 64``: the onnx-genai folder's body (GPTQ codes with zero points) and
+    token table in blocks of 64, recorded so in its manifest entry and verified; the ``onnx``
+    artifact of the same export keeps ``group_size`` (32)."""
+    import onnx
+
+    out = tmp_path / "exp"
+    assert main(["export", str(_source(tmp_path, "llama")), "--out", str(out), "--runtime", "onnx-genai,onnx",
+                 "--mode", "factorized", "--dtype", "int4", "--genai-group-size", "64"]) == 0
+    arts = {a.target: a for a in Manifest.read(out).artifacts}
+    assert arts["onnx-genai"].details["scheme"]["group_size"] == 64
+    assert arts["onnx-genai"].details["scheme"]["genai_group_size"] == 64
+    assert arts["onnx"].details["scheme"]["group_size"] == 32
+    for target, block in (("onnx-genai", 64), ("onnx", 32)):
+        graph = out / arts[target].path / ("model.onnx" if target == "onnx-genai" else "onnx/model_q4.onnx")
+        decoder = onnx.load(str(graph), load_external_data=False)
+        blocks = {next(a.i for a in n.attribute if a.name == "block_size") for n in decoder.graph.node
+                  if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+        assert blocks == {block}, (target, blocks)
+    genai = onnx.load(str(out / arts["onnx-genai"].path / "model.onnx"), load_external_data=False)
+    assert all(len(n.input) > 3 and n.input[3] for n in genai.graph.node
+               if n.op_type == "MatMulNBits" and n.name.startswith("/model/layers."))
+    for result in _verify(out, capsys)["artifacts"]:
+        assert result["passed"], result["failures"]
+        assert result["interface_exact"] is True and result["delta_ti"] <= 1e-4
 
 
 def test_a_corrupted_decoder_weight_fails_verify(tmp_path, capsys):
@@ -214,25 +244,34 @@ def test_quantized_folders_record_their_expected_error_and_a_scrambled_body_fail
 
 
 def _builder_weight(node, inits) -> "np.ndarray":
-    """A builder ``MatMulNBits``'s weight as onnxruntime computes it: ``(code − 2^(b−1)) · scale``,
-    rows = output channels (symmetric blocks carry no zero points)."""
+    """A body ``MatMulNBits``'s weight as onnxruntime computes it, rows = output channels: the
+    node alone (its attributes, codes, scales and zero points if any) in a session of its own,
+    fed the identity. Every row of the identity is exact on the int8 kernel's per-block grid, so
+    the output is the weight the kernel reads, not one rounded by this helper's own reading."""
     import numpy as np
-    from onnx import numpy_helper
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
 
     attrs = {a.name: a.i for a in node.attribute}
-    bits, block, n = attrs["bits"], attrs["block_size"], attrs["N"]
-    packed = numpy_helper.to_array(inits[node.input[1]]).reshape(n, -1)
-    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1) if bits == 4 else packed
-    scales = numpy_helper.to_array(inits[node.input[2]]).reshape(n, -1)
-    q = codes.astype(np.float32).reshape(n, scales.shape[1], block) - 2 ** (bits - 1)
-    return (q * scales[..., None]).reshape(n, -1)
+    k = attrs["K"]
+    single = helper.make_node("MatMulNBits", ["x", *node.input[1:]], ["y"], domain="com.microsoft",
+                              **{a.name: helper.get_attribute_value(a) for a in node.attribute})
+    graph = helper.make_graph([single], "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, attrs["N"]])],
+                              [inits[name] for name in node.input[1:] if name])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": np.eye(k, dtype=np.float32)})[0].T
 
 
-def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
+def test_calibrated_codes_replace_the_builders_rounding_exactly(symmetric, tmp_path):
     """The codes of a calibrated model, written into a folder the builder rounded by itself,
-    dequantize on onnxruntime's arithmetic to exactly the calibrated weights (4- and 8-bit
-    nodes alike), where the builder's own rounding did not; a body node without codes is an
-    internal error, not a silently twice-rounded linear."""
+    are the weights onnxruntime's kernels compute with (4- and 8-bit nodes alike; symmetric codes
+    on the builder's layout, asymmetric ones with the zero points they bring), where the
+    builder's own rounding was not; a body node without codes is an internal error, not a
+    silently twice-rounded linear, and so are codes on another block size than the node's."""
     import numpy as np
     import onnx
     import torch
@@ -248,14 +287,19 @@ def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
     folder = out / Manifest.read(out).artifacts[0].path
     model = tiny_pit_model("llama")
     eight = ("v_proj", "down_proj")  # the int4 scheme's 8-bit linears, as the builder was asked
-    codes = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in name:
-            grid = RoundingGrid(8 if name.endswith(eight) else 4, 32, symmetric=True)
-            # weights scaled column by column: codes the builder's rounding of the source never gives
-            codes[name] = round_to_nearest(module.weight.detach() * torch.linspace(0.5, 2.0, module.weight.shape[1]),
-                                           grid)
 
+    def rounded(group: int) -> dict:
+        codes = {}
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                grid = RoundingGrid(8 if name.endswith(eight) else 4, group, symmetric=symmetric)
+                # weights scaled column by column: codes the builder's rounding of the source never gives
+                weight = module.weight.detach() * torch.linspace(0.5, 2.0, module.weight.shape[1])
+                codes[name] = round_to_nearest(weight, grid)
+        return codes
+
+    codes = rounded(32)
+    assert symmetric or any(bool((r.zeros != 0).any()) for r in codes.values())
     decoder = onnx.load(str(folder / DECODER_NAME), load_external_data=True)
 
     def body() -> dict[str, np.ndarray]:
@@ -269,12 +313,15 @@ def test_calibrated_codes_replace_the_builders_rounding_exactly(tmp_path):
         return codes[f"model.layers.{layer}.{parent}.{proj}"].dequantize().numpy()
 
     before = body()
-    assert len(before) == 14 and not all(np.array_equal(w, expected(n)) for n, w in before.items())
+    assert len(before) == 14 and not all(np.allclose(w, expected(n), rtol=1e-6, atol=1e-7) for n, w in before.items())
+    with pytest.raises(RuntimeError, match="in blocks of 16"):
+        write_calibrated_body(copy.deepcopy(decoder), rounded(16))
+    with pytest.raises(RuntimeError, match="no calibrated codes"):
+        write_calibrated_body(copy.deepcopy(decoder), {k: v for k, v in codes.items()
+                                                       if k != "model.layers.1.mlp.up_proj"})
     assert write_calibrated_body(decoder, codes) == 14
     after = body()
     assert {n for n in after if n.endswith("_Q8")} == {n for n in before if n.endswith("_Q8")}
     for node, weight in after.items():
-        assert np.array_equal(weight, expected(node)), node
-    codes.pop("model.layers.1.mlp.up_proj")
-    with pytest.raises(RuntimeError, match="no calibrated codes"):
-        write_calibrated_body(decoder, codes)
+        # the int8 kernel's own float32 product of the two scales: a few ulps
+        np.testing.assert_allclose(weight, expected(node), rtol=1e-6, atol=1e-7, err_msg=node)

@@ -470,6 +470,7 @@ def test_recipe_bounds_override_the_builtin_ones(quantized_export, tmp_path, cap
     (["--runtime", "onnx", "--dtype", "int3"], "unknown dtype 'int3'"),
     (["--runtime", "onnx", "--dtype", "int4", "--group-size", "48"], "group_size must be one of"),
     (["--runtime", "onnx", "--dtype", "int4", "--group-size", "128"], "does not divide the hidden size 64"),
+    (["--runtime", "onnx", "--dtype", "int4", "--genai-group-size", "64"], "genai_group_size"),
 ])
 def test_bad_quantization_input_is_exit_2(tmp_path, capsys, argv, needle):
     src = _pit_dir("llama", tmp_path)

@@ -139,6 +139,7 @@ def export_model(
                     if scheme.rotate_residual and (why := rotation_blocker(prepared)) is not None:
                         say(f"  {name}: the residual stream is not rotated: {why}")
                         scheme = scheme.with_settings(rotate_residual=False)
+                    scheme = target.scheme_for(scheme)
                     start = time.perf_counter()
                     grid = target.weight_grid(scheme, mode)
                     body = calibration.rotated(prepared, mode) if scheme.rotate_residual else prepared

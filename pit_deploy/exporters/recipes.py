@@ -93,6 +93,7 @@ class Recipe:
     rounding: str | None = setting_override("rounding")
     head_activations: str | None = setting_override("head_activations")
     rotate_residual: bool | None = setting_override("rotate_residual")
+    genai_group_size: int | None = setting_override("genai_group_size")
     bounds: dict[str, dict[str, Any]] = opt({}, cli=False)
 
     def __post_init__(self) -> None:
@@ -187,9 +188,10 @@ class Recipe:
 
         d = int(config.hidden_size)
         for scheme in self.schemes():
-            if scheme.quantized and d % scheme.group_size:
-                raise PitError(f"group size {scheme.group_size} does not divide the hidden size {d}; "
-                               f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
+            for what, size in (("group size", scheme.group_size), ("genai_group_size", scheme.genai_group_size)):
+                if scheme.quantized and size and d % size:
+                    raise PitError(f"{what} {size} does not divide the hidden size {d}; "
+                                   f"choose one of {', '.join(str(g) for g in GROUP_SIZES if d % g == 0) or 'none'}")
         static = [r for r in (target_names() if self.runtimes == (ALL,) else self.runtimes) if get_target(r).static_cache]
         limit = max_positions(config)
         what = f" (the static KV cache of {', '.join(static)})" if static else ""

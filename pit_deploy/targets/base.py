@@ -227,6 +227,12 @@ class Target:
         details recorded in the manifest. Quantization to ``kwargs["scheme"]`` is the exporter's."""
         return resolve(self.exporter)(model, out_dir, **kwargs)
 
+    def scheme_for(self, scheme: Any) -> Any:
+        """The scheme this target's artifact is made with, given the export's ``scheme``: the
+        same one unless a setting of this target's own (``genai_group_size``) replaces a shared
+        one for it. Calibration, the expected error and the manifest all see what this returns."""
+        return scheme
+
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid | None:
         """How this target's exporter rounds a quantized artifact's weights (``scheme``: a
         :class:`~pit_deploy.schemes.Scheme`), for the expected error the export records; ``None``

@@ -138,19 +138,29 @@ class OnnxGenaiTarget(Target):
     #: the builder quantizes the body with the scheme's block size and keeps the scheme's 8-bit
     #: layers through its int8 overrides; the token table of a factorized artifact is quantized
     #: like the ``onnx`` target's (table bits, PIT correction)
-    scheme_settings = Target.scheme_settings + ("rounding", "head_activations")
+    scheme_settings = Target.scheme_settings + ("rounding", "head_activations", "genai_group_size")
+
+    def scheme_for(self, scheme: Any) -> Any:
+        """``genai_group_size``, where set, is this target's ``group_size``."""
+        if scheme.quantized and scheme.genai_group_size:
+            return scheme.with_settings(group_size=scheme.genai_group_size)
+        return scheme
 
     def weight_grid(self, scheme: Any, mode: str) -> WeightGrid:
-        """The builder's body: onnxruntime's symmetric ``MatMulNBits`` blocks of ``group_size``
-        (8-bit overrides too; with ``rounding = "gptq"`` the codes are the calibrated model's,
-        :func:`pit_deploy.targets.onnx_genai.export.write_calibrated_body`). Factorized: our token table,
-        asymmetric at ``table_bits`` as on the ``onnx`` target. Materialized: the builder rounds
-        the head like the body and keeps the embedding float32."""
+        """The body's ``MatMulNBits`` in blocks of ``group_size`` (8-bit overrides too): with
+        ``rounding = "rtn"`` the builder's own, symmetric; with ``gptq`` the calibrated model's
+        codes, asymmetric with integer zero points
+        (:func:`pit_deploy.targets.onnx_genai.export.write_calibrated_body`), which onnxruntime's
+        int8-activation kernel reads at the symmetric blocks' speed and which round 18 % closer
+        (``studies/onnx-genai-int4.md``). Factorized: our token table, asymmetric at
+        ``table_bits`` as on the ``onnx`` target. Materialized: the builder rounds the head
+        symmetrically and keeps the embedding float32."""
+        body_symmetric = scheme.rounding != "gptq"
         if mode == "factorized":
-            return WeightGrid(symmetric=True, per_channel_8bit=False, head_bits=scheme.table_bits,
+            return WeightGrid(symmetric=body_symmetric, per_channel_8bit=False, head_bits=scheme.table_bits,
                               embed_bits=scheme.table_bits, full_range=True, table_symmetric=False)
-        return WeightGrid(symmetric=True, per_channel_8bit=False, head_bits=8 if scheme.dtype == "int8" else 4,
-                          embed_bits=0, full_range=True)
+        return WeightGrid(symmetric=body_symmetric, per_channel_8bit=False, head_bits=8 if scheme.dtype == "int8" else 4,
+                          embed_bits=0, full_range=True, table_symmetric=True)
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse, before any slow work (calibration, GPTQ): a missing builder, a family it cannot

@@ -8,8 +8,9 @@ reads. We give it a plain Hugging Face checkpoint in a temporary directory and k
 
 * **materialized** — the builder reads ``E = Z T⁻¹`` and ``W_out = T Zᵀ`` as ordinary weights.
 * **quantized** — the builder writes the body's ``MatMulNBits`` (symmetric blocks); for a scheme
-  that rounds by GPTQ the pipeline hands over a calibrated model, whose codes replace the
-  builder's own rounding node by node (:func:`write_calibrated_body`).
+  that rounds by GPTQ the pipeline hands over a calibrated model, whose codes (asymmetric, with
+  integer zero points) replace the builder's own rounding node by node
+  (:func:`write_calibrated_body`).
 * **factorized** — the builder reads the same materialized checkpoint, then the token interface
   of its graph is rewritten (:func:`factorize_graph`): the embedding ``Gather`` becomes
   ``Gather(Zᵀ, ids, axis=1) → Transpose → MatMul(M)`` with ``M = T⁻¹`` and the head ``MatMul``
@@ -321,30 +322,41 @@ _BODY_NODE = re.compile(r"/model/layers\.(\d+)/(?:attn|mlp)/(\w+)/MatMul_Q\d+")
 _BODY_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 
-def _builder_blocks(rounded: list[Any], bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(packed codes, scales)`` of a builder ``MatMulNBits`` that stacks ``rounded`` (the
-    calibrated linears it computes, output rows in order): the builder writes symmetric blocks
-    without zero points, so onnxruntime subtracts its default ``2^(b−1)`` and a code ``q`` of
-    the symmetric grid is stored as ``q + 2^(b−1)`` (4-bit ones two a byte, low nibble first).
+def _builder_blocks(rounded: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+    """``(packed codes, scales, packed zero points or None, bits, block)`` of a ``MatMulNBits``
+    that stacks ``rounded`` (the calibrated linears it computes, output rows in order), in
+    onnxruntime's layout: codes ``(N, K/block, block·bits/8)`` (4-bit ones two a byte, low
+    nibble first), scales ``(N, K/block)``, zero points ``(N, ⌈K/block·bits/8⌉)`` packed the
+    same way. A symmetric grid has no zero points: onnxruntime subtracts its default
+    ``2^(b−1)``, so a code ``q`` is stored as ``q + 2^(b−1)``.
 
     Raises:
-        RuntimeError: codes on another grid than the node's (an internal error: the pipeline
-            calibrates on the target's own grid).
+        RuntimeError: parts on different grids, or codes outside the grid (internal errors: the
+            pipeline calibrates every linear of a node on the target's one grid).
     """
-    for r in rounded:
-        group = r.codes.shape[1] // r.scales.shape[1]
-        if r.grid.bits != bits or not r.grid.symmetric or group != block:
-            raise RuntimeError(f"calibrated codes on a {r.grid} grid (group {group}) for a {bits}-bit MatMulNBits "
-                               f"in blocks of {block}")
-    codes = torch.cat([r.codes for r in rounded]).numpy().astype(np.int32) + 2 ** (bits - 1)
+    grids = {(r.grid, r.codes.shape[1] // r.scales.shape[1]) for r in rounded}
+    if len(grids) != 1:
+        raise RuntimeError(f"one MatMulNBits stacks linears on different grids: {sorted(map(str, grids))}")
+    (grid, block), = grids
+    bits = grid.bits
+    offset = 2 ** (bits - 1) if grid.symmetric else 0
+    codes = torch.cat([r.codes for r in rounded]).numpy().astype(np.int32) + offset
     if codes.min() < 0 or codes.max() >= 2 ** bits:
         raise RuntimeError(f"calibrated codes outside the {bits}-bit range")
+
+    def pack(values: np.ndarray) -> np.ndarray:
+        values = values.astype(np.uint8)
+        if bits == 4:
+            if values.shape[-1] % 2:
+                values = np.concatenate([values, np.zeros(values.shape[:-1] + (1,), np.uint8)], axis=-1)
+            values = values[..., 0::2] | (values[..., 1::2] << 4)
+        return np.ascontiguousarray(values)
+
     n, k = codes.shape
-    packed = codes.astype(np.uint8).reshape(n, k // block, block)
-    if bits == 4:
-        packed = packed[..., 0::2] | (packed[..., 1::2] << 4)
-    scales = torch.cat([r.scales for r in rounded]).numpy().astype(np.float32)
-    return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+    packed = pack(codes.reshape(n, k // block, block))
+    scales = np.ascontiguousarray(torch.cat([r.scales for r in rounded]).numpy().astype(np.float32))
+    zeros = None if grid.symmetric else pack(torch.cat([r.zeros for r in rounded]).numpy().astype(np.int32))
+    return packed, scales, zeros, bits, block
 
 
 def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
@@ -357,11 +369,14 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
     to nearest on its own grid (the scale from each block's largest weight), which moves the
     codes of any block whose largest weight GPTQ left off the grid's end; writing the codes
     into its nodes keeps its graph (fusions, ``GroupQueryAttention``, ``accuracy_level``) and
-    makes the folder the exact twin of the calibrated model's weights.
+    makes the folder the exact twin of the calibrated model's weights. The codes bring their own
+    grid: each node takes their bits and block size, and zero points where they have them
+    (``MatMulNBits``' optional fourth input).
 
     Raises:
-        RuntimeError: a body node without codes, or codes without a node (internal errors:
-            either would leave a linear rounded twice or not as calibrated).
+        RuntimeError: a body node without codes, codes without a node, or codes whose shape is
+            not the node's (internal errors: each would leave a linear rounded twice, not as
+            calibrated, or wrong).
     """
     from onnx import numpy_helper
 
@@ -386,12 +401,23 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
         if len(node.input) > 3 and node.input[3]:
             raise RuntimeError(f"{node.name} has zero points; the builder was asked for symmetric blocks")
         attrs = {a.name: a.i for a in node.attribute}
-        packed, scales = _builder_blocks([by_linear[p] for p in parts], attrs["bits"], attrs["block_size"])
+        packed, scales, zeros, bits, block = _builder_blocks([by_linear[p] for p in parts])
+        if (bits, block) != (attrs["bits"], attrs["block_size"]):
+            raise RuntimeError(f"{node.name} is {attrs['bits']}-bit in blocks of {attrs['block_size']}, its "
+                               f"calibrated codes {bits}-bit in blocks of {block}")
         for name, array in ((node.input[1], packed), (node.input[2], scales)):
             old = inits[name]
             if array.size != int(np.prod(old.dims)):
                 raise RuntimeError(f"{node.name}: {name} holds {tuple(old.dims)}, the codes give {array.shape}")
             old.CopyFrom(numpy_helper.from_array(array.reshape(tuple(old.dims)), name))
+        if zeros is not None:
+            # one flat vector, as the scales the builder writes: N rows of ⌈blocks·bits/8⌉ bytes
+            name = f"{node.input[1]}.zero_points"
+            model.graph.initializer.append(numpy_helper.from_array(zeros.reshape(-1), name))
+            if len(node.input) > 3:
+                node.input[3] = name
+            else:
+                node.input.append(name)
         used.update(parts)
     if used != set(by_linear):
         raise RuntimeError(f"{len(set(by_linear) - used)} calibrated linears have no MatMulNBits in the builder's graph")
@@ -470,7 +496,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
     if calibrated:
         details["body_rounding"] = (f"GPTQ codes of {len(calibrated)} linears written into the builder's "
-                                    "MatMulNBits (symmetric, no zero points)")
+                                    "MatMulNBits (asymmetric, integer zero points)")
     if extra:
         details["builder_extra_options"] = extra
     if target:
@@ -586,10 +612,11 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
             # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
             init = next(i for i in model.graph.initializer if i.name == names["M"])
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) / (a * b), names["M"]))
-        # the body is the builder's (symmetric, its block size and accuracy level), not ours
+        # the body is the builder's graph (its block size and accuracy level): its own symmetric
+        # rounding, or the calibrated codes with their zero points
         quant.pop("body_8bit", None)
-        quant["body"] = (f"{'GPTQ codes in ' if codes else ''}the builder's MatMulNBits ({dtype}, symmetric, "
-                         f"block {group_size}, accuracy_level 4)")
+        quant["body"] = (f"{'GPTQ codes (asymmetric) in ' if codes else ''}the builder's MatMulNBits ({dtype}, "
+                         f"{'' if codes else 'symmetric, '}block {group_size}, accuracy_level 4)")
         quant_details = quant
     if dtype != "float32":
         (folder / BUILDER_DATA).unlink()
