@@ -210,8 +210,8 @@ def test_int8_layers_become_exact_builder_overrides():
 
 
 def test_quantized_folders_record_their_expected_error_and_a_scrambled_body_fails_the_scaled_bound(tmp_path, capsys):
-    """The builder's body grid (symmetric blocks, ``max|w|`` at 2^(b−1)) and our asymmetric table:
-    an honest int4 folder sits near its expected error; random bytes in every body
+    """The body's grid (int4's GPTQ codes with zero points, in the builder's blocks) and our
+    asymmetric table: an honest int4 folder sits near its expected error; random bytes in every body
     ``MatMulNBits`` weight (digests re-recorded) fail verify on the scaled bound."""
     import numpy as np
     import onnx
