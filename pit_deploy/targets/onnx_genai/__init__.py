@@ -151,7 +151,7 @@ class OnnxGenaiTarget(Target):
         ``rounding = "rtn"`` the builder's own, symmetric; with ``gptq`` the calibrated model's
         codes, asymmetric with integer zero points
         (:func:`pit_deploy.targets.onnx_genai.export.write_calibrated_body`), which onnxruntime's
-        int8-activation kernel reads at the symmetric blocks' speed and which round 18 % closer
+        int8-activation kernel reads at the symmetric blocks' speed and which round 19 % closer
         (``studies/onnx-genai-int4.md``). Factorized: our token table, asymmetric at
         ``table_bits`` as on the ``onnx`` target. Materialized: the builder rounds the head
         symmetrically and keeps the embedding float32."""

@@ -325,38 +325,37 @@ _BODY_LINEAR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 def _builder_blocks(rounded: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
     """``(packed codes, scales, packed zero points or None, bits, block)`` of a ``MatMulNBits``
     that stacks ``rounded`` (the calibrated linears it computes, output rows in order), in
-    onnxruntime's layout: codes ``(N, K/block, block·bits/8)`` (4-bit ones two a byte, low
-    nibble first), scales ``(N, K/block)``, zero points ``(N, ⌈K/block·bits/8⌉)`` packed the
-    same way. A symmetric grid has no zero points: onnxruntime subtracts its default
-    ``2^(b−1)``, so a code ``q`` is stored as ``q + 2^(b−1)``.
+    onnxruntime's layout. Asymmetric codes are laid out with their zero points as the ``onnx``
+    target lays out its own (:func:`~pit_deploy.exporters.onnx_tables.block_table_from_codes`).
+    A symmetric grid has none, as the builder writes it: onnxruntime subtracts its default
+    ``2^(b−1)``, so a code ``q`` is stored as ``q + 2^(b−1)`` (4-bit ones two a byte, low nibble
+    first).
 
     Raises:
         RuntimeError: parts on different grids, or codes outside the grid (internal errors: the
             pipeline calibrates every linear of a node on the target's one grid).
     """
+    from ...exporters.calibrated_rounding import RoundedWeight
+    from ...exporters.onnx_tables import block_table_from_codes
+
     grids = {(r.grid, r.codes.shape[1] // r.scales.shape[1]) for r in rounded}
     if len(grids) != 1:
         raise RuntimeError(f"one MatMulNBits stacks linears on different grids: {sorted(map(str, grids))}")
     (grid, block), = grids
     bits = grid.bits
-    offset = 2 ** (bits - 1) if grid.symmetric else 0
-    codes = torch.cat([r.codes for r in rounded]).numpy().astype(np.int32) + offset
+    stacked = RoundedWeight(*(torch.cat([getattr(r, f) for r in rounded]) for f in ("codes", "scales", "zeros")), grid)
+    codes = stacked.codes.numpy().astype(np.int32) + (2 ** (bits - 1) if grid.symmetric else 0)
     if codes.min() < 0 or codes.max() >= 2 ** bits:
         raise RuntimeError(f"calibrated codes outside the {bits}-bit range")
-
-    def pack(values: np.ndarray) -> np.ndarray:
-        values = values.astype(np.uint8)
-        if bits == 4:
-            if values.shape[-1] % 2:
-                values = np.concatenate([values, np.zeros(values.shape[:-1] + (1,), np.uint8)], axis=-1)
-            values = values[..., 0::2] | (values[..., 1::2] << 4)
-        return np.ascontiguousarray(values)
-
+    if not grid.symmetric:
+        table = block_table_from_codes(stacked)
+        return table.packed, table.scales, table.zero_points, bits, block
     n, k = codes.shape
-    packed = pack(codes.reshape(n, k // block, block))
-    scales = np.ascontiguousarray(torch.cat([r.scales for r in rounded]).numpy().astype(np.float32))
-    zeros = None if grid.symmetric else pack(torch.cat([r.zeros for r in rounded]).numpy().astype(np.int32))
-    return packed, scales, zeros, bits, block
+    packed = codes.astype(np.uint8).reshape(n, k // block, block)
+    if bits == 4:
+        packed = packed[..., 0::2] | (packed[..., 1::2] << 4)
+    scales = stacked.scales.numpy().astype(np.float32)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scales), None, bits, block
 
 
 def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
@@ -369,9 +368,9 @@ def write_calibrated_body(model: Any, codes: dict[str, Any]) -> int:
     to nearest on its own grid (the scale from each block's largest weight), which moves the
     codes of any block whose largest weight GPTQ left off the grid's end; writing the codes
     into its nodes keeps its graph (fusions, ``GroupQueryAttention``, ``accuracy_level``) and
-    makes the folder the exact twin of the calibrated model's weights. The codes bring their own
-    grid: each node takes their bits and block size, and zero points where they have them
-    (``MatMulNBits``' optional fourth input).
+    makes the folder the exact twin of the calibrated model's weights. Asymmetric codes bring
+    their zero points, which become the node's optional fourth input; their bits and block size
+    must be the node's.
 
     Raises:
         RuntimeError: a body node without codes, codes without a node, or codes whose shape is
