@@ -94,6 +94,46 @@ def test_checkpoint_stores_z_once(tiny, tmp_path) -> None:
     assert config["pit"]["family"] and config["tie_word_embeddings"] is False
 
 
+@pytest.mark.parametrize("edit", ["drop", "extra", "reshape", "truncate"])
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(edit: str, tmp_path) -> None:
+    """The loader reads tensor by tensor into the model; a tensor missing, extra, of another
+    shape, or cut short is still a PitError naming the file, never a half-filled model."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    convert_model(model)
+    save_model(model, tmp_path / "pit")
+    weights = tmp_path / "pit" / WEIGHTS_NAME
+    if edit == "truncate":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) - 4096])
+    else:
+        state = load_file(str(weights))
+        name = next(k for k in state if k.endswith("mlp.up_proj.weight"))
+        if edit == "drop":
+            del state[name]
+        elif edit == "extra":
+            state["model.extra.weight"] = torch.zeros(2)
+        else:
+            state[name] = state[name][:-1].contiguous()
+        save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(PitError, match=str(WEIGHTS_NAME)):
+        load_pit_model(tmp_path / "pit")
+
+
+def test_a_checkpoint_loads_every_tensor_as_saved(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    model = tiny_model("qwen3")
+    convert_model(model)
+    save_model(model, tmp_path / "pit")
+    saved = load_file(str(tmp_path / "pit" / WEIGHTS_NAME))
+    loaded = load_pit_model(tmp_path / "pit").state_dict()
+    assert set(saved) == set(loaded)
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert torch.equal(_logits(model), _logits(load_pit_model(tmp_path / "pit")))
+
+
 def test_materialized_checkpoint_loads_with_plain_transformers(tiny, tmp_path) -> None:
     convert_model(tiny, "output")
     plain = materialize_model(tiny)

@@ -364,6 +364,13 @@ def test_the_interface_defect_summed_by_parts_is_the_whole_tables_figure(monkeyp
     assert ort_driver.defect_in_parts(run, v, d) == whole
     monkeypatch.setattr(ort_driver, "INTERFACE_IDS", 37)
     assert ort_driver.defect_in_parts(run, v, d) == pytest.approx(whole, rel=1e-9)
+    # W_out a group of basis rows at a time (neither table whole): the same sums, row by row
+    import pit_deploy.model.quantized_interface as quantized_interface
+
+    monkeypatch.setattr(quantized_interface, "DEFECT_HEAD_ROWS", 24)
+    assert ort_driver.defect_in_parts(run, v, d) == pytest.approx(whole, rel=1e-9)
+    monkeypatch.setattr(ort_driver, "INTERFACE_IDS", 32)
+    assert ort_driver.defect_in_parts(run, v, d) == pytest.approx(whole, rel=1e-12)
     emb, head = ort_driver.interface_in_parts(run, v, d)
     with pytest.raises(ValueError, match="expected 0"):
         identity_defect_by_parts(head.numpy(), [(10, emb.numpy()[10:])])

@@ -591,8 +591,11 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
 def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
                     bounds: ParityBounds | None = None, driver=None) -> ArtifactResult:
     """Compare one fp32 artifact with the reference (see the module docstring) on ``driver``
-    (default: the runtime's own; :mod:`.verify_aarch64` passes its replay of the emulated run)."""
-    driver = driver or driver_class(art.target)(directory / art.path)
+    (default: the runtime's own, holding the weights once; :mod:`.verify_aarch64` passes its
+    replay of the emulated run)."""
+    if driver is None:
+        driver = driver_class(art.target)(directory / art.path)
+        driver.hold_weights_once()
     # the interface first: its two V×d tables are gone before the prefills grow the runtime's buffers
     delta, ref_delta, weights_shared, notes_if = _interface_figures(directory, art, driver, reference)
     vocab = art.shapes["vocab_size"]

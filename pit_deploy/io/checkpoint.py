@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedModel
 
 from ..errors import PitError
@@ -24,6 +24,7 @@ from ..model.modules import PIT_CONFIG_KEY
 from ..model.pit_model import empty_pit_model
 from .config_sizes import check_config_sizes
 from .fs import atomic_directory
+from .tensor_file import read_into
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -150,27 +151,28 @@ def load_pit_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
         raise PitError(f"{path} has no {WEIGHTS_NAME}; it is not a complete PIT checkpoint")
     config = load_config(path)
     model = empty_pit_model(config, dtype)
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise PitError(f"cannot read {weights}: {exc}; the file is corrupt or truncated") from None
-    missing, unexpected = _compare_keys(model, state)
-    if missing or unexpected:
-        raise PitError(
-            f"{weights} does not match its config: missing {missing[:3]}, unexpected "
-            f"{unexpected[:3]}; the checkpoint is incomplete or from another model"
-        )
     expected = model.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} (config says {tuple(expected[k].shape)})"
-             for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
-    if wrong:
-        raise PitError(f"{weights} does not match {path / 'config.json'}: {', '.join(wrong[:3])}; "
-                       "the config or the weights were edited or come from another model")
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
+    try:
+        # safe_open checks the header and the file's length; the bytes then go straight into the
+        # model's own storage (tensor_file): a second copy, or the file's pages mapped, would cost
+        # the model's size again (1 GB at a 262k-token vocabulary)
+        with safe_open(str(weights), framework="pt") as handle:
+            names = list(handle.keys())
+            missing, unexpected = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+            if missing or unexpected:
+                raise PitError(
+                    f"{weights} does not match its config: missing {missing[:3]}, unexpected "
+                    f"{unexpected[:3]}; the checkpoint is incomplete or from another model"
+                )
+            shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in names}
+            wrong = [f"{k} {shapes[k]} (config says {tuple(expected[k].shape)})"
+                     for k in names if shapes[k] != tuple(expected[k].shape)]
+            if wrong:
+                raise PitError(f"{weights} does not match {path / 'config.json'}: {', '.join(wrong[:3])}; "
+                               "the config or the weights were edited or come from another model")
+        with torch.no_grad():
+            read_into(weights, expected, names)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise PitError(f"cannot read {weights}: {exc}; the file is corrupt or truncated") from None
     model.eval()
     return model
-
-
-def _compare_keys(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> tuple[list, list]:
-    expected = set(model.state_dict())
-    return sorted(expected - set(state)), sorted(set(state) - expected)

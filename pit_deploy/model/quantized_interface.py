@@ -66,6 +66,12 @@ def identity_defect_by_parts(w_out: Any, parts: Iterable[tuple[int, Any]], e_sca
     Raises:
         ValueError: the parts do not cover ``0 … V`` in order.
     """
+    return _off_identity(_product_by_parts(w_out, parts, e_scale))
+
+
+def _product_by_parts(w_out: Any, parts: Iterable[tuple[int, Any]], e_scale: float = 1.0) -> Any:
+    """``W_out E`` in float64 (``(rows of W_out, d)``) summed over ``E``'s parts, as
+    :func:`identity_defect_by_parts` takes them."""
     total, expected = None, 0
     for start, rows in parts:
         if start != expected:
@@ -74,6 +80,29 @@ def identity_defect_by_parts(w_out: Any, parts: Iterable[tuple[int, Any]], e_sca
         total = cross_gram(w_out[:, start:expected].T, rows, e_scale, out=total)
     if expected != w_out.shape[1]:
         raise ValueError(f"the table's parts cover {expected} ids of {w_out.shape[1]}")
+    return total
+
+
+#: rows of ``W_out`` (basis vectors through the head) a runtime's ``delta_ti`` holds at a time:
+#: ``(128, V)`` float32 is 128 MiB at 262,144 tokens, where the whole ``(d, V)`` was 640 MiB
+DEFECT_HEAD_ROWS = 128
+
+
+def identity_defect_in_groups(head_rows: Callable[[slice], torch.Tensor],
+                              embedding_parts: Callable[[], Iterable[tuple[int, torch.Tensor]]],
+                              dim: int, group: int | None = None) -> float:
+    """:func:`identity_defect` of a runtime's interface with neither table ever whole:
+    ``head_rows(rows)`` gives the head's logits of those basis vectors (``(n, V)``, torch),
+    ``embedding_parts()`` a fresh pass over ``E``'s consecutive parts, and ``W_out E`` is summed
+    ``group`` rows (default :data:`DEFECT_HEAD_ROWS`) at a time, each group against a new pass
+    over ``E`` (the runtime embeds every id once per group). Where ``dim`` fits in one group it is
+    :func:`identity_defect_by_parts` of the whole ``W_out``, term for term; else the same sums row
+    by row, to float64 rounding."""
+    group = group or DEFECT_HEAD_ROWS
+    total = torch.empty(dim, dim, dtype=torch.float64)
+    for start in range(0, dim, group):
+        rows = slice(start, min(dim, start + group))
+        total[rows] = _product_by_parts(head_rows(rows), embedding_parts())
     return _off_identity(total)
 
 

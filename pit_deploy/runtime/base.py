@@ -62,6 +62,12 @@ class Driver(ABC):
         self.threads = threads
         self._decoder: Any = None
 
+    def hold_weights_once(self) -> None:
+        """Ask the runtime to keep one copy of the weights, at some cost in speed: what ``verify``
+        wants of a float32 artifact, whose weights are most of its memory (1 GB at a 262k-token
+        vocabulary) and whose figures do not depend on how a kernel lays its weights out. Called
+        before the first use; default: nothing to change."""
+
     def open_decoder(self) -> Any:
         """The runtime's decoder of the folder (a driver that runs one overrides this)."""
         raise NotImplementedError(f"{type(self).__name__} opens no decoder")

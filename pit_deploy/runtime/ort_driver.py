@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..model.quantized_interface import identity_defect_by_parts
+from ..model.quantized_interface import identity_defect_in_groups
 from .base import Driver, loading, numpy_step
 from .standalone import OrtDecoder, ort_session_options
 
@@ -38,11 +38,14 @@ def interface_in_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray,
 
 def defect_in_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int,
                     dim: int, hidden_dtype: type = np.float32) -> float:
-    """``delta_ti`` from the same runs as :func:`interface_in_parts` (so the same figure), the head's
-    logits first and then ``W_out E`` summed over each run's embeddings: ``E`` is never whole."""
-    head = torch.from_numpy(_head_logits(run, vocab, dim, hidden_dtype))  # torch, as interface() returns them
-    parts = ((start, torch.from_numpy(rows)) for start, rows in _embedding_parts(run, vocab, dim, hidden_dtype))
-    return identity_defect_by_parts(head, parts)
+    """``delta_ti`` from the same runs as :func:`interface_in_parts` (so the same figure): the head's
+    logits a group of basis rows at a time, each group's ``W_out E`` summed over the runs'
+    embeddings (:func:`~pit_deploy.model.quantized_interface.identity_defect_in_groups`), so that
+    neither ``E`` nor ``W_out`` is ever whole (640 MiB each at 262,144 tokens and d = 640)."""
+    return identity_defect_in_groups(
+        lambda rows: torch.from_numpy(_head_logits(run, vocab, dim, hidden_dtype, rows)),
+        lambda: ((start, torch.from_numpy(e)) for start, e in _embedding_parts(run, vocab, dim, hidden_dtype)),
+        dim)
 
 
 def _embedding_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int, dim: int,
@@ -54,13 +57,14 @@ def _embedding_parts(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
 
 
 def _head_logits(run: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], vocab: int, dim: int,
-                 hidden_dtype: type) -> np.ndarray:
-    """The head's logits of the ``dim`` basis vectors ``(dim, vocab)``, float32: :data:`INTERFACE_ROWS`
-    basis rows a run (beside one id)."""
-    logits = np.empty((dim, vocab), np.float32)
-    basis = np.eye(dim, dtype=hidden_dtype)
-    for start in range(0, dim, INTERFACE_ROWS):
-        stop = min(dim, start + INTERFACE_ROWS)
+                 hidden_dtype: type, rows: slice | None = None) -> np.ndarray:
+    """The head's logits of the basis vectors ``rows`` (default all ``dim``) ``(rows, vocab)``,
+    float32: :data:`INTERFACE_ROWS` basis rows a run (beside one id)."""
+    rows = rows or slice(0, dim)
+    logits = np.empty((rows.stop - rows.start, vocab), np.float32)
+    basis = np.eye(dim, dtype=hidden_dtype)[rows]
+    for start in range(0, len(basis), INTERFACE_ROWS):
+        stop = min(len(basis), start + INTERFACE_ROWS)
         logits[start:stop] = run(np.zeros(1, np.int64), basis[start:stop])[1]
     return logits
 
@@ -71,10 +75,20 @@ class OrtDriver(Driver):
 
     The decoder's session is opened on first use (:attr:`Driver.decoder`)."""
 
+    #: session config entries of every session this driver opens (:meth:`hold_weights_once`)
+    session_config: dict[str, str] = {}
+
+    def hold_weights_once(self) -> None:
+        """No pre-packing: onnxruntime otherwise keeps each float32 ``MatMul`` weight a second
+        time in its kernel's layout (measured on a 262k-token model: a session of 1.7 GB instead
+        of the external data file's pages). Float32 only: a ``MatMulNBits`` without its packed
+        weights would take another kernel than the one deployed."""
+        self.session_config = {**self.session_config, "session.disable_prepacking": "1"}
+
     def open_decoder(self) -> OrtDecoder:
         path = self.decoder_path()
         with loading(path, "onnxruntime"):
-            return OrtDecoder(path, self.threads)
+            return OrtDecoder(path, self.threads, self.session_config)
 
     def decoder_path(self) -> Path:
         """The folder's decoder graph."""
@@ -107,7 +121,7 @@ class OrtDriver(Driver):
         path = self.interface_path()
         with loading(path, "onnxruntime"):
             sess = ort.InferenceSession(
-                str(path), sess_options=ort_session_options(self.threads),
+                str(path), sess_options=ort_session_options(self.threads, self.session_config),
                 providers=["CPUExecutionProvider"],
             )
 

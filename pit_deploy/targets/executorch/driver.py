@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...model.quantized_interface import identity_defect_by_parts, table_parts
+from ...model.quantized_interface import identity_defect_in_groups, table_parts
 from ...runtime.base import Driver, loading
 from ...runtime.standalone import PteDecoder, load_pte_program
 from . import INTERFACE_HIDDEN_ROWS, INTERFACE_IDS, PTE_NAME
@@ -53,8 +53,11 @@ class ExecuTorchDriver(Driver):
         return emb, _head_logits(head, vocab, dim)
 
     def interface_defect(self, vocab: int, dim: int) -> float:
+        """``delta_ti`` a group of basis rows at a time against a new pass over the ids
+        (:func:`~pit_deploy.model.quantized_interface.identity_defect_in_groups`): neither table whole."""
         embed, head = self._interface_methods()
-        return identity_defect_by_parts(_head_logits(head, vocab, dim), _embedding_parts(embed, vocab, dim))
+        return identity_defect_in_groups(lambda rows: _head_logits(head, vocab, dim, rows),
+                                         lambda: _embedding_parts(embed, vocab, dim), dim)
 
     def _interface_methods(self) -> tuple[Any, Any]:
         """The program's ``embed`` and ``head`` methods."""
@@ -83,10 +86,11 @@ def _embedding_parts(embed: Any, vocab: int, dim: int) -> Iterator[tuple[int, to
     return table_parts(rows, vocab)
 
 
-def _head_logits(head: Any, vocab: int, dim: int) -> torch.Tensor:
-    """``head`` on the ``dim`` basis vectors ``(dim, vocab)``, ``INTERFACE_HIDDEN_ROWS`` rows a call."""
-    out = torch.empty(dim, vocab)
-    basis = torch.eye(dim, dtype=torch.float32)
-    for start, chunk in zip(range(0, dim, INTERFACE_HIDDEN_ROWS), basis.split(INTERFACE_HIDDEN_ROWS)):
+def _head_logits(head: Any, vocab: int, dim: int, rows: slice | None = None) -> torch.Tensor:
+    """``head`` on the basis vectors ``rows`` (default all ``dim``) ``(rows, vocab)``,
+    ``INTERFACE_HIDDEN_ROWS`` rows a call."""
+    basis = torch.eye(dim, dtype=torch.float32)[rows or slice(0, dim)]
+    out = torch.empty(len(basis), vocab)
+    for start, chunk in zip(range(0, len(basis), INTERFACE_HIDDEN_ROWS), basis.split(INTERFACE_HIDDEN_ROWS)):
         out[start:start + len(chunk)] = head.execute([chunk])[0]
     return out

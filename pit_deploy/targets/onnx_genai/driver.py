@@ -57,7 +57,7 @@ class GenaiDriver(OrtDriver):
 
         path = self.interface_path()
         with loading(path, "onnxruntime"):
-            sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads),
+            sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads, self.session_config),
                                         providers=["CPUExecutionProvider"])
         inputs = {i.name: i.type for i in sess.get_inputs()}
         outputs = {o.name for o in sess.get_outputs()}
