@@ -168,6 +168,8 @@ def share_interface_weights(decoder_path: Path, interface, min_elements: int) ->
     from onnx import numpy_helper
     from onnx.external_data_helper import ExternalDataInfo
 
+    from .interface_weights import range_digest
+
     decoder = onnx.load(str(decoder_path), load_external_data=False)
     folder = decoder_path.parent
     ranges: dict[str, dict[str, str]] = {}
@@ -175,14 +177,12 @@ def share_interface_weights(decoder_path: Path, interface, min_elements: int) ->
         if init.data_location == onnx.TensorProto.EXTERNAL:
             info = ExternalDataInfo(init)
             ranges[init.name] = {"location": info.location, "offset": str(info.offset), "length": str(info.length)}
-    data = (folder / data_name(decoder_path.name)).read_bytes() if ranges else b""
     by_digest: dict[tuple, dict[str, str]] = {}
-    for init in decoder.graph.initializer:
+    for init in decoder.graph.initializer:  # each range hashed from the file: never the whole file in memory
         if init.name in ranges:
             r = ranges[init.name]
-            chunk = data[int(r["offset"]) : int(r["offset"]) + int(r["length"])]
-            by_digest[(hashlib.sha256(chunk).hexdigest(), init.data_type, tuple(init.dims))] = r
-    del data
+            digest = range_digest(folder / r["location"], int(r["offset"]), int(r["length"]))
+            by_digest[(digest, init.data_type, tuple(init.dims))] = r
     shared = []
     for init in interface.graph.initializer:
         arr = numpy_helper.to_array(init)

@@ -37,11 +37,11 @@ def _initializer_digests(path: Path, min_elements: int) -> dict[str, tuple[str, 
         data = (folder / info.location).resolve()
         if not data.is_relative_to(folder):
             raise PitError(f"{path}: the initializer {init.name} points outside its folder ({info.location}); re-export")
-        out[init.name] = (_range_digest(data, info.offset or 0, info.length), tuple(init.dims))
+        out[init.name] = (range_digest(data, info.offset or 0, info.length), tuple(init.dims))
     return out
 
 
-def _range_digest(data: Path, offset: int, length: int | None, piece: int = 1 << 24) -> str:
+def range_digest(data: Path, offset: int, length: int | None, piece: int = 1 << 24) -> str:
     """sha256 of ``length`` bytes of ``data`` from ``offset`` (to its end when ``length`` is unset)."""
     digest = hashlib.sha256()
     with data.open("rb") as handle:
