@@ -45,6 +45,91 @@ def test_text_encodes_past_16_bits(converted):
 def test_onnx_fp32(converted, tmp_path):
     manifest = export_verify(converted, tmp_path / "x", "onnx", "--dtype", "float32")
     assert manifest["artifacts"][0]["target"] == "onnx"
+    _same_logits_without_the_arena(tmp_path / "x", manifest["artifacts"][0]["path"])
+
+
+def _same_logits_without_the_arena(directory: Path, path: str) -> None:
+    """A session without onnxruntime's CPU memory arena (what verify opens) changes memory, not
+    outputs: the logits of a prefill and of decode steps are bit-identical to a plain session's."""
+    import torch
+
+    from pit_deploy.evaluate.verify import runtime_logits
+    from pit_deploy.runtime.drivers import driver_class
+
+    prompt, fed = torch.tensor([5, 69_990, 123, 66_000]), torch.tensor([7, 69_999, 42])
+    runs = []
+    for lean in (False, True):
+        driver = driver_class("onnx")(directory / path)
+        if lean:
+            driver.free_buffers_between_runs()
+        runs.append(runtime_logits(driver, prompt, fed))
+        driver.close()
+        assert driver.arena is not lean
+    assert runs[0].shape == (7, VOCAB) and torch.isfinite(runs[0]).all()
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_logit_checks_taken_by_rows_are_the_whole_block_figures():
+    """verify's logit figures are computed a few rows at a time (a 262k-token row is 1 MiB, 2 in
+    float64); they are the figures of the whole block, NaN and infinities included."""
+    import torch
+
+    from pit_deploy.evaluate.bound_checks import finite_by_rows, max_abs_diff, rel_l2
+
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(37, 1000, generator=gen)
+    a = b + 1e-3 * torch.randn(37, 1000, generator=gen)
+    whole = float(torch.linalg.vector_norm((a - b).double()) / torch.linalg.vector_norm(b.double()))
+    assert rel_l2(a, b) == pytest.approx(whole, rel=1e-12)
+    assert rel_l2(a[0], b[0]) == pytest.approx(float(torch.linalg.vector_norm((a[0] - b[0]).double())
+                                                      / torch.linalg.vector_norm(b[0].double())), rel=1e-12)
+    assert max_abs_diff(a, b) == float((a.double() - b.double()).abs().max())
+    rows, count = finite_by_rows(a)
+    assert rows.shape == (37,) and bool(rows.all()) and count == 0
+    a[5, 3], a[30, 999], a[30, 0] = float("nan"), float("inf"), float("-inf")
+    rows, count = finite_by_rows(a)
+    assert count == 3 and rows.tolist() == [i not in (5, 30) for i in range(37)]
+    assert rel_l2(a, b) != rel_l2(a, b)  # NaN
+    assert max_abs_diff(a, b) != max_abs_diff(a, b)
+
+
+def test_the_reference_greedy_steps_compute_only_the_last_logits():
+    """The reference's greedy steps ask a model that takes ``logits_to_keep`` for the last
+    position only (its full pass over the sequence, which verify compares, stays whole), and
+    choose the same tokens as from every position's logits; a model without the argument still runs."""
+    import torch
+
+    from pit_deploy.evaluate.verify import reference_run
+
+    model = tiny_model("llama", vocab_size=VOCAB).eval()
+    rows = []
+    forward = model.forward
+
+    def spy(input_ids=None, logits_to_keep=0, **kwargs):
+        out = forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        rows.append(out.logits.shape[1])
+        return out
+
+    model.forward = spy
+    prompt = torch.tensor([3, 66_001, 69_000, 12])
+    greedy, logits = reference_run(model, prompt, 6)
+    assert rows == [1] * 6 + [9]
+    seq = prompt.clone()
+    for token in greedy.tolist():
+        with torch.no_grad():
+            assert int(forward(input_ids=seq[None]).logits[0, -1].argmax()) == token
+        seq = torch.cat([seq, torch.tensor([token])])
+    assert logits.shape == (9, VOCAB)
+
+    class Plain(torch.nn.Module):  # a forward without logits_to_keep
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids):
+            return forward(input_ids=input_ids)
+
+    assert torch.equal(reference_run(Plain(), prompt, 6)[0], greedy)
 
 
 @pytest.mark.full

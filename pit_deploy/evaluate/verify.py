@@ -38,6 +38,7 @@ from the artifact and compared with the reference on the target's grid (:mod:`.w
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -55,7 +56,7 @@ from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key,
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, ParityBounds, QuantizedBounds, bounds_for, registered, scheme_names
 from ..targets import VerifyContext, get_target, target_names
-from .bound_checks import agreement_failures, kl_failures, logit_failures, max_abs_diff, rel_l2
+from .bound_checks import agreement_failures, finite_by_rows, kl_failures, logit_failures, max_abs_diff, rel_l2
 
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
@@ -363,11 +364,14 @@ def make_prompts(tokenizer, vocab_size: int, max_prompt: int, seed: int = 0) -> 
 
 @torch.no_grad()
 def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy continuation ``R`` (no EOS stop) and logits of ``prompt + R[:-1]`` in one pass."""
+    """Greedy continuation ``R`` (no EOS stop) and logits of ``prompt + R[:-1]`` in one pass. Each
+    greedy step asks only for the last position's logits where the model takes ``logits_to_keep``
+    (every position's were 84 MiB a step at a 262,144-token vocabulary)."""
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     seq = prompt.clone()
     greedy = []
     for _ in range(new_tokens):
-        nxt = int(model(input_ids=seq[None]).logits[0, -1].argmax())
+        nxt = int(model(input_ids=seq[None], **last).logits[0, -1].argmax())
         greedy.append(nxt)
         seq = torch.cat([seq, torch.tensor([nxt])])
     full = torch.cat([prompt, torch.tensor(greedy[:-1], dtype=torch.long)])
@@ -375,6 +379,20 @@ def reference_run(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.T
     return torch.tensor(greedy, dtype=torch.long), logits
 
 
+
+
+def runtime_logits(driver, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """The runtime's float32 logits of ``prompt`` (one prefill) then of each token of ``fed``
+    (one decode step each), written into one tensor as they come: at a 262,144-token vocabulary a
+    list of steps, their stack and the joined block were 50 MiB each per prompt."""
+    pre = driver.prefill(prompt)
+    p = len(prompt)
+    out = torch.empty(p + len(fed), pre.shape[-1], dtype=torch.float32)
+    out[:p] = pre
+    del pre
+    for j, token in enumerate(fed.tolist()):
+        out[p + j] = driver.step(int(token), p + j)
+    return out
 
 
 def worst(values: Sequence[float]) -> float:
@@ -560,7 +578,9 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
             or any(not isinstance(t, int) or not 0 <= t < vocab for row in blocks for t in row)):
         raise PitError(f"{directory / MANIFEST_NAME}: the held-out ids are not token ids of this model "
                        "(tampered manifest?); re-export")
-    driver = driver or driver_class(art.target)(directory / art.path)
+    if driver is None:
+        driver = driver_class(art.target)(directory / art.path)
+        driver.free_buffers_between_runs()
     try:
         # the interface first: its two V×d tables are gone before the prefills grow the decoder's buffers
         delta, ref_delta, weights_shared, notes = _interface_figures(directory, art, driver, reference)
@@ -596,6 +616,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
     if driver is None:
         driver = driver_class(art.target)(directory / art.path)
         driver.hold_weights_once()
+        driver.free_buffers_between_runs()
     # the interface first: its two V×d tables are gone before the prefills grow the runtime's buffers
     delta, ref_delta, weights_shared, notes_if = _interface_figures(directory, art, driver, reference)
     vocab = art.shapes["vocab_size"]
@@ -624,21 +645,20 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
             if ref_runs is not None:
                 ref_runs[key] = (greedy, ref_logits)
         p = len(prompt)
-        pre = driver.prefill(prompt).float()
-        steps = [driver.step(int(greedy[j]), p + j).float() for j in range(n_new - 1)]
-        dec = torch.stack(steps) if steps else pre[:0]
-        got = torch.cat([pre, dec])
-        finite_rows = torch.isfinite(got).all(-1)
-        nonfinite += int((~torch.isfinite(got)).sum())
+        got = runtime_logits(driver, prompt, greedy[:-1])
+        pre, dec = got[:p], got[p:]
+        finite_rows, count = finite_by_rows(got)
+        nonfinite += count
         abs_errs.append(max_abs_diff(got, ref_logits))
         pre_errs.append(rel_l2(pre, ref_logits[:p]))
-        if steps:
+        if len(dec):
             dec_errs.append(rel_l2(dec, ref_logits[p:]))
         # a row with a NaN never agrees (argmax of an all-NaN row would agree with itself)
         agree += int(((got.argmax(-1) == ref_logits.argmax(-1)) & finite_rows).sum())
         total += got.shape[0]
         runtime_choice = got[p - 1 :].argmax(-1)
         greedy_ok &= bool(torch.equal(runtime_choice, greedy)) and bool(finite_rows[p - 1 :].all())
+        del got, pre, dec, ref_logits  # not beside the next prompt's runs
     driver.close()
     notes += notes_if
     if tokenizer is None:
@@ -772,11 +792,14 @@ def verify_export(
         emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai, ArtifactResult,  # set-up and selection
                                    full=full)                                             # checked here
     reference, tokenizer = load_reference(directory)
-    ref_runs: dict = {}
+    # the reference's logits of each prompt are kept for the next check only where there is one
+    # (at a 262,144-token vocabulary they are about 50 MiB a prompt)
+    reused = len(selected) * len(isas) > 1 or bool(web_clients)
+    ref_runs: dict | None = {} if reused else None
     overrides = (manifest.recipe or {}).get("bounds") or {}
+    cache: dict[str, Any] = {"heldout": manifest.heldout, **({"ref_runs": ref_runs} if reused else {})}
     ctx = VerifyContext(directory=directory, reference=reference, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
-                        greedy_tokens=GREEDY_TOKENS, cache={"ref_runs": ref_runs, "heldout": manifest.heldout},
-                        web_clients=web_clients, bound_overrides=overrides)
+                        greedy_tokens=GREEDY_TOKENS, cache=cache, web_clients=web_clients, bound_overrides=overrides)
 
     def check(art, driver=None) -> tuple[ArtifactResult, Any, bool]:
         bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)

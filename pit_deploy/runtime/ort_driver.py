@@ -7,7 +7,7 @@ graph. Each target names its own files (``onnx``: :mod:`pit_deploy.targets.onnx.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -77,6 +77,8 @@ class OrtDriver(Driver):
 
     #: session config entries of every session this driver opens (:meth:`hold_weights_once`)
     session_config: dict[str, str] = {}
+    #: whether its sessions keep onnxruntime's CPU memory arena (:meth:`free_buffers_between_runs`)
+    arena: bool = True
 
     def hold_weights_once(self) -> None:
         """No pre-packing: onnxruntime otherwise keeps each float32 ``MatMul`` weight a second
@@ -85,10 +87,18 @@ class OrtDriver(Driver):
         weights would take another kernel than the one deployed."""
         self.session_config = {**self.session_config, "session.disable_prepacking": "1"}
 
+    def free_buffers_between_runs(self) -> None:
+        """No CPU memory arena: the outputs are the same, and a run's buffers are freed when it ends."""
+        self.arena = False
+
+    def session_options(self) -> Any:
+        """The ``SessionOptions`` of every session this driver opens."""
+        return ort_session_options(self.threads, self.session_config, self.arena)
+
     def open_decoder(self) -> OrtDecoder:
         path = self.decoder_path()
         with loading(path, "onnxruntime"):
-            return OrtDecoder(path, self.threads, self.session_config)
+            return OrtDecoder(path, self.threads, self.session_config, self.arena)
 
     def decoder_path(self) -> Path:
         """The folder's decoder graph."""
@@ -121,7 +131,7 @@ class OrtDriver(Driver):
         path = self.interface_path()
         with loading(path, "onnxruntime"):
             sess = ort.InferenceSession(
-                str(path), sess_options=ort_session_options(self.threads, self.session_config),
+                str(path), sess_options=self.session_options(),
                 providers=["CPUExecutionProvider"],
             )
 

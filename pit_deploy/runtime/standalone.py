@@ -44,12 +44,14 @@ WATCHED_MODULES = ("pit_deploy", "transformers", "optimum", "torch")
 # --------------------------------------------------------------------------------------
 
 
-def ort_session_options(threads: int | None, config: dict[str, str] | None = None):
-    """``SessionOptions`` with ``threads`` intra-op threads (``None``: onnxruntime's default) and
-    the session ``config`` entries (e.g. ``{"mlas.disable_kleidiai": "1"}`` on aarch64)."""
+def ort_session_options(threads: int | None, config: dict[str, str] | None = None, arena: bool = True):
+    """``SessionOptions`` with ``threads`` intra-op threads (``None``: onnxruntime's default),
+    the session ``config`` entries (e.g. ``{"mlas.disable_kleidiai": "1"}`` on aarch64) and, with
+    ``arena=False``, no CPU memory arena (each run's buffers go back when it ends)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    opts.enable_cpu_mem_arena = arena
     if threads is not None:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -87,11 +89,12 @@ class OrtDecoder:
     its ``GroupQueryAttention`` derives positions from ``attention_mask``, the way genai feeds it;
     the cache's dimensions symbolic, read from its ``genai_config.json``)."""
 
-    def __init__(self, path: str | Path, threads: int | None = None, config: dict[str, str] | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None, config: dict[str, str] | None = None,
+                 arena: bool = True) -> None:
         import onnxruntime as ort
 
         self.session = ort.InferenceSession(str(path),
-                                            sess_options=ort_session_options(threads, config),
+                                            sess_options=ort_session_options(threads, config, arena),
                                             providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.has_positions = "position_ids" in inputs

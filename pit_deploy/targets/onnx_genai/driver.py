@@ -27,7 +27,6 @@ import torch
 from ...errors import PitError
 from ...runtime.base import loading
 from ...runtime.ort_driver import OrtDriver
-from ...runtime.standalone import ort_session_options
 from . import CONFIG_NAME, DECODER_NAME, INTERFACE_NAME
 
 __all__ = ["GenaiDriver", "check_generator", "shared_interface_weights"]
@@ -57,7 +56,7 @@ class GenaiDriver(OrtDriver):
 
         path = self.interface_path()
         with loading(path, "onnxruntime"):
-            sess = ort.InferenceSession(str(path), sess_options=ort_session_options(self.threads, self.session_config),
+            sess = ort.InferenceSession(str(path), sess_options=self.session_options(),
                                         providers=["CPUExecutionProvider"])
         inputs = {i.name: i.type for i in sess.get_inputs()}
         outputs = {o.name for o in sess.get_outputs()}
