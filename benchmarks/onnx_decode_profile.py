@@ -48,8 +48,8 @@ def profile(folder: str, threads: int, steps: int, prompt_len: int = 64) -> dict
     workdir = tempfile.mkdtemp(prefix="ort-profile-")
     plain = standalone.ort_session_options
 
-    def profiled(n: int | None, config: dict[str, str] | None = None):
-        opts = plain(n, config)
+    def profiled(*args, **kwargs):
+        opts = plain(*args, **kwargs)
         opts.enable_profiling = True
         opts.profile_file_prefix = os.path.join(workdir, "decode")
         return opts
