@@ -1,4 +1,4 @@
-"""The ``onnx`` target's check that the interface graph reads the decoder's own weight bytes,
+"""The ONNX targets' check that the interface graph reads the decoder's own weight bytes,
 hashed from the external-data file a byte range at a time."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pit_deploy.errors import PitError
 from pit_deploy.targets.onnx.interface_weights import shared_weights
+from pit_deploy.targets.onnx_genai.driver import shared_interface_weights
 
 
 def _graph(name: str, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -57,12 +58,21 @@ def test_an_interface_reading_the_decoders_byte_range_is_shared(tmp_path) -> Non
     assert ok, message
 
 
+@pytest.mark.parametrize("check", [shared_weights, shared_interface_weights], ids=["onnx", "onnx-genai"])
 @pytest.mark.parametrize("changed", [False, True])
-def test_an_inline_copy_is_compared_by_its_bytes(changed: bool, tmp_path) -> None:
+def test_an_inline_copy_is_compared_by_its_bytes(changed: bool, check, tmp_path, monkeypatch) -> None:
     weight = _table()
     if changed:
         weight[3, 3] += 1.0
-    ok, message = shared_weights(_folder(tmp_path, weight), min_elements=64)
+    folder = _folder(tmp_path, weight)
+    plain_load = onnx.load
+
+    def graph_only(path, *args, **kwargs):  # the data file is hashed in pieces, never loaded whole
+        assert kwargs.get("load_external_data") is False, "a graph was loaded with its external data"
+        return plain_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(onnx, "load", graph_only)
+    ok, message = check(folder, min_elements=64)
     assert ok is not changed, message
     if changed:
         assert "not found byte-identical" in message

@@ -67,12 +67,18 @@ def shared_weights(artifact_dir: Path, min_elements: int) -> tuple[bool, str]:
     Returns:
         ``(ok, message)``.
     """
-    probe = _initializer_digests(interface_file(artifact_dir), min_elements)
-    decoder = _initializer_digests(decoder_file(artifact_dir), min_elements)
-    have = {digest for digest, _ in decoder.values()}
+    return shared_between(interface_file(artifact_dir), decoder_file(artifact_dir), min_elements)
+
+
+def shared_between(interface: Path, decoder: Path, min_elements: int) -> tuple[bool, str]:
+    """Are the large weights of the graph ``interface`` byte-identical to some of ``decoder``'s?
+    (:func:`shared_weights` for any pair of files: the ``onnx-genai`` folder lays them out
+    differently.) Each weight's bytes are hashed where they lie, never loaded whole."""
+    probe = _initializer_digests(interface, min_elements)
+    have = {digest for digest, _ in _initializer_digests(decoder, min_elements).values()}
     missing = [f"{name}{shape}" for name, (digest, shape) in probe.items() if digest not in have]
     if not probe:
-        return False, "interface.onnx holds no interface weights to compare"
+        return False, f"{interface.name} holds no interface weights to compare"
     if missing:
         return False, f"interface weights not found byte-identical in the decoder: {missing}"
     return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"

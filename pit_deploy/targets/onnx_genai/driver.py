@@ -16,7 +16,6 @@ decoder's weight bytes (:func:`shared_interface_weights` checks that).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -82,27 +81,13 @@ def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str
     """Are ``interface.onnx``'s large initializers the decoder's very bytes?
 
     The exporter writes them as references into the decoder's external data file; here the
-    bytes each one reads are hashed and looked up among the decoder's initializers (so a
-    rewritten or re-pointed interface graph is caught, not just a renamed one).
+    bytes each one reads are hashed where they lie and looked up among the decoder's
+    initializers (so a rewritten or re-pointed interface graph is caught, not just a renamed
+    one), as for the ``onnx`` target's folders.
     """
-    import onnx
-    from onnx import numpy_helper
+    from ..onnx.interface_weights import shared_between
 
-    def digests(path: Path) -> dict[str, str]:
-        model = onnx.load(str(path), load_external_data=True)
-        out = {}
-        for init in model.graph.initializer:
-            if int(np.prod(init.dims)) >= min_elements:
-                out[init.name] = hashlib.sha256(numpy_helper.to_array(init).tobytes()).hexdigest()
-        return out
-
-    probe, decoder = digests(folder / INTERFACE_NAME), digests(folder / DECODER_NAME)
-    if not probe:
-        return False, "interface.onnx holds no interface weights to compare"
-    missing = [name for name, digest in probe.items() if digest not in set(decoder.values())]
-    if missing:
-        return False, f"interface.onnx weights not found byte-identical in model.onnx: {missing}"
-    return True, f"{len(probe)} interface weight(s) byte-identical to the decoder's"
+    return shared_between(folder / INTERFACE_NAME, folder / DECODER_NAME, min_elements)
 
 
 def _first_line(exc: Exception) -> str:
