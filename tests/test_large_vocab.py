@@ -42,10 +42,41 @@ def test_text_encodes_past_16_bits(converted):
     assert ids and min(i for i in ids if i > 2) > 65_535 and max(ids) < VOCAB
 
 
-def test_onnx_fp32(converted, tmp_path):
+def test_onnx_fp32(converted, tmp_path, monkeypatch):
     manifest = export_verify(converted, tmp_path / "x", "onnx", "--dtype", "float32")
     assert manifest["artifacts"][0]["target"] == "onnx"
     _same_logits_without_the_arena(tmp_path / "x", manifest["artifacts"][0]["path"])
+    _runtime_runs_without_the_reference(tmp_path / "x", monkeypatch)
+
+
+def _runtime_runs_without_the_reference(directory: Path, monkeypatch) -> None:
+    """verify computes the reference's runs first and lets the model go before the runtime
+    runs (at a 262k-token vocabulary, a second 1 GB model beside the runtime's); the runs are
+    kept for the next fp32 artifact, so the model is loaded once for all of them."""
+    import gc
+    import weakref
+
+    from pit_deploy.cli import main
+    from pit_deploy.evaluate import verify
+
+    loaded, measured = [], []
+    load, measure = verify.load_reference, verify.runtime_logits
+
+    def counted_load(path):
+        model, tokenizer = load(path)
+        loaded.append(weakref.ref(model))
+        return model, tokenizer
+
+    def measure_alone(*args):
+        gc.collect()
+        measured.append([ref() is not None for ref in loaded])
+        return measure(*args)
+
+    monkeypatch.setattr(verify, "load_reference", counted_load)
+    monkeypatch.setattr(verify, "runtime_logits", measure_alone)
+    assert main(["verify", str(directory), "--no-record"]) == 0
+    assert measured and not any(any(alive) for alive in measured), measured
+    assert len(loaded) == 1
 
 
 def _same_logits_without_the_arena(directory: Path, path: str) -> None:

@@ -38,6 +38,7 @@ from the artifact and compared with the reference on the target's grid (:mod:`.w
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import os
@@ -352,6 +353,38 @@ def load_reference(directory: Path):
     return model, maybe_tokenizer(ref_dir, True, False)
 
 
+class ReferenceModel:
+    """The export's PyTorch reference, held while a check needs it and let go (:meth:`release`)
+    while an fp32 runtime runs: that check computes the reference's side first, so at a
+    262,144-token vocabulary the runtime does not run beside a second 1 GB model. A later check
+    that needs the model loads it again (:meth:`get`); its ``delta_ti`` is computed once."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        # loaded now: a reference that cannot be used fails before any runtime work (exit 2)
+        self._model, self.tokenizer = load_reference(directory)
+        self._delta_ti: float | None = None
+
+    def get(self) -> Any:
+        """The reference model, loaded again if it was let go."""
+        if self._model is None:
+            self._model, _ = load_reference(self.directory)
+        return self._model
+
+    def delta_ti(self) -> float:
+        """The reference's own ``‖W_out E − I‖_F`` (float64)."""
+        from ..model.inspect import interface_delta_ti
+
+        if self._delta_ti is None:
+            self._delta_ti = interface_delta_ti(self.get())
+        return self._delta_ti
+
+    def release(self) -> None:
+        """Let the model go until a check asks for it again."""
+        self._model = None
+        gc.collect()
+
+
 def make_prompts(tokenizer, vocab_size: int, max_prompt: int, seed: int = 0) -> list[torch.Tensor]:
     """Tokenized :data:`TEXT_PROMPTS`, or seeded random ids when there is no tokenizer."""
     if tokenizer is not None:
@@ -403,15 +436,13 @@ def worst(values: Sequence[float]) -> float:
     return max(values, default=0.0)
 
 
-def _interface_figures(directory: Path, art, driver, reference) -> tuple[float, float, bool | None, list[str]]:
-    """``delta_ti`` measured on the runtime, the reference's, and the target's own interface
-    checks (ONNX: whether the interface graph reads the decoder's very weight bytes)."""
-    from ..model.inspect import interface_delta_ti
-
+def _interface_figures(directory: Path, art, driver) -> tuple[float, bool | None, list[str]]:
+    """``delta_ti`` measured on the runtime and the target's own interface checks (ONNX:
+    whether the interface graph reads the decoder's very weight bytes)."""
     vocab, dim = art.shapes["vocab_size"], art.shapes["hidden_size"]
     runtime_figure = driver.interface_defect(vocab, dim)
     weights_shared, notes = get_target(art.target).interface_checks(directory / art.path, dim)
-    return runtime_figure, interface_delta_ti(reference), weights_shared, list(notes)
+    return runtime_figure, weights_shared, list(notes)
 
 
 def expected_figures(directory: Path, art) -> dict[str, float] | None:
@@ -562,7 +593,7 @@ def weight_level_check(directory: Path, art, reference) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | None, bounds,
+def verify_quantized_artifact(directory: Path, art, reference: ReferenceModel, heldout: dict | None, bounds,
                               driver=None, recipe: dict | None = None) -> ArtifactResult:
     """KL parity of a quantized artifact on the manifest's held-out blocks (:mod:`pit_deploy.data.heldout`),
     and its weights read back on the target's grid (:mod:`.weight_check`); ``driver`` (default: the
@@ -583,13 +614,14 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
         driver.free_buffers_between_runs()
     try:
         # the interface first: its two V×d tables are gone before the prefills grow the decoder's buffers
-        delta, ref_delta, weights_shared, notes = _interface_figures(directory, art, driver, reference)
-        figures = kl_parity(driver, reference, blocks)
+        delta, weights_shared, notes = _interface_figures(directory, art, driver)
+        ref_delta = reference.delta_ti()
+        figures = kl_parity(driver, reference.get(), blocks)
     finally:
         driver.close()
     quant = art.details.get("quantization", {}) if isinstance(art.details, dict) else {}
     correction, exact = quant.get("pit_correction"), interface_exact_of(art, recipe)
-    weights = weight_level_check(directory, art, reference)
+    weights = weight_level_check(directory, art, reference.get())
     notes.append(f"held-out set: {len(blocks)} × {len(blocks[0])} tokens, {heldout.get('source', '?')}")
     expected = expected_figures(directory, art)
     if expected is None:
@@ -608,17 +640,12 @@ def verify_quantized_artifact(directory: Path, art, reference, heldout: dict | N
 
 
 @torch.no_grad()
-def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
+def verify_artifact(directory: Path, art, reference: ReferenceModel, tokenizer, ref_runs=None,
                     bounds: ParityBounds | None = None, driver=None) -> ArtifactResult:
     """Compare one fp32 artifact with the reference (see the module docstring) on ``driver``
     (default: the runtime's own, holding the weights once; :mod:`.verify_aarch64` passes its
-    replay of the emulated run)."""
-    if driver is None:
-        driver = driver_class(art.target)(directory / art.path)
-        driver.hold_weights_once()
-        driver.free_buffers_between_runs()
-    # the interface first: its two V×d tables are gone before the prefills grow the runtime's buffers
-    delta, ref_delta, weights_shared, notes_if = _interface_figures(directory, art, driver, reference)
+    replay of the emulated run). The reference's runs come first; the model is then let go
+    (:meth:`ReferenceModel.release`) and the runtime runs without it beside."""
     vocab = art.shapes["vocab_size"]
     max_seq = art.shapes.get("max_seq_len")
     max_prompt = (max_seq - GREEDY_TOKENS) if max_seq else 10**9
@@ -626,24 +653,37 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
     if max_prompt < 1:  # cache too short for prompt + 32 tokens: measure what fits, then fail
         max_prompt, n_new = 1, max(1, max_seq - 1)
     prompts = make_prompts(tokenizer, vocab, max_prompt)
+    runs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for i, prompt in enumerate(prompts):
+        key = (i, len(prompt), n_new)
+        if ref_runs is not None and key in ref_runs:
+            runs.append(ref_runs[key])
+            continue
+        greedy, ref_logits = reference_run(reference.get(), prompt, n_new)
+        if not torch.isfinite(ref_logits).all():
+            raise PitError(
+                f"the PyTorch reference in {directory / REFERENCE_DIR} produces non-finite logits; "
+                "the exported weights are unusable — re-export from a finite checkpoint"
+            )
+        if ref_runs is not None:
+            ref_runs[key] = (greedy, ref_logits)
+        runs.append((greedy, ref_logits))
+    ref_delta = reference.delta_ti()
+    reference.release()
+    if driver is None:
+        driver = driver_class(art.target)(directory / art.path)
+        driver.hold_weights_once()
+        driver.free_buffers_between_runs()
+    # the interface first: its two V×d tables are gone before the prefills grow the runtime's buffers
+    delta, weights_shared, notes_if = _interface_figures(directory, art, driver)
     abs_errs: list[float] = []
     pre_errs: list[float] = []
     dec_errs: list[float] = []
     agree, total, greedy_ok, nonfinite = 0, 0, True, 0
     notes = []
     for i, prompt in enumerate(prompts):
-        key = (i, len(prompt), n_new)
-        if ref_runs is not None and key in ref_runs:
-            greedy, ref_logits = ref_runs[key]
-        else:
-            greedy, ref_logits = reference_run(reference, prompt, n_new)
-            if not torch.isfinite(ref_logits).all():
-                raise PitError(
-                    f"the PyTorch reference in {directory / REFERENCE_DIR} produces non-finite logits; "
-                    "the exported weights are unusable — re-export from a finite checkpoint"
-                )
-            if ref_runs is not None:
-                ref_runs[key] = (greedy, ref_logits)
+        greedy, ref_logits = runs[i]
+        runs[i] = None  # not beside the next prompt's runs (unless ref_runs keeps them for another check)
         p = len(prompt)
         got = runtime_logits(driver, prompt, greedy[:-1])
         pre, dec = got[:p], got[p:]
@@ -658,7 +698,7 @@ def verify_artifact(directory: Path, art, reference, tokenizer, ref_runs=None,
         total += got.shape[0]
         runtime_choice = got[p - 1 :].argmax(-1)
         greedy_ok &= bool(torch.equal(runtime_choice, greedy)) and bool(finite_rows[p - 1 :].all())
-        del got, pre, dec, ref_logits  # not beside the next prompt's runs
+        del got, pre, dec, ref_logits
     driver.close()
     notes += notes_if
     if tokenizer is None:
@@ -791,14 +831,15 @@ def verify_export(
 
         emulation = EmulatedVerify(directory, selected, arm_cpu, kleidiai, ArtifactResult,  # set-up and selection
                                    full=full)                                             # checked here
-    reference, tokenizer = load_reference(directory)
+    reference = ReferenceModel(directory)
+    tokenizer = reference.tokenizer
     # the reference's logits of each prompt are kept for the next check only where there is one
     # (at a 262,144-token vocabulary they are about 50 MiB a prompt)
     reused = len(selected) * len(isas) > 1 or bool(web_clients)
     ref_runs: dict | None = {} if reused else None
     overrides = (manifest.recipe or {}).get("bounds") or {}
     cache: dict[str, Any] = {"heldout": manifest.heldout, **({"ref_runs": ref_runs} if reused else {})}
-    ctx = VerifyContext(directory=directory, reference=reference, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
+    ctx = VerifyContext(directory=directory, load_reference=reference.get, tokenizer=tokenizer, text_prompts=TEXT_PROMPTS,
                         greedy_tokens=GREEDY_TOKENS, cache=cache, web_clients=web_clients, bound_overrides=overrides)
 
     def check(art, driver=None) -> tuple[ArtifactResult, Any, bool]:
@@ -822,7 +863,7 @@ def verify_export(
         bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
         quantized = isinstance(bounds, QuantizedBounds)
         max_seq = art.shapes.get("max_seq_len")
-        return {"art": art, "reference": reference, "tokenizer": tokenizer, "heldout": manifest.heldout,
+        return {"art": art, "reference": reference.get(), "tokenizer": tokenizer, "heldout": manifest.heldout,
                 "bounds": bounds, "quantized": quantized,
                 "prompts": make_prompts(tokenizer, int(art.shapes["vocab_size"]), (max_seq or 10**9)),
                 "expected": expected_figures(directory, art) if quantized else None}

@@ -119,10 +119,13 @@ ONNXRUNTIME_AARCH64 = EmulatedEngine(
 class VerifyContext:
     """What a target's extra verification needs besides the artifact: the export directory,
     the PyTorch reference and its tokenizer, the verification prompts, and a cache shared by
-    every artifact of one ``verify`` run (e.g. reference texts computed once)."""
+    every artifact of one ``verify`` run (e.g. reference texts computed once).
+
+    The reference is loaded when an extra reads :attr:`reference` (``load_reference``, which
+    ``verify`` lets go of while a runtime runs): a check that never reads it never holds it."""
 
     directory: Path
-    reference: Any
+    load_reference: Callable[[], Any]
     tokenizer: Any
     text_prompts: tuple[str, ...]
     greedy_tokens: int
@@ -131,6 +134,11 @@ class VerifyContext:
     web_clients: tuple[str, ...] = ()
     #: the recipe's bound overrides by scheme (``bounds_for(scheme, overrides.get(scheme))``)
     bound_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reference(self) -> Any:
+        """The PyTorch reference model (loaded again if ``verify`` had let it go)."""
+        return self.load_reference()
 
 
 class Target:
