@@ -90,8 +90,14 @@ def onnx_stored(path: Path) -> list[Stored]:
         out.append(stored)
     for prefix, parts in planes.items():
         n = len(parts)
-        qz = sum(parts[k][0] * 16 ** (n - 1 - k) for k in sorted(parts))
-        scales, _, block = parts[0][1], parts[0][2], parts[0][3]
+        scales, block = parts[0][1], parts[0][3]
+        # Σ plane_k · 16^(n−1−k) in place, each plane let go once added: at a 262k-token
+        # vocabulary a plane's int16 codes are 335 MB, and a sum of products held three of them
+        order = sorted(parts)
+        qz = parts.pop(order[0])[0]
+        for k in order[1:]:
+            qz *= 16
+            qz += parts.pop(k)[0]
         stored = from_codes(prefix, qz, scales, 4 * n, block, qz.shape[1])
         readers = plane_readers.get(prefix, [])
         stored.places = tuple(dict.fromkeys(r.name for r in readers))
