@@ -168,7 +168,7 @@ def share_interface_weights(decoder_path: Path, interface, min_elements: int) ->
     from onnx import numpy_helper
     from onnx.external_data_helper import ExternalDataInfo
 
-    from .interface_weights import range_digest
+    from ...runtime.onnx_shared_weights import range_digest
 
     decoder = onnx.load(str(decoder_path), load_external_data=False)
     folder = decoder_path.parent

@@ -85,7 +85,7 @@ def shared_interface_weights(folder: Path, min_elements: int) -> tuple[bool, str
     initializers (so a rewritten or re-pointed interface graph is caught, not just a renamed
     one), as for the ``onnx`` target's folders.
     """
-    from ..onnx.interface_weights import shared_between
+    from ...runtime.onnx_shared_weights import shared_between
 
     return shared_between(folder / INTERFACE_NAME, folder / DECODER_NAME, min_elements)
 
