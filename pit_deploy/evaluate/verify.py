@@ -337,10 +337,16 @@ class VerifyReport:
 
 
 def load_reference(directory: Path):
-    """The reference model (a PIT checkpoint, or the plain tied model of a ``--keep-tying``
-    export) and its tokenizer (or ``None``)."""
+    """The reference model (:func:`load_reference_model`) and its tokenizer (or ``None``)."""
+    from ..io.sources import maybe_tokenizer
+
+    return load_reference_model(directory), maybe_tokenizer(directory / REFERENCE_DIR, True, False)
+
+
+def load_reference_model(directory: Path):
+    """The reference model: a PIT checkpoint, or the plain tied model of a ``--keep-tying`` export."""
     from ..io.checkpoint import is_pit_directory
-    from ..io.sources import maybe_tokenizer, load_source
+    from ..io.sources import load_source
 
     ref_dir = directory / REFERENCE_DIR
     if is_pit_directory(ref_dir):
@@ -348,16 +354,21 @@ def load_reference(directory: Path):
         from ..model.inspect import check_model_finite
 
         check_model_finite(model)  # a non-finite reference is unusable input (exit 2)
-    else:
-        model = load_source(str(ref_dir), with_tokenizer=False).model.eval()
-    return model, maybe_tokenizer(ref_dir, True, False)
+        return model
+    return load_source(str(ref_dir), with_tokenizer=False).model.eval()
+
+
+#: a reference model of at least this many bytes of weights is let go while an fp32 runtime
+#: runs; a smaller one is kept, since loading it again would cost more time than its memory is worth
+RELEASE_MIN_BYTES = 256 * 2**20
 
 
 class ReferenceModel:
     """The export's PyTorch reference, held while a check needs it and let go (:meth:`release`)
     while an fp32 runtime runs: that check computes the reference's side first, so at a
     262,144-token vocabulary the runtime does not run beside a second 1 GB model. A later check
-    that needs the model loads it again (:meth:`get`); its ``delta_ti`` is computed once."""
+    that needs the model loads it again (:meth:`get`, the model alone); its ``delta_ti`` is
+    computed once."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -368,7 +379,7 @@ class ReferenceModel:
     def get(self) -> Any:
         """The reference model, loaded again if it was let go."""
         if self._model is None:
-            self._model, _ = load_reference(self.directory)
+            self._model = load_reference_model(self.directory)
         return self._model
 
     def delta_ti(self) -> float:
@@ -380,7 +391,10 @@ class ReferenceModel:
         return self._delta_ti
 
     def release(self) -> None:
-        """Let the model go until a check asks for it again."""
+        """Let the model go until a check asks for it again (one of :data:`RELEASE_MIN_BYTES` or more)."""
+        if self._model is None or sum(t.numel() * t.element_size() for t in self._model.state_dict().values()) \
+                < RELEASE_MIN_BYTES:
+            return
         self._model = None
         gc.collect()
 
