@@ -60,7 +60,8 @@ def range_digest(data: Path, offset: int, length: int | None, piece: int = 1 << 
 
 def shared_between(interface: Path, decoder: Path, min_elements: int) -> tuple[bool, str]:
     """Are the large weights of the graph ``interface`` byte-identical to some of ``decoder``'s?
-    (both ONNX targets: their folders lay the two graphs out differently.) Each weight's bytes are hashed where they lie, never loaded whole."""
+    Both ONNX targets ask, with their own layouts of the two files; each weight's bytes are
+    hashed where they lie, never loaded whole."""
     probe = initializer_digests(interface, min_elements)
     have = {digest for digest, _ in initializer_digests(decoder, min_elements).values()}
     missing = [f"{name}{shape}" for name, (digest, shape) in probe.items() if digest not in have]
