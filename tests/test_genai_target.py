@@ -102,9 +102,13 @@ def test_factorized_int4_reads_one_quantized_table_and_keeps_the_identity(tmp_pa
 
     reference = load_pit_model(out / "reference")
     t = reference.get_input_embeddings().interface.transform().detach().double().numpy()
+    # the factor is stored as its 8-bit codes (k + 128, one scale a block), folded at load
     inits = {i.name: i for i in onnx.load(str(out / art.path / "model.onnx")).graph.initializer}
-    tr = numpy_helper.to_array(inits["pit.T"]).astype("float64")
+    assert "pit.T" not in inits and inits["pit.T.grid8"].data_type == onnx.TensorProto.UINT8
+    q, scales = (numpy_helper.to_array(inits[f"pit.T.{part}"]).astype("float64") for part in ("grid8", "scales"))
+    tr = ((q - 128) * scales).reshape(q.shape[0], -1)
     assert "Z R" in art.details["quantization"]["table_rotation"]
+    assert "folded" in art.details["quantization"]["head_factor"]
     assert abs(tr @ tr.T - t @ t.T).max() < 2e-2 * abs(t @ t.T).max() and abs(tr - t).max() > 1e-3 * abs(t).max()
     blocks = tr.reshape(tr.shape[0], -1, 32)
     codes = blocks / (abs(blocks).max(axis=2, keepdims=True) / 127)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PitError
-from .onnx_graph import Interface, consumers, initializers, producer, weight_digest
+from .onnx_graph import Interface, add_initializer, consumers, initializers, producer, weight_digest
 
 #: bits of each quantized dtype
 BITS = {"int8": 8, "int4": 4}
@@ -67,6 +67,68 @@ def block_quantize(rows: np.ndarray, bits: int, block: int) -> BlockTable:
         np.ascontiguousarray(rows.T.astype(np.float32))  # MatMulNBits quantizes B (K, N) per column
     )
     return BlockTable(packed, scales, zp, bits, block)
+
+
+def _zero_points(table: BlockTable) -> np.ndarray:
+    """The table's zero points as one uint8 per block ``(rows, blocks)`` (4-bit ones unpacked)."""
+    rows, blocks = table.scales.shape
+    zp = table.zero_points.reshape(rows, -1)
+    if table.bits == 4:
+        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(rows, -1)
+    return np.ascontiguousarray(zp[:, :blocks])
+
+
+def fold_nodes(graph, name: str, table: BlockTable, transpose: bool, codes_name: str | None = None) -> list:
+    """Initializers for ``table`` and the nodes that compute the float32 tensor ``name`` from
+    them: ``(q − zero point) · scale`` per block, reshaped to ``(rows, K)`` and transposed where
+    the original weight was ``(K, rows)`` (a ``MatMul``'s B). 4-bit codes stay two a byte and are
+    unpacked with ``BitShift``/``Sub``; 8-bit codes are cast as they are. Every input is an
+    initializer, so onnxruntime's constant folding computes ``name`` once, when the session is
+    created: the file holds the codes, the session the float32 tensor (the ``*-web`` schemes'
+    weights, :mod:`pit_deploy.targets.onnx.web_fold`, and the int8-activation head's factor,
+    :func:`rotate_table`). The values are :meth:`BlockTable.dequantize`'s, bit for bit: the same
+    float32 subtraction and product.
+
+    ``codes_name``: the codes' initializer (default ``{name}.q{bits}``, the name verify's weight
+    check reads a folded weight of the reference by)."""
+    from onnx import TensorProto, helper
+
+    rows, blocks = table.scales.shape
+    block = table.block
+
+    def node(op: str, inputs: list[str], out: str, **attrs: Any):
+        return helper.make_node(op, inputs, [out], name=out, **attrs)
+
+    # (rows, blocks, block · bits / 8)
+    data = add_initializer(graph, codes_name or f"{name}.q{table.bits}", table.packed)
+    scale = add_initializer(graph, f"{name}.scales", table.scales.reshape(rows, blocks, 1))
+    zero = add_initializer(graph, f"{name}.zero_points", _zero_points(table).reshape(rows, blocks, 1))
+    nodes = []
+    codes = data
+    if table.bits == 4:
+        four = add_initializer(graph, f"{name}.four", np.array(4, np.uint8))
+        last = add_initializer(graph, f"{name}.last_axis", np.array([-1], np.int64))
+        shape = add_initializer(graph, f"{name}.blocks_shape", np.array([rows, blocks, block], np.int64))
+        # hi = q >> 4, lo = q − (hi << 4): BitShift and Sub exist from opset 11 (BitwiseAnd only from 18)
+        nodes += [node("BitShift", [data, four], f"{name}.hi", direction="RIGHT"),
+                  node("BitShift", [f"{name}.hi", four], f"{name}.hi_up", direction="LEFT"),
+                  node("Sub", [data, f"{name}.hi_up"], f"{name}.lo"),
+                  node("Unsqueeze", [f"{name}.lo", last], f"{name}.lo1"),
+                  node("Unsqueeze", [f"{name}.hi", last], f"{name}.hi1"),
+                  node("Concat", [f"{name}.lo1", f"{name}.hi1"], f"{name}.pairs", axis=-1),  # low nibble first
+                  node("Reshape", [f"{name}.pairs", shape], f"{name}.codes")]
+        codes = f"{name}.codes"
+    full = add_initializer(graph, f"{name}.shape", np.array([rows, blocks * block], np.int64))
+    nodes += [node("Cast", [codes], f"{name}.codes_f", to=TensorProto.FLOAT),
+              node("Cast", [zero], f"{name}.zero_f", to=TensorProto.FLOAT),
+              node("Sub", [f"{name}.codes_f", f"{name}.zero_f"], f"{name}.centred"),
+              node("Mul", [f"{name}.centred", scale], f"{name}.blocks_f")]
+    if transpose:
+        nodes += [node("Reshape", [f"{name}.blocks_f", full], f"{name}.rows"),
+                  node("Transpose", [f"{name}.rows"], name, perm=[1, 0])]
+    else:
+        nodes.append(node("Reshape", [f"{name}.blocks_f", full], name))
+    return nodes
 
 
 def split_nibbles(table: BlockTable) -> tuple[BlockTable, BlockTable]:
@@ -176,10 +238,13 @@ def calibrated_table(graph, iface: Interface, bits: int, block: int, moments: np
     return table
 
 
-def int8_block_grid_rows(a: np.ndarray, block: int) -> np.ndarray:
+def int8_block_grid_table(a: np.ndarray, block: int) -> BlockTable:
     """``a`` (``n×d``) with each block of ``block`` entries of each row moved to the nearest point
     ``c · k`` (``k`` integers, ``max |k| = 127``) of the grid that ``MatMulNBits``' int8 activations
-    (``accuracy_level`` 4) represent exactly.
+    (``accuracy_level`` 4) represent exactly, as an 8-bit :class:`BlockTable` (codes ``k + 128``,
+    zero point 128, scale ``c``): its :meth:`~BlockTable.dequantize` is the snapped ``a`` in
+    float32, and a graph can store the rows as these codes (a quarter of the float32 bytes)
+    and fold them back to exactly those values when the session is created.
 
     onnxruntime's int8-activation kernel quantizes its input per block of ``block_size`` entries,
     symmetrically: scale ``max |x| / 127``, codes ``round(x / scale)``. With ``c`` that block's
@@ -192,12 +257,19 @@ def int8_block_grid_rows(a: np.ndarray, block: int) -> np.ndarray:
     if d % block:
         raise PitError(f"group size {block} does not divide the hidden size {d}")
     blocks = a.reshape(n, d // block, block)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    step = np.where(amax > 0, amax / 127, 1.0)  # a zero block stays zero
-    return (np.round(blocks / step) * step).reshape(n, d)
+    amax = np.abs(blocks).max(axis=2)
+    step = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)  # a zero block stays zero
+    codes = np.clip(np.round(blocks / step.astype(np.float64)[..., None]), -127, 127)
+    return BlockTable((codes + 128).astype(np.uint8), step, np.full((n, d // block), 128, np.uint8), 8, block)
 
 
-def rotate_table(graph, iface: Interface, int8_block: int | None = None, write_table: bool = True) -> bool:
+def int8_block_grid_rows(a: np.ndarray, block: int) -> np.ndarray:
+    """The rows of :func:`int8_block_grid_table` in float32: ``a`` on the int8 activations' grid."""
+    return int8_block_grid_table(a, block).dequantize()
+
+
+def rotate_table(graph, iface: Interface, int8_block: int | None = None,
+                 write_table: bool = True) -> tuple[bool, BlockTable | None]:
     """Turn a factorized graph's token table by ``R`` before it is quantized: the table's rows
     become ``Z R``, the head's factor ``T R`` and the embedding's ``Rᵀ T⁻¹`` (``R`` the
     randomized Hadamard matrix of :func:`.residual_rotation.rotation_matrix`), so that
@@ -226,8 +298,10 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None, write_t
     262k-token vocabulary, that the model's protobuf arena keeps until the graph is freed).
 
     Returns:
-        whether the table was turned: only a factorized graph whose table and factors no node
-        but the interface's reads (a graph where something else reads them keeps them as they are).
+        ``(turned, factor)``: whether the table was turned — only a factorized graph whose table
+        and factors no node but the interface's reads (a graph where something else reads them
+        keeps them as they are) — and, with ``int8_block``, ``S`` as 8-bit codes
+        (:func:`int8_block_grid_table`) that the caller may store instead of its float32 values.
     """
     import torch
     from onnx import numpy_helper
@@ -237,18 +311,18 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None, write_t
     from .residual_rotation import rotation_matrix
 
     if iface.t_name is None or iface.t_inv_name is None:
-        return False
+        return False, None
     inits = initializers(graph)
     table_names = {iface.gather.input[0], iface.head.input[1]}
     if not table_names <= set(inits):
-        return False
+        return False, None
     t_reader = producer(graph, iface.head.input[0])
     transpose = consumers(graph, iface.gather.output[0])
     t_inv_reader = consumers(graph, transpose[0].output[0]) if len(transpose) == 1 else []
     own = {id(iface.gather), id(iface.head), id(t_reader), *(id(n) for n in t_inv_reader)}
     for name in (*table_names, iface.t_name, iface.t_inv_name):
         if any(id(n) not in own for n in consumers(graph, name)):
-            return False
+            return False, None
     r = rotation_matrix(iface.head_rows.shape[1]).numpy()
 
     def put(name: str, value: np.ndarray) -> None:
@@ -256,9 +330,11 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None, write_t
 
     t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
     t_inv = numpy_helper.to_array(inits[iface.t_inv_name]).astype(np.float64)
+    factor = None
     if int8_block:
-        # S on the float32 grid it is stored with, so that the kernel reads the snapped rows
-        s = int8_block_grid_rows(t @ r, int8_block).astype(np.float32).astype(np.float64)
+        # S exactly as its codes give it in float32, so that the kernel reads the snapped rows
+        factor = int8_block_grid_table(t @ r, int8_block)
+        s = factor.dequantize().astype(np.float64)
         r = table_map(s, t)  # the table's map A: Z -> Z A = Z Tᵀ S⁻ᵀ (= R when S = T R)
         put(iface.t_name, s)
         put(iface.t_inv_name, np.linalg.solve(r, t_inv))  # A⁻¹ T⁻¹ = Sᵀ T⁻ᵀ T⁻¹
@@ -274,4 +350,4 @@ def rotate_table(graph, iface: Interface, int8_block: int | None = None, write_t
         put(iface.gather.input[0], iface.embed_rows.T)  # factorized: the gather reads Zᵀ (d, V) along axis 1
         if iface.head.input[1] != iface.gather.input[0]:
             put(iface.head.input[1], iface.head_rows.T)
-    return True
+    return True, factor

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from ...exporters.onnx_graph import (
-    add_initializer,
     find_graph_interface,
     gather_axis,
     gemm_to_matmul,
@@ -37,64 +36,11 @@ from ...exporters.onnx_graph import (
     layer_matmuls,
     remove_unused_initializers,
 )
-from ...exporters.onnx_tables import BITS, BlockTable, block_quantize
+from ...exporters.onnx_tables import BITS, BlockTable, block_quantize, fold_nodes
 from ...model.quantized_interface import correction_matrix
 
 STORAGE = ("codes and block scales in standard operators on initializers, folded to float32 by "
            "onnxruntime when the session is created (fp32 kernels at run time)")
-
-
-def _zero_points(table: BlockTable) -> np.ndarray:
-    """The table's zero points as one uint8 per block ``(rows, blocks)`` (4-bit ones unpacked)."""
-    rows, blocks = table.scales.shape
-    zp = table.zero_points.reshape(rows, -1)
-    if table.bits == 4:
-        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(rows, -1)
-    return np.ascontiguousarray(zp[:, :blocks])
-
-
-def fold_nodes(graph, name: str, table: BlockTable, transpose: bool) -> list:
-    """Initializers for ``table`` and the nodes that compute the float32 tensor ``name`` from
-    them: ``(q − zero point) · scale`` per block, reshaped to ``(rows, K)`` and transposed where
-    the original weight was ``(K, rows)`` (a ``MatMul``'s B). 4-bit codes stay two a byte and are
-    unpacked with ``BitShift``/``Sub``; 8-bit codes are cast as they are."""
-    from onnx import TensorProto, helper
-
-    rows, blocks = table.scales.shape
-    block = table.block
-
-    def node(op: str, inputs: list[str], out: str, **attrs: Any):
-        return helper.make_node(op, inputs, [out], name=out, **attrs)
-
-    data = add_initializer(graph, f"{name}.q{table.bits}", table.packed)  # (rows, blocks, block · bits / 8)
-    scale = add_initializer(graph, f"{name}.scales", table.scales.reshape(rows, blocks, 1))
-    zero = add_initializer(graph, f"{name}.zero_points", _zero_points(table).reshape(rows, blocks, 1))
-    nodes = []
-    codes = data
-    if table.bits == 4:
-        four = add_initializer(graph, f"{name}.four", np.array(4, np.uint8))
-        last = add_initializer(graph, f"{name}.last_axis", np.array([-1], np.int64))
-        shape = add_initializer(graph, f"{name}.blocks_shape", np.array([rows, blocks, block], np.int64))
-        # hi = q >> 4, lo = q − (hi << 4): BitShift and Sub exist from opset 11 (BitwiseAnd only from 18)
-        nodes += [node("BitShift", [data, four], f"{name}.hi", direction="RIGHT"),
-                  node("BitShift", [f"{name}.hi", four], f"{name}.hi_up", direction="LEFT"),
-                  node("Sub", [data, f"{name}.hi_up"], f"{name}.lo"),
-                  node("Unsqueeze", [f"{name}.lo", last], f"{name}.lo1"),
-                  node("Unsqueeze", [f"{name}.hi", last], f"{name}.hi1"),
-                  node("Concat", [f"{name}.lo1", f"{name}.hi1"], f"{name}.pairs", axis=-1),  # low nibble first
-                  node("Reshape", [f"{name}.pairs", shape], f"{name}.codes")]
-        codes = f"{name}.codes"
-    full = add_initializer(graph, f"{name}.shape", np.array([rows, blocks * block], np.int64))
-    nodes += [node("Cast", [codes], f"{name}.codes_f", to=TensorProto.FLOAT),
-              node("Cast", [zero], f"{name}.zero_f", to=TensorProto.FLOAT),
-              node("Sub", [f"{name}.codes_f", f"{name}.zero_f"], f"{name}.centred"),
-              node("Mul", [f"{name}.centred", scale], f"{name}.blocks_f")]
-    if transpose:
-        nodes += [node("Reshape", [f"{name}.blocks_f", full], f"{name}.rows"),
-                  node("Transpose", [f"{name}.rows"], name, perm=[1, 0])]
-    else:
-        nodes.append(node("Reshape", [f"{name}.blocks_f", full], name))
-    return nodes
 
 
 def _fold(graph, init, rows: np.ndarray, bits: int, block: int, transpose: bool) -> tuple[BlockTable, list]:
