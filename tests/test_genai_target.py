@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -61,6 +62,17 @@ def test_fp32_folder_loads_in_genai_and_matches_pytorch(family, mode, tmp_path, 
     chat = og.Tokenizer(og.Model(str(folder))).apply_chat_template(
         json.dumps([{"role": "user", "content": "hi"}]), add_generation_prompt=False)
     assert chat == "<s>user: hi</s>"
+    # the builder's indented tokenizer.json is shipped compact: the same JSON, read the same way
+    shipped = (folder / "tokenizer.json").read_text(encoding="utf-8")
+    source = tmp_path / f"{family}-src" / "tokenizer.json"
+    assert "\n" not in shipped and json.loads(shipped) == json.loads(source.read_text(encoding="utf-8"))
+    assert art.details["tokenizer_json"].startswith("written without indentation")
+    pretty = tmp_path / "pretty"
+    shutil.copytree(folder, pretty)
+    shutil.copy(source, pretty / "tokenizer.json")
+    text = "Hello world, the quick brown fox <s> naïve 123"
+    assert list(og.Tokenizer(og.Model(str(folder))).encode(text)) == \
+        list(og.Tokenizer(og.Model(str(pretty))).encode(text))
 
 
 def test_a_family_the_builder_lacks_is_exit_2_before_export(tmp_path, capsys):

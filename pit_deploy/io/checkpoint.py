@@ -73,6 +73,33 @@ def save_tokenizer(tokenizer, out: str | os.PathLike) -> None:
         tokenizer.save_pretrained(out)
 
 
+def compact_tokenizer_json(folder: str | os.PathLike) -> int:
+    """Rewrite ``folder/tokenizer.json`` without the indentation ``save_pretrained`` gives it;
+    returns the bytes saved (0 when the folder has no such file or it is kept as it is).
+
+    The same JSON value, so every tokenizer reads the same vocabulary, merges and rules; a
+    byte-level BPE vocabulary's pretty-printed form is more than half whitespace (SmolLM2's
+    3.5 MB file is 1.6 MB without it), and an artifact folder ships the file to the device. A
+    file that does not parse, or whose strings cannot be written back as UTF-8 (an escaped lone
+    surrogate), is left alone: the runtime's own check reports what is wrong with it.
+    """
+    from .fs import write_text_atomic
+
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return 0
+    old = path.read_bytes()
+    try:
+        text = json.dumps(json.loads(old), ensure_ascii=False, separators=(",", ":"))
+        new = text.encode("utf-8")
+    except (ValueError, UnicodeError):
+        return 0
+    if len(new) >= len(old):
+        return 0
+    write_text_atomic(path, text)
+    return len(old) - len(new)
+
+
 def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with tensors that share storage (tied weights) kept once, contiguous, on CPU.
 

@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ...exporters.passes import InterfaceProbe
-from ...io.checkpoint import save_tokenizer
+from ...io.checkpoint import compact_tokenizer_json, save_tokenizer
 from ...model.inspect import tying_of
 from ...schemes import Scheme
 from . import INTERFACE_NAME, WEB_DTYPES, data_name, decoder_name
@@ -76,6 +76,7 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
             vars(model).pop("forward", None)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)
+        compact_tokenizer_json(out_dir)  # the web and onnxruntime clients download it with the model
     probe = InterfaceProbe(model).eval()
     v, d = model.config.vocab_size, model.config.hidden_size
     tmp_interface = out_dir / ".interface.onnx.tmp"

@@ -45,7 +45,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ...errors import PitError
-from ...io.checkpoint import save_model
+from ...io.checkpoint import compact_tokenizer_json, save_model
 from ...model.core import row_chunks
 from ...model.families import FUSED_PROJECTIONS
 from ...schemes import Scheme, names_linear
@@ -480,6 +480,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
             hf_dir = builder_checkpoint(twin, tokenizer, Path(tmp) / "hf")
         del twin  # the builder reads the checkpoint; a factorized model's twin holds two V×d tables
         run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
+    compacted = compact_tokenizer_json(out_dir)  # the builder saves it indented
     # the builder splits Phi-3's gate_up_proj into gate_proj and up_proj nodes
     calibrated = split_fused(rounded_weights(model)) if dtype != "float32" else {}
     if factorized:  # the codes go in while the interface is rewritten: the decoder is read and written once
@@ -493,6 +494,8 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
             save_decoder(decoder, out_dir)
     details: dict[str, Any] = {**rewrite, "builder": "onnxruntime_genai.models.builder", "precision": PRECISIONS[dtype],
                                "decoder": DECODER_NAME, "decoder_data": BUILDER_DATA, "genai_config": CONFIG_NAME}
+    if compacted:
+        details["tokenizer_json"] = f"written without indentation ({compacted} bytes smaller, the same JSON)"
     if calibrated:
         details["body_rounding"] = (f"GPTQ codes of {len(calibrated)} linears written into the builder's "
                                     "MatMulNBits (asymmetric, integer zero points)")
