@@ -226,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         found, missing = peers(args.model, work, sets, args.block)
         rows += found
+    # the result (and its provenance: was the checkout clean?) before the plot changes a tracked file
+    write_result(args.out, {"block": args.block, "tokens": {k: sum(map(len, v)) for k, v in sets.items()},
+                            "rows": rows, "left_out": missing,
+                            "seconds": round(time.perf_counter() - start, 1)}, __file__, argv)
     if rows:
         plot(rows, Path(args.out).with_suffix(".png"))
-    return write_result(args.out, {"block": args.block, "tokens": {k: sum(map(len, v)) for k, v in sets.items()},
-                                   "rows": rows, "left_out": missing,
-                                   "seconds": round(time.perf_counter() - start, 1)}, __file__, argv)
+    return 0
 
 
 if __name__ == "__main__":
