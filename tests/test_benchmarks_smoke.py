@@ -395,3 +395,31 @@ def test_command_cost_of_a_random_model(tmp_path):
     assert data["model"]["vocab_size"] == 70_000 and data["model"]["weights"] == "random (gemma3-tiny)"
     assert [r["command"] for r in data["rows"]] == ["convert", "export", "verify"]
     assert data["rows"][1]["exit_code"] == 0
+
+
+def test_provenance_records_the_checkout_the_script_started_from(tmp_path):
+    """A result written after a tracked file changed (or a commit was made) during the run
+    records the code the script started with: clean, at the first commit."""
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    script = repo / "benchmarks" / "probe.py"
+    script.write_text(
+        "import sys, subprocess\n"
+        "from pathlib import Path\n"
+        "from pit_deploy.io.result_file import write_result\n"
+        "root = Path(__file__).resolve().parents[1]\n"
+        "(root / 'notes.txt').write_text('changed while the benchmark ran')\n"
+        "write_result(sys.argv[1], {'rows': [1]}, __file__)\n", encoding="utf-8")
+    (repo / "notes.txt").write_text("as committed")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "add", "."], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-q", "-m", "first"], check=True)
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, cwd=repo)
+    code = json.loads(out.read_text(encoding="utf-8"))["provenance"]["code_version"]
+    assert code["git_commit"] == head and code["git_dirty"] is False
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)
+    assert "notes.txt" in status.stdout  # the checkout was dirty when the result was written

@@ -13,7 +13,9 @@ Every result written through :func:`write_result` carries ``provenance``:
 * ``timestamp`` (UTC, ISO 8601) and ``machine`` (platform, Python, CPU count).
 
 Scripts import it as ``from pit_deploy.io.result_file import write_result``; the commit recorded
-is the one of the git checkout that holds the running script.
+is the one of the git checkout that holds the running script, as it was when this module was
+imported (the script's start): a benchmark runs for minutes to hours, and what its figures come
+from is the code it started with, not a commit made while it ran.
 """
 
 from __future__ import annotations
@@ -69,6 +71,20 @@ def library_versions() -> dict[str, str | None]:
     return {**shaping_libraries(), "onnxruntime-genai": _installed("onnxruntime-genai")}
 
 
+def _checkout_at_start() -> tuple[Path, dict[str, Any]] | None:
+    """``(checkout root, code_version)`` of the running script (``sys.argv[0]``) now; ``None``
+    when it is no file in a git checkout (an interpreter prompt, ``python -c``)."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    if script is None or not script.is_file():
+        return None
+    root = checkout_root(script.resolve())
+    return (root, code_version(root)) if root is not None else None
+
+
+#: the running script's checkout as it was when the script imported this module
+_AT_START = _checkout_at_start()
+
+
 def provenance(script: str | Path, argv: list[str] | None = None) -> dict[str, Any]:
     """What ran, from which code, with which libraries, when and where. ``script`` is the
     running script's ``__file__``; ``argv`` its arguments (``sys.argv[1:]`` when ``None``)."""
@@ -79,7 +95,7 @@ def provenance(script: str | Path, argv: list[str] | None = None) -> dict[str, A
     return {
         "command": shlex.join(["python", shown, *args]),
         "argv": args,
-        "code_version": code_version(root),
+        "code_version": _AT_START[1] if _AT_START is not None and _AT_START[0] == root else code_version(root),
         "versions": library_versions(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()},
