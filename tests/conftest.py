@@ -25,12 +25,36 @@ def pytest_collection_modifyitems(config, items) -> None:
     worker reads the markers in this same hook to name each test's group, so they must be on the
     items before its implementation runs (pluggy calls the later-registered plugin first).
     """
+    rank = {group: i for i, group in enumerate(SLOWEST_GROUPS_FIRST)}
     for item in items:
         path = Path(str(item.fspath))
-        group = "runtime_tests" if "runtime_tests" in path.parts else path.stem
+        group = _group(path)
         item.add_marker(pytest.mark.xdist_group(group))
         if _full_tier_only(item, path):
             item.add_marker(pytest.mark.full)
+    # the slowest groups first, the rest in collection order after them (a stable sort: a group's
+    # own tests keep their order, so its module fixtures are built once)
+    items.sort(key=lambda item: rank.get(_group(Path(str(item.fspath))), len(rank)))
+
+
+#: the test groups that take longest in the default tier, longest first: the time each took summed
+#: over its tests (``bash scripts/test.sh --durations=0``), nearly all of it ``.pte`` lowerings and
+#: pipeline runs. ``scripts/test.sh`` hands groups to the two workers in collection order
+#: (``--no-loadscope-reorder``: pytest-xdist's own reordering puts the groups with the most tests
+#: first, which left these few-test groups to the end, one worker running them while the other had
+#: nothing left); started first, the shorter groups fill in behind them and both workers end
+#: together.
+SLOWEST_GROUPS_FIRST: tuple[str, ...] = (
+    "runtime_tests", "test_quantize", "test_weight_check", "test_run", "test_own_model", "test_pte_shared_table",
+    "test_benchmarks_smoke", "test_genai_target", "test_gemma_families", "test_residual_rotation",
+    "test_xnnpack_rewrites", "test_quantized_scaling", "test_train_ddp", "test_calibrated_rounding",
+    "test_web_clients", "test_fold_onnx", "test_typing", "test_bench",
+)
+
+
+def _group(path: Path) -> str:
+    """A test's worker group: its file, or the runtime suite as a whole."""
+    return "runtime_tests" if "runtime_tests" in path.parts else path.stem
 
 
 #: test files that run only in the full tier: notebooks (minutes of kernels each) and the aarch64

@@ -20,3 +20,13 @@ def test_a_test_file_runs_on_one_worker():
     assert proc.returncode == 0, proc.stdout[-3000:]
     workers = re.findall(r"^\[(gw\d+)\] .*PASSED", proc.stdout, flags=re.M)
     assert len(workers) > 10 and len(set(workers)) == 1, sorted(set(workers))
+
+
+def test_the_slowest_groups_name_groups_of_the_suite():
+    """The groups ``tests/conftest.py`` hands out first are files of the suite (or the runtime
+    suite): a renamed or deleted file left in the list would silently order nothing."""
+    from conftest import SLOWEST_GROUPS_FIRST
+
+    stems = {p.stem for p in (ROOT / "tests").glob("test_*.py")} | {"runtime_tests"}
+    assert set(SLOWEST_GROUPS_FIRST) <= stems, sorted(set(SLOWEST_GROUPS_FIRST) - stems)
+    assert len(set(SLOWEST_GROUPS_FIRST)) == len(SLOWEST_GROUPS_FIRST)
