@@ -6,8 +6,9 @@
 #                                 reliability cases, the README blocks on one family, the docs
 #   bash scripts/test.sh --full   everything: adds the bundled default model's runtime parity, the
 #                                 README block on every family, the notebooks and the whole
-#                                 emulated aarch64 verification, --isa aarch64 --full (run it
-#                                 before changing export, quantization or a runtime)
+#                                 emulated aarch64 verification, --isa aarch64 --full, and the .pte
+#                                 lowerings of a second setting of a verified path (run it before
+#                                 changing export, quantization or a runtime)
 #
 # Other arguments go to pytest (e.g. bash scripts/test.sh tests/test_cli.py -k help).
 set -euo pipefail

@@ -45,10 +45,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 #: nothing left); started first, the shorter groups fill in behind them and both workers end
 #: together.
 SLOWEST_GROUPS_FIRST: tuple[str, ...] = (
-    "runtime_tests", "test_quantize", "test_weight_check", "test_run", "test_own_model", "test_pte_shared_table",
-    "test_benchmarks_smoke", "test_genai_target", "test_gemma_families", "test_residual_rotation",
-    "test_xnnpack_rewrites", "test_quantized_scaling", "test_train_ddp", "test_calibrated_rounding",
-    "test_web_clients", "test_fold_onnx", "test_typing", "test_bench",
+    "runtime_tests", "test_weight_check", "test_own_model", "test_run", "test_quantize", "test_pte_shared_table",
+    "test_benchmarks_smoke", "test_genai_target", "test_gemma_families", "test_quantized_scaling",
+    "test_deployed_families", "test_web_clients", "test_fold_onnx", "test_train_ddp", "test_calibrated_rounding",
+    "test_train", "test_gguf_target", "test_reliability", "test_typing", "test_residual_rotation", "test_cross_isa",
 )
 
 

@@ -633,6 +633,10 @@ def test_rotated_quantized_head_keeps_the_weight_identity(tmp_path, bits):
     assert float((got - ref).norm() / ref.norm()) < (0.05 if bits == 8 else 0.2)
 
 
+# Full tier (two int8 lowerings and verifications): in the default tier the rotated 8-bit head verifies
+# on the runtime as int4's .pte head (the README block, tests/test_own_model.py) and the fp32 head as
+# int8's (test_executorch_quantized_pte_verifies above); this test adds int8 with the quantized head, and its size.
+@pytest.mark.full
 def test_executorch_rotated_quantized_head_exports_and_verifies(tmp_path):
     """``--pte-head-bits 8`` on a factorized int8 ``.pte``: it verifies within the int8 bounds,
     is smaller than the program with the fp32 head, and keeps ``delta_ti ≤ 1e-4`` on the runtime

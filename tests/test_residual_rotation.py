@@ -82,6 +82,11 @@ def test_rotation_is_a_quantized_executorch_setting():
     assert get_scheme("int4").with_settings(rotate_residual=False).settings().get("rotate_residual") is None
 
 
+# Full tier: two int4 lowerings and two verifications (about two minutes). In the default tier the
+# rotated int4 .pte verifies with delta_ti <= 1e-4 on the runtime in
+# tests/test_quantize.py::test_executorch_4bit_token_table_keeps_the_interface_exact and in the
+# README block (tests/test_own_model.py); what only this test adds is the unrotated export beside it.
+@pytest.mark.full
 def test_a_rotated_int4_pte_keeps_the_interface_exact_on_the_runtime(tmp_path):
     """The ``int4`` ``.pte`` (rotated by default) and the same export with ``--no-rotate-residual``:
     both verify, with ``delta_ti ≤ 1e-4`` measured on the runtime, and the manifest says which."""

@@ -40,6 +40,9 @@ def test_rewrites_keep_the_logits_and_are_undone(family):
     assert not hasattr(decoder, "pit_rope_rotation")
 
 
+# Full tier (two lowerings of a three-layer model): a structure that decode speed depends on, which
+# benchmarks/pte_anchors.py measures; the default tier's .pte verifications check the numbers.
+@pytest.mark.full
 def test_each_layer_lowers_to_one_partition_per_side_of_the_attention():
     """Between two consecutive attention calls (the ``llama::custom_sdpa`` custom op, which has
     to run outside XNNPACK) lies exactly one delegate: the output projection, the MLP, the next
@@ -98,7 +101,10 @@ def test_a_pass_runs_where_its_operator_is_and_is_skipped_where_none_is():
     assert all(not needed(name, {"aten.linear.default"}) for name in TRIGGERS)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.full), "int4"])
+# Full tier (four lowerings): a skipped pass that did change the program would change its numbers,
+# which every .pte verification of the default tier checks; this test says it is the same bytes.
+@pytest.mark.full
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
 def test_skipping_idle_passes_lowers_the_same_program(dtype):
     """What :mod:`pit_deploy.targets.executorch.idle_passes` skips changes nothing: a tiny
     factorized program, fp32 and int4 (its quantized linears and gather), lowers to the very same
