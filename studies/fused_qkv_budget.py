@@ -16,7 +16,7 @@ the onnx-genai folder's KL) and compares, at the same bytes:
 * how many layers have none of their query, key and value at 8 bits (the layers a per-layer
   fusion could merge).
 
-    python studies/fused_qkv_budget.py [--out studies/results/fused_qkv_budget.json]
+    python studies/fused_qkv_budget.py [--recipe smollm2-135m] [--out studies/results/fused_qkv_budget.json]
 
 The byte costs are onnx-genai's blocks of 64 with a float32 scale and a zero point a block.
 """
@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
 
+from pit_deploy.exporters.recipes import find_recipe, load_recipe
 from pit_deploy.io.result_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,13 +55,13 @@ def extra_bytes(name: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sensitivity", default=str(ROOT / "studies/results/int4_sensitivity.json"))
-    parser.add_argument("--recipe", default=str(ROOT / "pit_deploy/recipes/smollm2-135m.toml"))
+    parser.add_argument("--recipe", default="smollm2-135m", help="an export recipe's name")
     parser.add_argument("--out", default=str(ROOT / "studies/results/fused_qkv_budget.json"))
     args = parser.parse_args(argv)
 
     sens = {name.removeprefix("model."): v["mean"]
             for name, v in json.loads(Path(args.sensitivity).read_text())["sensitivity"].items()}
-    chosen = list(tomllib.loads(Path(args.recipe).read_text())["int4_8bit_layers"])
+    chosen = list(load_recipe(args.recipe).int4_8bit_layers)
     budget = sum(extra_bytes(n) for n in chosen)
 
     fusable = sorted((n for n in sens if n.rsplit(".", 1)[-1] not in QKV), key=lambda n: -sens[n] / extra_bytes(n))
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "the recipe's 8-bit linears against the best choice that keeps q/k/v at 4 bits (fusable), "
                 "at the same bytes; summed sensitivity = the held-out KL the 8-bit linears take away, summed",
         "sensitivity_source": str(Path(args.sensitivity).relative_to(ROOT)),
-        "recipe": str(Path(args.recipe).relative_to(ROOT)),
+        "recipe": str(find_recipe(args.recipe).resolve().relative_to(ROOT)),
         "all_linears_summed_sensitivity": round(sum(sens.values()), 4),
         "recipe_choice": summary(chosen),
         "fused_qkv_choice": {**summary(fused), "names": fused},

@@ -26,15 +26,17 @@ def pytest_collection_modifyitems(config, items) -> None:
     items before its implementation runs (pluggy calls the later-registered plugin first).
     """
     rank = {group: i for i, group in enumerate(SLOWEST_GROUPS_FIRST)}
+    order: dict[str, int] = {}
     for item in items:
         path = Path(str(item.fspath))
         group = _group(path)
+        order[item.nodeid] = rank.get(group, len(rank))
         item.add_marker(pytest.mark.xdist_group(group))
         if _full_tier_only(item, path):
             item.add_marker(pytest.mark.full)
     # the slowest groups first, the rest in collection order after them (a stable sort: a group's
     # own tests keep their order, so its module fixtures are built once)
-    items.sort(key=lambda item: rank.get(_group(Path(str(item.fspath))), len(rank)))
+    items.sort(key=lambda item: order[item.nodeid])
 
 
 #: the test groups that take longest in the default tier, longest first: the time each took summed
