@@ -195,9 +195,9 @@ def test_kl_figures_by_parts_of_a_sequence_are_the_whole_sequence_figures(monkey
         ids = torch.randint(0, 300, (n,), generator=gen)
         ref = 3 * torch.randn(n, 300, generator=gen)
         rows.append((ids, ref, ref + 0.2 * torch.randn(n, 300, generator=gen)))
-    monkeypatch.setattr(heldout, "KL_ROWS", 1000)
+    monkeypatch.setattr(heldout, "KL_ELEMENTS", 1000 * 300)
     whole = heldout.kl_figures(rows)
-    monkeypatch.setattr(heldout, "KL_ROWS", 3)
+    monkeypatch.setattr(heldout, "KL_ELEMENTS", 3 * 300 + 299)  # 3 positions of 300 ids
     assert heldout.kl_figures(rows) == whole and whole.tokens == 46 and whole.kl_mean > 0
     rows[0][2][20, 7] = float("nan")
     damaged = heldout.kl_figures(rows)

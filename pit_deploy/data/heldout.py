@@ -21,7 +21,7 @@ cost (:mod:`pit_deploy.exporters.expected_error`) on the same tokens with the sa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,40 +67,106 @@ class KLFigures:
     tokens: int
 
 
+class ReferenceLogits:
+    """The reference's logits of each held-out block, computed once and kept in an unnamed
+    temporary file (Python's ``tempfile``: the directory ``TMPDIR`` names, deleted when closed or
+    when the process ends), read back one block at a time.
+
+    Why: ``verify`` compares a runtime with the reference block by block, and the reference model
+    sat beside the runtime's session throughout (1 GB at a 262,144-token vocabulary, the largest
+    part of the check's peak). With its logits on disk the model is let go before any session
+    opens, and every quantized artifact of an export is compared with the same logits, computed
+    once. The file holds ``blocks × length × V`` float32 values (2.4 GB for 9 × 255 tokens at
+    262,144 ids; 0.45 GB at 49,152).
+    """
+
+    def __init__(self, model: Any, blocks: list[list[int]]) -> None:
+        import tempfile
+
+        self._file = tempfile.TemporaryFile(prefix="pit-deploy-reference-logits-")
+        self._where: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+        try:
+            offset = 0
+            for row in blocks:
+                key = tuple(row)
+                if key in self._where:
+                    continue
+                logits = model(input_ids=torch.tensor(row, dtype=torch.long)[None]).logits[0]
+                data = logits.detach().float().contiguous().numpy()
+                self._file.write(memoryview(data.reshape(-1).view("uint8")))
+                self._where[key] = (offset, tuple(data.shape))
+                offset += data.nbytes
+            self._file.flush()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __contains__(self, row: Sequence[int]) -> bool:
+        return tuple(row) in self._where
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The stored logits ``(len(ids), V)`` of one block."""
+        offset, shape = self._where[tuple(ids.tolist())]
+        out = torch.empty(shape, dtype=torch.float32)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self._file.seek(offset)
+        read = 0
+        while read < len(view):
+            got = self._file.readinto(view[read:])
+            if not got:
+                raise OSError("the temporary file of the reference's logits ends early")
+            read += got
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+
 @torch.no_grad()
 def kl_parity(driver: Any, reference: Any, blocks: list[list[int]]) -> KLFigures:
-    """Prefill each block on ``driver`` and in ``reference``; compare the distributions, one
-    block's logits at a time (all of them at once are 4.8 GB for 9 × 255 tokens of a
-    262k-token vocabulary)."""
+    """Prefill each block on ``driver`` and in ``reference`` (a model, or its
+    :class:`ReferenceLogits` of these blocks); compare the distributions, one block's logits at a
+    time (all of them at once are 4.8 GB for 9 × 255 tokens of a 262k-token vocabulary)."""
     def rows() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         for row in blocks:
             ids = torch.tensor(row, dtype=torch.long)
-            yield ids, reference(input_ids=ids[None]).logits[0], driver.prefill(ids)
+            ref = reference.logits(ids) if isinstance(reference, ReferenceLogits) \
+                else reference(input_ids=ids[None]).logits[0]
+            yield ids, ref, driver.prefill(ids)
 
     return kl_figures(rows())
 
 
-#: positions of one sequence whose float64 distributions are worked on at a time: a 256-token
-#: block of a 262k-token vocabulary is 537 MB a float64 copy, and the KL takes several
-KL_ROWS = 32
+#: float64 values of one distribution worked on at a time: the KL of a chunk of positions holds
+#: about seven such arrays, so 2^21 values (16 MiB each) keep it near 110 MiB whatever the
+#: vocabulary (8 positions at 262,144 ids, 42 at 49,152)
+KL_ELEMENTS = 2**21
+
+
+def kl_rows(vocab: int) -> int:
+    """Positions of one sequence whose float64 distributions are worked on at a time."""
+    return max(1, KL_ELEMENTS // max(vocab, 1))
 
 
 @torch.no_grad()
 def kl_figures(rows: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> KLFigures:
     """The figures of ``(ids, P's logits, Q's logits)`` per sequence (logits ``(len(ids), V)``,
     row ``t`` predicting ``ids[t + 1]``), as the module docstring defines them; each sequence
-    :data:`KL_ROWS` positions at a time (every figure is a per-position one, summed or pooled
-    after)."""
-    kls: list[torch.Tensor] = []
+    :func:`kl_rows` positions at a time (every figure is a per-position one, summed or pooled
+    after). Per-position values are kept as Python floats: thousands of small tensors kept between
+    the chunks' large ones fragment the heap (at a 262k-token vocabulary the process grew by
+    1.5 GB over nine blocks)."""
+    kls: list[float] = []
     agree = positions = nonfinite = 0
     nll_q = nll_p = 0.0
     targets_n = 0
     for ids, ref_all, got_all in rows:
         nxt = ids[1:]
-        picked_p: list[torch.Tensor] = []
-        picked_q: list[torch.Tensor] = []
-        for first in range(0, ids.numel(), KL_ROWS):
-            part = slice(first, first + KL_ROWS)
+        picked_p: list[float] = []
+        picked_q: list[float] = []
+        step = kl_rows(ref_all.shape[-1])
+        for first in range(0, ids.numel(), step):
+            part = slice(first, first + step)
             ref, got = ref_all[part].double(), got_all[part].double()
             bad = ~torch.isfinite(got)
             nonfinite += int(bad.sum())
@@ -108,16 +174,16 @@ def kl_figures(rows: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) 
             logq = torch.log_softmax(got, -1)
             kl = (logp.exp() * (logp - logq)).sum(-1)
             kl = torch.where(bad.any(-1), torch.full_like(kl, math.inf), kl)  # a non-finite row is unbounded
-            kls.append(kl)
+            kls.extend(kl.tolist())
             agree += int(((got.argmax(-1) == ref.argmax(-1)) & ~bad.any(-1)).sum())
             targets = nxt[part]  # the positions of this part that predict a next token
-            picked_p.append(logp[:targets.numel()].gather(1, targets[:, None]))
-            picked_q.append(logq[:targets.numel()].gather(1, targets[:, None]))
+            picked_p.extend(logp[:targets.numel()].gather(1, targets[:, None]).reshape(-1).tolist())
+            picked_q.extend(logq[:targets.numel()].gather(1, targets[:, None]).reshape(-1).tolist())
         positions += ids.numel()
-        nll_p -= float(torch.cat(picked_p).sum())
-        nll_q -= float(torch.cat(picked_q).sum())
+        nll_p -= float(torch.tensor(picked_p, dtype=torch.float64).sum())
+        nll_q -= float(torch.tensor(picked_q, dtype=torch.float64).sum())
         targets_n += nxt.numel()
-    every = torch.cat(kls)
+    every = torch.tensor(kls, dtype=torch.float64)
     finite = bool(torch.isfinite(every).all())
     gap = (nll_q - nll_p) / max(targets_n, 1)
     # a damaged artifact can be worse than exp's range (a few flipped exponents in T): unbounded
