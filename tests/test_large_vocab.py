@@ -173,3 +173,51 @@ def test_the_reference_greedy_steps_compute_only_the_last_logits():
 ])
 def test_every_target(converted, tmp_path, runtime, dtypes, mode):
     export_verify(converted, tmp_path / "x", runtime, "--dtype", dtypes, "--mode", mode)
+
+
+def test_quantized_verify_compares_with_the_reference_logits_on_disk(converted, tmp_path, monkeypatch):
+    """A quantized artifact's held-out KL compares the runtime with the reference's logits written
+    once to a temporary file, the model let go while the runtime runs (at a 262k-token vocabulary,
+    1 GB beside the sessions): the figures equal those against the model in memory, the file
+    serves every quantized artifact of the export, and it is closed when verify ends."""
+    import gc
+    import weakref
+
+    from pit_deploy.data import heldout
+    from pit_deploy.evaluate import verify
+
+    directory = tmp_path / "x"
+    export_verify(converted, directory, "onnx", "--dtype", "int8,int4", "--mode", "factorized")
+    monkeypatch.setattr(verify, "RELEASE_MIN_BYTES", 2**62)  # the model in memory, as for a small one
+    in_memory = verify.verify_export(directory, record=False)
+
+    loaded, alive_at_kl, spilled = [], [], []
+    load, figures = verify.load_reference_model, heldout.kl_figures
+
+    def counted_load(path):
+        model = load(path)
+        loaded.append(weakref.ref(model))
+        return model
+
+    def figures_alone(rows):
+        gc.collect()
+        alive_at_kl.append(any(ref() is not None for ref in loaded))
+        return figures(rows)
+
+    class Recorded(heldout.ReferenceLogits):
+        def __init__(self, model, blocks):
+            super().__init__(model, blocks)
+            spilled.append(self)
+
+    monkeypatch.setattr(verify, "load_reference_model", counted_load)
+    monkeypatch.setattr(heldout, "kl_figures", figures_alone)
+    monkeypatch.setattr(heldout, "ReferenceLogits", Recorded)
+    monkeypatch.setattr(verify, "RELEASE_MIN_BYTES", 0)  # the tiny model's table stands in for 1 GB
+    on_disk = verify.verify_export(directory, record=False)
+
+    assert len(in_memory.artifacts) == len(on_disk.artifacts) == 2
+    for a, b in zip(in_memory.artifacts, on_disk.artifacts):
+        assert (a.kl_mean, a.kl_p99, a.same_top1, a.ppl_ratio) == (b.kl_mean, b.kl_p99, b.same_top1, b.ppl_ratio)
+        assert a.passed and b.passed and a.heldout_tokens == b.heldout_tokens > 0
+    assert alive_at_kl == [False, False]
+    assert len(spilled) == 1 and spilled[0]._file.closed

@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -59,6 +61,7 @@ from ..schemes import DTYPES, ParityBounds, QuantizedBounds, bounds_for, registe
 from ..targets import VerifyContext, get_target, target_names
 from .bound_checks import agreement_failures, finite_by_rows, kl_failures, logit_failures, max_abs_diff, rel_l2
 
+log = logging.getLogger(__name__)
 FP32 = bounds_for("float32")
 REL_L2_BOUND = FP32.logits_rel_l2
 TOP1_BOUND = FP32.top1_agreement
@@ -374,7 +377,9 @@ class ReferenceModel:
         self.directory = directory
         # loaded now: a reference that cannot be used fails before any runtime work (exit 2)
         self._model, self.tokenizer = load_reference(directory)
+        self._bytes = sum(t.numel() * t.element_size() for t in self._model.state_dict().values())
         self._delta_ti: float | None = None
+        self._heldout: Any = None
 
     def get(self) -> Any:
         """The reference model, loaded again if it was let go."""
@@ -392,11 +397,37 @@ class ReferenceModel:
 
     def release(self) -> None:
         """Let the model go until a check asks for it again (one of :data:`RELEASE_MIN_BYTES` or more)."""
-        if self._model is None or sum(t.numel() * t.element_size() for t in self._model.state_dict().values()) \
-                < RELEASE_MIN_BYTES:
+        if self._model is None or self._bytes < RELEASE_MIN_BYTES:
             return
         self._model = None
         gc.collect()
+
+    def heldout_side(self, blocks: list[list[int]]) -> Any:
+        """The reference's side of the held-out KL (:func:`pit_deploy.data.heldout.kl_parity`): for a
+        model of :data:`RELEASE_MIN_BYTES` or more, its logits of ``blocks`` computed once into a
+        temporary file (:class:`~pit_deploy.data.heldout.ReferenceLogits`, shared by every quantized
+        artifact of the export) and the model let go, so no runtime session opens beside it; a
+        smaller model, or one whose logits the temporary directory cannot take, itself."""
+        from ..data.heldout import ReferenceLogits
+
+        if self._bytes < RELEASE_MIN_BYTES:
+            return self.get()
+        if self._heldout is None or any(row not in self._heldout for row in blocks):
+            self.close()
+            try:
+                self._heldout = ReferenceLogits(self.get(), blocks)
+            except OSError as exc:  # a full or unwritable TMPDIR: the check runs with the model beside it
+                log.warning("the reference's held-out logits were not written to a temporary file (%s); "
+                            "comparing with the model in memory", exc)
+                return self.get()
+        self.release()
+        return self._heldout
+
+    def close(self) -> None:
+        """Delete the temporary file of the held-out logits, if one was written."""
+        if self._heldout is not None:
+            self._heldout.close()
+            self._heldout = None
 
 
 def make_prompts(tokenizer, vocab_size: int, max_prompt: int, seed: int = 0) -> list[torch.Tensor]:
@@ -627,15 +658,18 @@ def verify_quantized_artifact(directory: Path, art, reference: ReferenceModel, h
         driver = driver_class(art.target)(directory / art.path)
         driver.free_buffers_between_runs()
     try:
+        # what needs the model comes first; a large one is then let go (its held-out logits kept
+        # on disk), so the runtime's sessions and the KL run without 1 GB of it beside them
+        weights = weight_level_check(directory, art, reference.get())
+        ref_delta = reference.delta_ti()
+        ref_side = reference.heldout_side(blocks)
         # the interface first: its two V×d tables are gone before the prefills grow the decoder's buffers
         delta, weights_shared, notes = _interface_figures(directory, art, driver)
-        ref_delta = reference.delta_ti()
-        figures = kl_parity(driver, reference.get(), blocks)
+        figures = kl_parity(driver, ref_side, blocks)
     finally:
         driver.close()
     quant = art.details.get("quantization", {}) if isinstance(art.details, dict) else {}
     correction, exact = quant.get("pit_correction"), interface_exact_of(art, recipe)
-    weights = weight_level_check(directory, art, reference.get())
     notes.append(f"held-out set: {len(blocks)} × {len(blocks[0])} tokens, {heldout.get('source', '?')}")
     expected = expected_figures(directory, art)
     if expected is None:
@@ -867,28 +901,35 @@ def verify_export(
         return result, bounds, quantized
 
     results = []
-    if "x86_64" in isas:
-        for art in selected:
-            result, bounds, quantized = check(art)
-            get_target(art.target).verify_extras(ctx, art, result, quantized)
-            result.judge(bounds)
-            results.append(result)
-    def compact(art) -> Any:  # the aarch64 compact check's x86 side (verify_aarch64 runs cross_isa.prepare)
-        bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
-        quantized = isinstance(bounds, QuantizedBounds)
-        max_seq = art.shapes.get("max_seq_len")
-        return {"art": art, "reference": reference.get(), "tokenizer": tokenizer, "heldout": manifest.heldout,
-                "bounds": bounds, "quantized": quantized,
-                "prompts": make_prompts(tokenizer, int(art.shapes["vocab_size"]), (max_seq or 10**9)),
-                "expected": expected_figures(directory, art) if quantized else None}
-
-    if emulation is not None:
-        results += emulation.run(check, compact)
+    try:
+        if "x86_64" in isas:
+            for art in selected:
+                result, bounds, quantized = check(art)
+                get_target(art.target).verify_extras(ctx, art, result, quantized)
+                result.judge(bounds)
+                results.append(result)
+        if emulation is not None:
+            results += emulation.run(check, partial(_compact_check, directory, reference, tokenizer, manifest,
+                                                    overrides))
+    finally:
+        reference.close()  # the held-out logits' temporary file, if one was written
     report = VerifyReport(str(directory), results, pin)
     results = [r for r in results if r.isa == "x86_64"]  # the manifest records the x86-64 results
     if record:
         record_results(directory, pin, selected, results)
     return report
+
+
+def _compact_check(directory: Path, reference: ReferenceModel, tokenizer, manifest, overrides: dict, art) -> Any:
+    """What the aarch64 compact check's x86 side needs of ``art`` (:mod:`.verify_aarch64` runs
+    :func:`pit_deploy.evaluate.cross_isa.prepare` with it)."""
+    bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
+    quantized = isinstance(bounds, QuantizedBounds)
+    max_seq = art.shapes.get("max_seq_len")
+    return {"art": art, "reference": reference.get(), "tokenizer": tokenizer, "heldout": manifest.heldout,
+            "bounds": bounds, "quantized": quantized,
+            "prompts": make_prompts(tokenizer, int(art.shapes["vocab_size"]), (max_seq or 10**9)),
+            "expected": expected_figures(directory, art) if quantized else None}
 
 
 #: seconds a ``verify`` waits to record its results while another command holds the export's lock
