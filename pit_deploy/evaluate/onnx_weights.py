@@ -41,17 +41,26 @@ def onnx_stored(path: Path) -> list[Stored]:
     import onnx
     from onnx import helper, numpy_helper
 
-    model = onnx.load(str(path), load_external_data=True)
+    # the graph without its weights; each tensor read from the data file when it is used, and a
+    # tensor of codes let go once unpacked (at a 262k-token vocabulary the graph's bytes, their
+    # arrays and the unpacked tables were each held at once: 1.3 GB above the reference model)
+    model = onnx.load(str(path), load_external_data=False)
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     arrays: dict[str, np.ndarray] = {}
 
-    def arr(name: str) -> np.ndarray | None:
-        if not name or name not in inits:
+    def has(name: str) -> bool:
+        return bool(name) and name in inits
+
+    def arr(name: str, keep: bool = True) -> np.ndarray | None:
+        if not has(name):
             return None
-        if name not in arrays:
-            arrays[name] = numpy_helper.to_array(inits[name])
-        return arrays[name]
+        if name in arrays:
+            return arrays[name]
+        array = numpy_helper.to_array(inits[name], base_dir=str(path.parent))
+        if keep:
+            arrays[name] = array
+        return array
 
     out: list[Stored] = []
     planes: dict[str, dict[int, tuple[np.ndarray, np.ndarray, int, int]]] = {}
@@ -59,11 +68,11 @@ def onnx_stored(path: Path) -> list[Stored]:
     seen: dict[str, Stored | str] = {}
     for node in graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type == "MatMulNBits" and arr(node.input[1]) is not None and arr(node.input[2]) is not None:
+        if node.op_type == "MatMulNBits" and has(node.input[1]) and has(node.input[2]):
             data_name, bits, block, cols = node.input[1], int(attrs.get("bits", 4)), int(attrs["block_size"]), int(attrs["K"])
             zp = arr(node.input[3]) if len(node.input) > 3 else None
             scales = arr(node.input[2]).reshape(int(attrs["N"]), -1)
-        elif node.op_type == "GatherBlockQuantized" and arr(node.input[0]) is not None and arr(node.input[2]) is not None:
+        elif node.op_type == "GatherBlockQuantized" and has(node.input[0]) and has(node.input[2]):
             data_name, bits, block = node.input[0], int(attrs.get("bits", 4)), int(attrs.get("block_size", 128))
             zp = arr(node.input[3]) if len(node.input) > 3 else None
             scales = arr(node.input[2])
@@ -79,7 +88,7 @@ def onnx_stored(path: Path) -> list[Stored]:
                 known.places += (node.name,)
                 known.gather = known.gather or node.op_type == "GatherBlockQuantized"
             continue
-        qz, scales = table_codes(arr(data_name), scales, zp, bits, block)
+        qz, scales = table_codes(arr(data_name, keep=False), scales, zp, bits, block)
         if plane:
             planes.setdefault(plane.group(1), {})[int(plane.group(2))] = (qz, scales, bits, block)
             seen[data_name] = plane.group(1)
@@ -110,8 +119,10 @@ def onnx_stored(path: Path) -> list[Stored]:
         base, bits = folded.group(1), int(folded.group(2))
         scales = arr(f"{base}.scales")
         rows, blocks = scales.shape[0], scales.shape[1]
-        block = arr(name).reshape(-1).size * 8 // bits // (rows * blocks)
-        qz, scales = table_codes(arr(name), scales.reshape(rows, blocks), arr(f"{base}.zero_points"), bits, block)
+        codes = arr(name, keep=False)
+        block = codes.reshape(-1).size * 8 // bits // (rows * blocks)
+        qz, scales = table_codes(codes, scales.reshape(rows, blocks), arr(f"{base}.zero_points"), bits, block)
+        del codes
         stored = from_codes(base, qz, scales, bits, block, qz.shape[1])
         readers = [n for n in graph.node if base in n.input]  # the nodes that read the folded float32 weight
         stored.places = tuple(dict.fromkeys(r.name for r in readers))

@@ -62,9 +62,11 @@ def unpack_codes(packed: np.ndarray, bits: int, rows: int, blocks: int, block: i
     if flat.size == rows * blocks * block:
         return flat.astype(np.int16).reshape(rows, blocks, block)
     if bits == 4 and flat.size * 2 == rows * blocks * block:
-        b = flat.astype(np.uint8)
+        b = flat.view(np.uint8) if flat.dtype.itemsize == 1 else flat.astype(np.uint8)
         q = np.empty(b.size * 2, np.int16)
-        q[0::2], q[1::2] = b & 0x0F, b >> 4
+        # each nibble written into its place, no temporary the table's size
+        np.bitwise_and(b, 0x0F, out=q[0::2], casting="unsafe")
+        np.right_shift(b, 4, out=q[1::2], casting="unsafe")
         return q.reshape(rows, blocks, block)
     raise ValueError(f"{flat.size} code bytes for {rows}×{blocks} blocks of {block} at {bits} bits")
 
