@@ -107,15 +107,11 @@ class ReferenceLogits:
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The stored logits ``(len(ids), V)`` of one block."""
         offset, shape = self._where[tuple(ids.tolist())]
+        from ..io.tensor_file import fill_from
+
         out = torch.empty(shape, dtype=torch.float32)
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
         self._file.seek(offset)
-        read = 0
-        while read < len(view):
-            got = self._file.readinto(view[read:])
-            if not got:
-                raise OSError("the temporary file of the reference's logits ends early")
-            read += got
+        fill_from(self._file, out, "the temporary file of the reference's logits ends early")
         return out
 
     def close(self) -> None:

@@ -44,7 +44,6 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -900,6 +899,15 @@ def verify_export(
             result = verify_artifact(directory, art, reference, tokenizer, ref_runs, bounds, driver)
         return result, bounds, quantized
 
+    def compact(art) -> Any:  # the aarch64 compact check's x86 side (verify_aarch64 runs cross_isa.prepare)
+        bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
+        quantized = isinstance(bounds, QuantizedBounds)
+        max_seq = art.shapes.get("max_seq_len")
+        return {"art": art, "reference": reference.get(), "tokenizer": tokenizer, "heldout": manifest.heldout,
+                "bounds": bounds, "quantized": quantized,
+                "prompts": make_prompts(tokenizer, int(art.shapes["vocab_size"]), (max_seq or 10**9)),
+                "expected": expected_figures(directory, art) if quantized else None}
+
     results = []
     try:
         if "x86_64" in isas:
@@ -909,8 +917,7 @@ def verify_export(
                 result.judge(bounds)
                 results.append(result)
         if emulation is not None:
-            results += emulation.run(check, partial(_compact_check, directory, reference, tokenizer, manifest,
-                                                    overrides))
+            results += emulation.run(check, compact)
     finally:
         reference.close()  # the held-out logits' temporary file, if one was written
     report = VerifyReport(str(directory), results, pin)
@@ -918,18 +925,6 @@ def verify_export(
     if record:
         record_results(directory, pin, selected, results)
     return report
-
-
-def _compact_check(directory: Path, reference: ReferenceModel, tokenizer, manifest, overrides: dict, art) -> Any:
-    """What the aarch64 compact check's x86 side needs of ``art`` (:mod:`.verify_aarch64` runs
-    :func:`pit_deploy.evaluate.cross_isa.prepare` with it)."""
-    bounds = bounds_for(art.scheme_name, overrides.get(art.scheme_name), art.rounding)
-    quantized = isinstance(bounds, QuantizedBounds)
-    max_seq = art.shapes.get("max_seq_len")
-    return {"art": art, "reference": reference.get(), "tokenizer": tokenizer, "heldout": manifest.heldout,
-            "bounds": bounds, "quantized": quantized,
-            "prompts": make_prompts(tokenizer, int(art.shapes["vocab_size"]), (max_seq or 10**9)),
-            "expected": expected_figures(directory, art) if quantized else None}
 
 
 #: seconds a ``verify`` waits to record its results while another command holds the export's lock

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -61,12 +61,22 @@ def read_into(path: Path, targets: dict[str, torch.Tensor], names: Iterable[str]
                 raise ValueError(f"tensor {name}: {end - begin} bytes stored for shape {entry['shape']} "
                                  f"({entry['dtype']}), the model's is {tuple(target.shape)}")
             handle.seek(start + begin)
-            view = memoryview(stored.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
-            read = 0
-            while read < len(view):
-                got = handle.readinto(view[read:])
-                if not got:
-                    raise OSError(f"{path} ends inside tensor {name}")
-                read += got
+            fill_from(handle, stored, f"{path} ends inside tensor {name}")
             if stored is not target:
                 target.copy_(stored)
+
+
+def fill_from(handle: Any, tensor: torch.Tensor, short: str) -> None:
+    """Fill the contiguous CPU ``tensor`` with the next bytes of the binary file ``handle``, read
+    straight into its storage (``readinto``, no second copy).
+
+    Raises:
+        OSError: ``short``, when the file ends first.
+    """
+    view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    read = 0
+    while read < len(view):
+        got = handle.readinto(view[read:])
+        if not got:
+            raise OSError(short)
+        read += got
