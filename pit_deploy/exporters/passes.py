@@ -37,6 +37,11 @@ from .residual_rotation import rotation_of
 FACTORS_ATTR = "pit_factors"
 
 
+def _tracing() -> bool:
+    """Whether an exporter is tracing this forward (TorchScript, ``torch.export`` or dynamo)."""
+    return torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.compiler.is_compiling()
+
+
 class PITFactors(nn.Module):
     """The constants of a factorized interface, registered once on the model.
 
@@ -74,8 +79,18 @@ class PITFactors(nn.Module):
         return self.Zt.shape[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``(Zᵀ[:, ids])ᵀ T⁻¹``: a gather of ``Zᵀ`` columns, then one ``d×d`` matmul."""
-        cols = torch.index_select(self.Zt, 1, input_ids.reshape(-1))  # (d, N)
+        """``(Zᵀ[:, ids])ᵀ T⁻¹``: a gather of ``Zᵀ`` columns, then one ``d×d`` matmul.
+
+        Traced (ONNX, ``torch.export``), the gather is the column gather of ``Zᵀ`` the exported
+        graphs carry. Run eagerly (verify's references), the same columns are read as rows of
+        ``(Zᵀ)ᵀ``: where ``Zᵀ`` is a view of ``Z``, a column gather copies the whole table first
+        (hundreds of MiB at a 262k vocabulary, every call), a row gather reads N rows.
+        """
+        ids = input_ids.reshape(-1)
+        if _tracing():
+            cols = torch.index_select(self.Zt, 1, ids)  # (d, N)
+        else:
+            cols = torch.index_select(self.Zt.transpose(0, 1), 0, ids).transpose(0, 1)
         rows = cols.transpose(0, 1) @ self.T_inv  # (N, d)
         return rows.reshape(*input_ids.shape, self.hidden_size)
 
