@@ -204,6 +204,34 @@ def test_kl_figures_by_parts_of_a_sequence_are_the_whole_sequence_figures(monkey
     assert damaged.nonfinite_outputs == 1 and math.isinf(damaged.kl_mean)
 
 
+def test_kl_figures_let_a_blocks_logits_go_before_the_next_block_is_made():
+    """Only one block's logits are alive at a time (at a 262k-token vocabulary a block's pair is
+    0.5 GB): when the next block is asked for, the last one's tensors are gone."""
+    import gc
+    import weakref
+
+    from pit_deploy.data import heldout
+
+    gen = torch.Generator().manual_seed(0)
+    alive: list[list[weakref.ref]] = []
+    seen_alive = []
+
+    def block():
+        ids = torch.randint(0, 50, (6,), generator=gen)
+        ref, got = torch.randn(6, 50, generator=gen), torch.randn(6, 50, generator=gen)
+        alive.append([weakref.ref(ref), weakref.ref(got)])
+        return ids, ref, got
+
+    def rows():  # as kl_parity's: the generator itself keeps no block
+        for _ in range(3):
+            gc.collect()
+            seen_alive.append(sum(r() is not None for refs in alive for r in refs))
+            yield block()
+
+    figures = heldout.kl_figures(rows())
+    assert seen_alive == [0, 0, 0] and figures.tokens == 18
+
+
 def _bos_adding(tok):
     """``tok`` with a post-processor that puts ``<s>`` before every text, as Gemma's and Llama 3's do."""
     from tokenizers import processors
