@@ -100,6 +100,30 @@ def test_materialize_copies_the_body_unless_the_export_pass_shares_it():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.parametrize("family", ["llama", "granite", "gemma3"])
+def test_table_rows_are_the_materialized_tables_a_slice_at_a_time(family):
+    """``TableRows`` computes the rows ``materialize_model`` stores (the family's multipliers
+    undone), for a slice or an index array; ``tables=False`` gives the same body without them."""
+    import numpy as np
+
+    from pit_deploy.converters.materialize import TableRows, materialize_model
+
+    model = _pit(family)
+    plain = materialize_model(model, torch.float32, share_body=True)
+    bare = materialize_model(model, torch.float32, share_body=True, tables=False)
+    table, head = plain.get_input_embeddings().weight.detach(), plain.get_output_embeddings().weight.detach()
+    rows = np.array([3, 0, table.shape[0] - 1])
+    for which, full in (("table", table), ("head", head)):
+        lazy = TableRows(model, which)
+        assert lazy.shape == tuple(full.shape)
+        np.testing.assert_array_equal(lazy[5:40], full[5:40].numpy())
+        np.testing.assert_array_equal(lazy[rows], full[torch.from_numpy(rows)].numpy())
+    tables = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in bare.state_dict().items() if k not in tables)
+    with pytest.raises(PitError, match="plain embeddings"):
+        TableRows(tiny_model("llama"), "table")
+
+
 def test_t_inverse_is_float64_accurate():
     model = _pit("qwen3")
     f = factorize(model).pit_factors

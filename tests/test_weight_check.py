@@ -405,6 +405,31 @@ def test_a_gguf_file_is_dequantized_one_tensor_at_a_time(sources, tmp_path_facto
         want = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1, int(t.shape[0]))
         assert s.shape == want.shape and np.array_equal(s.dense(), want) and s.values is None
         assert np.array_equal(s.dense(np.array([0, want.shape[0] - 1])), want[[0, -1]])
+        assert np.array_equal(s.dense(slice(1, 3)), want[1:3])
+
+
+def test_the_grid_check_dequantizes_a_gguf_tensor_a_slice_of_rows_at_a_time(sources, tmp_path_factory,
+                                                                           monkeypatch):
+    """``off_grid`` asks a loader for :data:`GRID_ROWS` rows at a time, never the whole tensor
+    (gguf-py's temporaries for a 262k-token table were several times the table), and finds what
+    the whole tensor compared at once finds."""
+    from pit_deploy.evaluate import weight_check
+    from pit_deploy.evaluate.weight_check import off_grid
+    from pit_deploy.targets.gguf.stored_weights import gguf_stored
+
+    export = _exported(EXPORTS[1], sources, tmp_path_factory)
+    stored = max(gguf_stored(next(export.rglob("*q8_0*.gguf"))), key=lambda s: s.shape[0])
+    whole = stored.dense()
+    rng = np.random.default_rng(0)
+    reference = whole + rng.normal(0, 1e-3, whole.shape).astype(np.float32)
+    want = off_grid(stored, reference)
+    assert want[0] > 0  # the noise puts some values off the grid: the counts below are compared
+    asked = []
+    load = stored.load
+    monkeypatch.setattr(stored, "load", lambda rows=None: asked.append(rows) or load(rows))
+    monkeypatch.setattr(weight_check, "GRID_ROWS", 5)
+    assert off_grid(stored, reference) == want
+    assert len(asked) == -(-stored.shape[0] // 5) and all(isinstance(r, slice) for r in asked)
 
 
 def test_a_deleted_expected_error_is_refused_before_any_work(onnx_int8, tmp_path, capsys):

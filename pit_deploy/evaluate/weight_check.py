@@ -89,9 +89,10 @@ class Stored:
     #: a ``.pte`` linear's role in its program
     #: (:func:`pit_deploy.targets.executorch.stored_weights._plan_roles`), ``None`` where none is known
     role: str | None = None
-    #: makes the dequantized values where neither they nor codes are kept (a GGUF tensor, which
-    #: gguf-py dequantizes whole): called when the tensor is compared by value, not kept after
-    load: Callable[[], np.ndarray] | None = None
+    #: makes the dequantized values of some rows (all where given ``None``) where neither they nor
+    #: codes are kept (a GGUF tensor): called when the tensor is compared by value, a slice of
+    #: rows at a time, so no whole table in float32 is made at once
+    load: Callable[[slice | np.ndarray | None], np.ndarray] | None = None
     #: the tensor's shape where ``values`` and ``qz`` are both ``None``
     rows_cols: tuple[int, int] | None = None
 
@@ -116,8 +117,7 @@ class Stored:
         if self.values is not None:
             return self.values if rows is None else self.values[rows]
         if self.qz is None:
-            values = self.load()
-            return values if rows is None else values[rows]
+            return self.load(rows)
         qz, scales = (self.qz, self.scales) if rows is None else (self.qz[rows], self.scales[rows])
         blocks = scales.shape[1]
         values = qz.reshape(qz.shape[0], blocks, -1).astype(np.float32)
@@ -181,10 +181,9 @@ def off_grid(stored: Stored, reference: np.ndarray) -> tuple[int, float]:
     steps)``, :data:`GRID_ROWS` rows at a time (each row's grid is its own; a 262k-token table
     compared whole would take float64 copies of several times its size)."""
     bad, worst = 0, 0.0
-    whole = stored.dense() if stored.values is None and stored.qz is None else None  # a loader: once
     for start in range(0, max(stored.shape[0], 1), GRID_ROWS):
         rows = slice(start, start + GRID_ROWS)
-        values, ref = (stored.dense(rows) if whole is None else whole[rows]), reference[rows]
+        values, ref = stored.dense(rows), reference[rows]
         step = grid_step(ref, stored)
         diff = np.abs(values.astype(np.float64) - ref.astype(np.float64))
         allowed = step * (1 + STEP_SLACK) + 1e-12

@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -94,23 +95,50 @@ def _header(buf: Any) -> tuple["_Cursor", int, int]:
     return cur, cur.take("Q"), cur.take("Q")
 
 
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor a GGUF file declares: ``shape`` in ggml's order (``ne``, the row length
+    first), its ggml type id, and the file offset its bytes start at."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+#: where tensor data is aligned unless the file says otherwise (``general.alignment``)
+DEFAULT_ALIGNMENT = 32
+
+
+def gguf_tensor_infos(path: str | os.PathLike) -> list[GGUFTensorInfo]:
+    """The tensors a GGUF file declares, read from its header only: a reader that builds the
+    metadata arrays holds 0.5 GB for a 262,144-token vocabulary's strings while it is alive.
+
+    Raises:
+        GGUFFormatError: bad magic, an unsupported version (1), a truncated header, or an
+            alignment that is not a power of two.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur, n_tensors, n_kv = _header(buf)
+        align = _metadata(cur, n_kv).get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise GGUFFormatError(f"general.alignment {align!r} is not a power of two")
+        declared = []
+        for _ in range(n_tensors):
+            name = cur.string().decode("utf-8", "replace")
+            shape = tuple(cur.take("Q") for _ in range(cur.take("I")))
+            declared.append((name, shape, cur.take("I"), cur.take("Q")))
+        start = -(-cur.pos // align) * align  # the data section follows the header, aligned
+        return [GGUFTensorInfo(name, shape, kind, start + offset) for name, shape, kind, offset in declared]
+
+
 def gguf_tensor_names(path: str | os.PathLike) -> list[str]:
     """The tensor names a GGUF file declares, read from its header only.
 
     Raises:
         GGUFFormatError: bad magic, an unsupported version (1), or a truncated header.
     """
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur, n_tensors, n_kv = _header(buf)
-        for _ in range(n_kv):
-            cur.string()
-            cur.skip_value(cur.take("I"))
-        names = []
-        for _ in range(n_tensors):
-            names.append(cur.string().decode("utf-8", "replace"))
-            cur.skip(8 * cur.take("I"))  # dims
-            cur.skip(4 + 8)  # type, offset
-        return names
+    return [info.name for info in gguf_tensor_infos(path)]
 
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -125,23 +153,28 @@ def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur, _, n_kv = _header(buf)
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string().decode("utf-8", "replace")
-            vtype = cur.take("I")
-            if vtype in _SCALARS:
-                out[key] = cur.take(_SCALARS[vtype])
-            elif vtype == _STRING:
-                out[key] = cur.string().decode("utf-8", "replace")
-            elif vtype == _ARRAY:
-                start = cur.pos
-                cur.take("I")
-                out[key] = cur.take("Q")
-                cur.pos = start
-                cur.skip_value(vtype)
-            else:
-                raise GGUFFormatError(f"unknown metadata value type {vtype}")
-        return out
+        return _metadata(cur, n_kv)
+
+
+def _metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
+    """The ``n_kv`` key/value pairs at ``cur`` (see :func:`gguf_metadata`), the cursor left past them."""
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string().decode("utf-8", "replace")
+        vtype = cur.take("I")
+        if vtype in _SCALARS:
+            out[key] = cur.take(_SCALARS[vtype])
+        elif vtype == _STRING:
+            out[key] = cur.string().decode("utf-8", "replace")
+        elif vtype == _ARRAY:
+            start = cur.pos
+            cur.take("I")
+            out[key] = cur.take("Q")
+            cur.pos = start
+            cur.skip_value(vtype)
+        else:
+            raise GGUFFormatError(f"unknown metadata value type {vtype}")
+    return out
 
 
 def _entry(root: Path, sha256: str) -> Path:

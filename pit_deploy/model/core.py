@@ -72,6 +72,18 @@ def row_chunks(a: torch.Tensor, scale: float = 1.0) -> Iterator[tuple[slice, tor
         yield part, chunk * scale if scale != 1.0 else chunk
 
 
+def table_rows(z: torch.Tensor, lf: torch.Tensor, dtype: torch.dtype, divisor: float = 1.0) -> torch.Tensor:
+    """Rows ``z T⁻¹ / divisor`` of a materialized embedding, from float64 rows of ``Z`` and ``T``'s
+    float64 Cholesky factor ``lf``, cast once to ``dtype``."""
+    return (torch.cholesky_solve(z.T, lf, upper=False).T / divisor).to(dtype)
+
+
+def head_rows(z: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, divisor: float = 1.0) -> torch.Tensor:
+    """Rows ``(T zᵀ)ᵀ / divisor`` of a materialized head ``W_outᵀ``, from float64 rows of ``Z``
+    and ``T`` in float64, cast once to ``dtype``."""
+    return ((t @ z.T).T / divisor).to(dtype)
+
+
 def rotate_rows(u: torch.Tensor, r: torch.Tensor, dtype: torch.dtype = torch.float32,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``U R`` in ``dtype`` (``r`` float64, ``d×k``), each chunk of rows multiplied in float64;
@@ -361,8 +373,8 @@ class PITInterface(nn.Module):
         table = torch.empty(vocab, dim, dtype=dtype, device=self.Z.device)
         head = torch.empty(vocab, dim, dtype=dtype, device=self.Z.device)
         for part, z in row_chunks(self.Z):
-            table[part] = (torch.cholesky_solve(z.T, lf, upper=False).T / table_divisor).to(dtype)
-            head[part] = ((t @ z.T).T / head_divisor).to(dtype)
+            table[part] = table_rows(z, lf, dtype, table_divisor)
+            head[part] = head_rows(z, t, dtype, head_divisor)
         return table, head
 
     # ---- conditioning of T ----------------------------------------------------------------------
