@@ -142,13 +142,18 @@ def test_quantized_files_pass_kl_and_the_correction_restores_the_identity(tmp_pa
     assert result["passed"] and result["delta_ti"] > 1e-3
 
 
-def test_the_interface_is_what_llama_cpp_gathers_and_its_head_computes(tmp_path, capsys):
+def test_the_interface_is_what_llama_cpp_gathers_and_its_head_computes(tmp_path, capsys, monkeypatch):
     """``delta_ti`` comes from llama.cpp's graph (its gather's rows, its head on injected basis
     vectors), which equal the file's tables as gguf-py dequantizes them; one token row moved in the
     file (digests re-recorded) leaves the greedy text alone but fails verify on delta_ti."""
     from scramble import rehash
 
+    import torch
+
     from pit_deploy.io.gguf_files import read_gguf_tensors
+    from pit_deploy.model import quantized_interface
+    from pit_deploy.model.quantized_interface import identity_defect
+    from pit_deploy.targets.gguf.driver import LlamaCppDriver
     from pit_deploy.targets.gguf.interface import runtime_interface
 
     out = _export(tmp_path, "llama", "float32,q4_0")
@@ -158,6 +163,12 @@ def test_the_interface_is_what_llama_cpp_gathers_and_its_head_computes(tmp_path,
         stored = read_gguf_tensors(path, ("token_embd.weight", "output.weight"))
         np.testing.assert_array_equal(table, stored["token_embd.weight"])
         np.testing.assert_array_equal(head, stored["output.weight"].T)  # not the model's logits
+        # verify's figure sums W_out E over parts of both tables, never whole: the same defect
+        with LlamaCppDriver(out / art.path) as driver, monkeypatch.context() as patch:
+            patch.setattr(quantized_interface, "DEFECT_HEAD_ROWS", 5)  # several groups of basis rows
+            by_parts = driver.interface_defect(*table.shape)
+        whole = identity_defect(torch.from_numpy(table), torch.from_numpy(head))
+        assert by_parts == pytest.approx(whole, rel=1e-9, abs=1e-12)
     art = next(a for a in Manifest.read(out).artifacts if a.scheme_name == "float32")
     path = out / art.path / art.details["file"]
     tensor = _tensors(path)["token_embd.weight"]

@@ -8,6 +8,7 @@ the KV-cache type the export recorded.
 vectors, read and fed through its graph's evaluation callback
 (:mod:`pit_deploy.targets.gguf.interface`), so ``delta_ti`` is llama.cpp's own, as for the
 other runtimes. A tied file has no ``output.weight``; llama.cpp's head is then its table.
+``interface_defect()`` sums ``W_out E`` over parts of both, so neither table is held whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ...errors import PitError
 from ...runtime.base import Driver, loading, numpy_step
 from . import SPEC_NAME
 from .decoder import LlamaCppDecoder, decoder_threads
-from .interface import runtime_interface
+from .interface import LlamaInterface, runtime_interface
 
 __all__ = ["LlamaCppDriver"]
 
@@ -55,6 +56,20 @@ class LlamaCppDriver(Driver):
             raise PitError(f"{self.path}: token table {table.shape} / head {head.T.shape}, expected {(vocab, dim)}; "
                            "the file does not match its manifest — re-export")
         return torch.from_numpy(table), torch.from_numpy(head)
+
+    def interface_defect(self, vocab: int, dim: int) -> float:
+        """``delta_ti`` a group of basis rows at a time against a new pass over the ids
+        (:func:`~pit_deploy.model.quantized_interface.identity_defect_in_groups`): at a 262,144-token
+        vocabulary the two whole tables were 1.3 GB beside the file llama.cpp maps."""
+        from ...model.quantized_interface import identity_defect_in_groups, table_parts
+
+        with loading(self.path, "llama.cpp"), LlamaInterface(self.path, decoder_threads(self.threads)) as interface:
+            if (interface.vocab, interface.dim) != (vocab, dim):
+                raise PitError(f"{self.path}: token table {(interface.vocab, interface.dim)}, expected {(vocab, dim)}; "
+                               "the file does not match its manifest — re-export")
+            return identity_defect_in_groups(
+                lambda rows: torch.from_numpy(interface.head_rows(rows)),
+                lambda: table_parts(lambda part: torch.from_numpy(interface.table_rows(part)), vocab), dim)
 
     def close(self) -> None:
         self.close_decoder()
