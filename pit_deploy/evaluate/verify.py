@@ -38,7 +38,6 @@ from the artifact and compared with the reference on the target's grid (:mod:`.w
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import math
@@ -59,6 +58,7 @@ from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, ParityBounds, QuantizedBounds, bounds_for, registered, scheme_names
 from ..targets import VerifyContext, get_target, target_names
 from .bound_checks import agreement_failures, finite_by_rows, kl_failures, logit_failures, max_abs_diff, rel_l2
+from .heap import give_back_freed_memory
 
 log = logging.getLogger(__name__)
 FP32 = bounds_for("float32")
@@ -399,7 +399,7 @@ class ReferenceModel:
         if self._model is None or self._bytes < RELEASE_MIN_BYTES:
             return
         self._model = None
-        gc.collect()
+        give_back_freed_memory()  # the model's tensors, and what the checks before freed
 
     def heldout_side(self, blocks: list[list[int]]) -> Any:
         """The reference's side of the held-out KL (:func:`pit_deploy.data.heldout.kl_parity`): for a
