@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_utils import no_init_weights
 
 from ..errors import PitError
+from ..model.core import head_rows, table_rows
 from ..model.families import adapter_for
 from ..model.inspect import find_interface, unwrap_model
-from ..model.core import head_rows, table_rows
 from ..model.modules import INTERFACE_ATTR, PIT_CONFIG_KEY
 
 
