@@ -207,21 +207,58 @@ def read_gguf_tensors(path: str | Path, names: tuple[str, ...]) -> dict[str, Any
     Raises:
         GGUFFormatError: the file cannot be parsed.
     """
-    import numpy as np
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    out: dict[str, Any] = {}
+    for info in gguf_tensor_infos(path):
+        if info.name in names:
+            out[info.name] = gguf_tensor_rows(path, info).reshape([int(n) for n in reversed(info.shape)])
+    return out
+
+
+def ggml_type(path: str | Path, info: GGUFTensorInfo) -> Any:
+    """gguf-py's ``GGMLQuantizationType`` of the tensor ``info`` of the file ``path``.
+
+    Raises:
+        GGUFFormatError: a type gguf-py does not know (nor how many bytes its blocks take).
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
 
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001 — gguf-py raises ValueError, struct.error, IndexError…
-        raise GGUFFormatError(f"{path}: {exc}") from None
-    out: dict[str, Any] = {}
-    for tensor in reader.tensors:
-        if tensor.name in names:
-            rows = [int(n) for n in reversed(tensor.shape.tolist())]  # ggml's ne is (in, out)
-            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-            out[tensor.name] = np.asarray(values, dtype=np.float32).reshape(rows)
-    return out
+        kind = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        kind = None
+    if kind not in GGML_QUANT_SIZES:
+        raise GGUFFormatError(f"{path}: tensor {info.name} has ggml type {info.ggml_type}, which gguf-py does not know")
+    return kind
+
+
+def gguf_tensor_rows(path: str | Path, info: GGUFTensorInfo, rows: slice | Any = None) -> Any:
+    """Rows ``rows`` (a slice or an index array; all where ``None``) of the tensor ``info`` of the
+    GGUF file ``path``, ``(n, ne[0])``, dequantized to float32 by gguf-py. Only those rows' bytes
+    are read, through a mapping of the tensor alone that is closed before this returns: a whole
+    262k-token table is never made unless asked for, and no page of the file stays in the process.
+
+    Raises:
+        GGUFFormatError: a type gguf-py does not know, or bytes that run past the end of the file.
+    """
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    kind = ggml_type(path, info)
+    block_values, block_bytes = GGML_QUANT_SIZES[kind]
+    cols = int(info.shape[0]) if info.shape else 1
+    count = int(np.prod(info.shape)) // max(cols, 1)
+    row_bytes = cols // block_values * block_bytes
+    if cols % block_values or info.offset + count * row_bytes > os.path.getsize(path):
+        raise GGUFFormatError(f"{path}: tensor {info.name}, {count} rows of {cols} {kind.name} values, does not fit "
+                              "the file")
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(count, row_bytes))
+    try:
+        part = np.array(mapped if rows is None else mapped[rows])
+    finally:
+        del mapped  # unmapped: the pages read leave the process with it
+    return np.asarray(dequantize(part, kind), dtype=np.float32).reshape(-1, cols)
 
 
 def gguf_raw_tensor(path: str | Path, name: str) -> tuple[int, bytes]:

@@ -23,59 +23,36 @@ GGUF_FLOAT_ULP = {"F16": 2.0 ** -10, "BF16": 2.0 ** -7}
 
 
 def gguf_stored(path: Path) -> list[Stored]:
-    """Every tensor of the GGUF file at ``path`` that is not float32, dequantized by gguf-py
-    (``gguf.quants.dequantize``) when it is compared, a slice of rows at a time: the whole file in
-    float32 is the model's fp32 size, and gguf-py's temporaries for one 262k-token table were
-    several times the table's. The tensors are found by a scan of the file's header, and each
-    slice's bytes are read from the file when they are compared (gguf-py's ``GGUFReader`` builds
-    every metadata array, 0.5 GB for a 262k-token vocabulary, and maps the whole file).
+    """Every tensor of the GGUF file at ``path`` that is not float32, dequantized by gguf-py when
+    it is compared, a slice of rows at a time (:func:`pit_deploy.io.gguf_files.gguf_tensor_rows`):
+    the whole file in float32 is the model's fp32 size, and gguf-py's temporaries for one
+    262k-token table were several times the table's. The tensors are found by a scan of the
+    file's header (gguf-py's ``GGUFReader`` builds every metadata array, 0.5 GB for a 262k-token
+    vocabulary, and maps the whole file).
 
     Raises:
-        ValueError: a tensor of a type gguf-py does not know, or whose bytes run past the end of
-            the file (the weight check reports it as not checked, never as a pass).
+        GGUFFormatError: a header that cannot be parsed or a type gguf-py does not know (a
+            ``ValueError``: the weight check reports the file as not checked, never as a pass).
     """
-    from gguf import GGMLQuantizationType
-    from gguf.constants import GGML_QUANT_SIZES
+    from ...io.gguf_files import ggml_type, gguf_tensor_infos, gguf_tensor_rows
 
-    from ...io.gguf_files import gguf_tensor_infos
-
-    size = path.stat().st_size
     out = []
     for info in gguf_tensor_infos(path):
-        kind = GGMLQuantizationType(info.ggml_type)
-        if kind.name == "F32":
+        kind = ggml_type(path, info).name
+        if kind == "F32":
             continue
         cols = int(info.shape[0])  # ggml's ne[0] is the row length
         rows = int(np.prod(info.shape)) // cols
-        block_values, block_bytes = GGML_QUANT_SIZES[kind]
-        row_bytes = cols // block_values * block_bytes
-        if cols % block_values or info.offset + rows * row_bytes > size:
-            raise ValueError(f"{info.name}: {rows} rows of {cols} {kind.name} values do not fit the file")
 
-        def load(which: slice | np.ndarray | None = None, offset: int = info.offset, kind: Any = kind,
-                 shape: tuple[int, int] = (rows, row_bytes), cols: int = cols) -> np.ndarray:
-            return _dequantized_rows(path, offset, shape, kind, which).reshape(-1, cols)
+        def load(which: slice | np.ndarray | None = None, info: Any = info) -> np.ndarray:
+            return gguf_tensor_rows(path, info, which)
 
         # a k-quant's sub-block scales are themselves rounded against the 256-value super-block's
-        block = 256 if kind.name.endswith("_K") else 32
-        out.append(Stored(info.name, None, GGUF_BITS.get(kind.name), block,
-                          ulp=GGUF_FLOAT_ULP.get(kind.name, 0.0) if kind.name not in GGUF_BITS else None,
-                          f16_scales=kind.name in GGUF_BITS, load=load, rows_cols=(rows, cols)))
+        block = 256 if kind.endswith("_K") else 32
+        out.append(Stored(info.name, None, GGUF_BITS.get(kind), block, ulp=GGUF_FLOAT_ULP.get(kind, 0.0)
+                          if kind not in GGUF_BITS else None, f16_scales=kind in GGUF_BITS,
+                          load=load, rows_cols=(rows, cols)))
     return out
-
-
-def _dequantized_rows(path: Path, offset: int, shape: tuple[int, int], kind: Any,
-                      which: slice | np.ndarray | None) -> np.ndarray:
-    """Rows ``which`` (all: ``None``) of a tensor of ``shape`` ``(rows, bytes a row)`` stored at
-    ``offset``, dequantized to float32; the file is mapped for the read only."""
-    from gguf.quants import dequantize
-
-    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=shape)
-    try:
-        part = np.array(mapped if which is None else mapped[which])
-    finally:
-        del mapped  # unmapped: the pages read leave the process with it
-    return np.asarray(dequantize(part, kind), dtype=np.float32)
 
 
 def check_gguf_weights(directory: Path, art: Any, reference: Any) -> WeightCheck:
