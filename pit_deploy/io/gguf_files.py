@@ -268,9 +268,15 @@ def gguf_raw_tensor(path: str | Path, name: str) -> tuple[int, bytes]:
     Raises:
         KeyError: the file has no such tensor.
     """
-    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES
 
-    for tensor in GGUFReader(str(path)).tensors:
-        if tensor.name == name:
-            return int(tensor.tensor_type), bytes(tensor.data.tobytes())
+    for info in gguf_tensor_infos(path):
+        if info.name == name:
+            block_values, block_bytes = GGML_QUANT_SIZES[ggml_type(path, info)]
+            count = 1
+            for n in info.shape:
+                count *= int(n)
+            with open(path, "rb") as fh:
+                fh.seek(info.offset)
+                return info.ggml_type, fh.read(count // block_values * block_bytes)
     raise KeyError(f"{path} has no tensor {name}")

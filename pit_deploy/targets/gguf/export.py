@@ -54,7 +54,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ...errors import PitError
-from ...io.gguf_files import gguf_raw_tensor, read_gguf_tensors
+from ...io.gguf_files import ggml_type, gguf_raw_tensor, gguf_tensor_infos, read_gguf_tensors
 from ...model.quantized_interface import corrected_table, identity_defect, identity_defect_by_parts, table_parts
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
@@ -451,7 +451,7 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
     head_t = int(gguf.GGMLQuantizationType[HEAD_TYPE]) if HEAD in tensors else None
 
     def types(file: Path) -> dict[str, str]:
-        return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(file)).tensors if t.name in (EMBED, HEAD)}
+        return {info.name: ggml_type(file, info).name for info in gguf_tensor_infos(file) if info.name in (EMBED, HEAD)}
 
     with tempfile.TemporaryDirectory(prefix=".pit-gguf-", dir=path.parent) as tmp:
         f32, first = Path(tmp) / "f32.gguf", Path(tmp) / "first.gguf"
