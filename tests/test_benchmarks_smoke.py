@@ -19,7 +19,8 @@ What is smoked, and what is left out:
   decode step reads; ``web_decode.py`` runs it in Node,
   headless Chromium and native onnxruntime; ``onnx_head_kernels.py`` and
   ``pte_head_kernels.py`` run their head-shaped kernels at a tiny shape (``--vocab/--hidden``);
-  ``train_pit_vs_tt.py`` trains the tiny model for a few hundred tokens on the default corpus.
+  ``train_pit_vs_tt.py`` trains the tiny model for a few hundred tokens on the default corpus;
+  ``kl_chunk_size.py`` times the held-out KL on small synthetic logits.
 * The scripts run in this process through their ``main(argv)`` (no interpreter start-up each),
   except ``onnx_head_kernels.py``, which runs as ``python benchmarks/onnx_head_kernels.py`` to
   check that the scripts still run the way the docs say. The orchestrating scripts start their
@@ -306,6 +307,20 @@ def test_pte_head_kernels(tmp_path):
                                               "--out", str(out)]) == 0
     data = well_formed(out, "pte_head_kernels", "rows")
     assert len(data["rows"]) == 5
+
+
+def test_kl_chunk_size(tmp_path):
+    """Every chunk size gives the same figures; the module's chunk size is left as it was."""
+    from pit_deploy.data import heldout
+
+    before = heldout.KL_ELEMENTS
+    out = tmp_path / "kl_chunk_size.json"
+    assert run_benchmark("kl_chunk_size", ["--vocab", "300,1000", "--elements", "2^10,4000", "--positions", "9",
+                                           "--rounds", "2", "--out", str(out)]) == 0
+    data = well_formed(out, "kl_chunk_size", "rows")
+    assert len(data["rows"]) == 4 and all(row["same_figures"] for row in data["rows"])
+    assert [row["positions_per_chunk"] for row in data["rows"]] == [3, 13, 1, 4]
+    assert heldout.KL_ELEMENTS == before == data["default_kl_elements"]
 
 
 def test_train_pit_vs_tt(work, tmp_path):

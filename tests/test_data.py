@@ -204,6 +204,39 @@ def test_kl_figures_by_parts_of_a_sequence_are_the_whole_sequence_figures(monkey
     assert damaged.nonfinite_outputs == 1 and math.isinf(damaged.kl_mean)
 
 
+def test_kl_figures_are_the_written_out_definition():
+    """The fused KL and the float32 argmax and finiteness test give the figures of the definition
+    written out in float64: a chunk of finite values whose float32 sum overflows counts no
+    non-finite output, and an infinite row is unbounded and never agrees."""
+    import math
+
+    from pit_deploy.data import heldout
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (9,), generator=gen)
+    ref = 3 * torch.randn(9, 50, generator=gen)
+    got = ref + 0.3 * torch.randn(9, 50, generator=gen)
+    got[4] = torch.full((50,), 3e38)  # finite, a float32 sum overflows
+
+    def written_out(ref, got):
+        logp, logq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        nxt = ids[1:]
+        gap = (-logq[:-1].gather(1, nxt[:, None]).sum() + logp[:-1].gather(1, nxt[:, None]).sum()) / 8
+        return kl, int((got.double().argmax(-1) == ref.double().argmax(-1)).sum()), math.exp(gap)
+
+    figures = heldout.kl_figures([(ids, ref, got)])
+    kl, agree, ratio = written_out(ref, got)
+    assert figures.nonfinite_outputs == 0 and figures.same_top1 == agree / 9
+    assert figures.kl_mean == pytest.approx(float(kl.mean()), rel=1e-12)
+    assert figures.ppl_ratio == pytest.approx(ratio, rel=1e-12)
+    row_2_agreed = int(got[2].argmax() == ref[2].argmax())
+    got[2, 0] = float("inf")
+    figures = heldout.kl_figures([(ids, ref, got)])
+    assert figures.nonfinite_outputs == 1 and math.isinf(figures.kl_mean)
+    assert figures.same_top1 == (agree - row_2_agreed) / 9
+
+
 def test_kl_figures_let_a_blocks_logits_go_before_the_next_block_is_made():
     """Only one block's logits are alive at a time (at a 262k-token vocabulary a block's pair is
     0.5 GB): when the next block is asked for, the last one's tensors are gone."""

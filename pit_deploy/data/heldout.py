@@ -137,14 +137,51 @@ def kl_parity(driver: Any, reference: Any, blocks: list[list[int]]) -> KLFigures
 
 
 #: float64 values of one distribution worked on at a time: the KL of a chunk of positions holds
-#: about seven such arrays, so 2^21 values (16 MiB each) keep it near 110 MiB whatever the
-#: vocabulary (8 positions at 262,144 ids, 42 at 49,152)
-KL_ELEMENTS = 2**21
+#: about seven such arrays, so 2^19 values (4 MiB each) keep it near 30 MiB whatever the vocabulary
+#: (2 positions at 262,144 ids, 10 at 49,152); chunks of this size were the fastest measured
+#: (twice as fast as 2^21 at 70,000 and 262,144 ids, benchmarks/results/kl_chunk_size.json)
+KL_ELEMENTS = 2**19
 
 
 def kl_rows(vocab: int) -> int:
     """Positions of one sequence whose float64 distributions are worked on at a time."""
     return max(1, KL_ELEMENTS // max(vocab, 1))
+
+
+@dataclass
+class _Chunk:
+    """One chunk's per-position figures, as Python values (see :func:`kl_figures`)."""
+    kls: list[float]
+    agree: int
+    nonfinite: int
+    picked_p: list[float]
+    picked_q: list[float]
+
+
+def _chunk_figures(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> _Chunk:
+    """The figures of a few positions' logits ``(n, V)``; ``targets`` the next ids of the first
+    ``len(targets)`` of them. Nothing of the chunk outlives the call, so the caller's ``del`` of a
+    block's logits frees them."""
+    # a float32 sum is finite only if every value is: the element-wise test (a tenth of the chunk's
+    # time) runs only for a chunk that may hold a NaN or an infinity
+    bad_rows = None
+    nonfinite = 0
+    if not bool(torch.isfinite(got.sum())):
+        bad = ~torch.isfinite(got)
+        nonfinite = int(bad.sum())
+        bad_rows = bad.any(-1)
+    logp = torch.log_softmax(ref.double(), -1)
+    logq = torch.log_softmax(got.double(), -1)
+    # sum_v p_v (log p_v - log q_v) in one fused pass: the values of the written-out form
+    kl = torch.nn.functional.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)
+    same = got.argmax(-1) == ref.argmax(-1)  # float32 -> float64 is exact: the same argmax
+    if bad_rows is not None:  # a non-finite row is unbounded and never agrees
+        kl = torch.where(bad_rows, torch.full_like(kl, math.inf), kl)
+        same &= ~bad_rows
+    n = targets.numel()
+    return _Chunk(kls=kl.tolist(), agree=int(same.sum()), nonfinite=nonfinite,
+                  picked_p=logp[:n].gather(1, targets[:, None]).reshape(-1).tolist(),
+                  picked_q=logq[:n].gather(1, targets[:, None]).reshape(-1).tolist())
 
 
 @torch.no_grad()
@@ -166,18 +203,12 @@ def kl_figures(rows: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) 
         step = kl_rows(ref_all.shape[-1])
         for first in range(0, ids.numel(), step):
             part = slice(first, first + step)
-            ref, got = ref_all[part].double(), got_all[part].double()
-            bad = ~torch.isfinite(got)
-            nonfinite += int(bad.sum())
-            logp = torch.log_softmax(ref, -1)
-            logq = torch.log_softmax(got, -1)
-            kl = (logp.exp() * (logp - logq)).sum(-1)
-            kl = torch.where(bad.any(-1), torch.full_like(kl, math.inf), kl)  # a non-finite row is unbounded
-            kls.extend(kl.tolist())
-            agree += int(((got.argmax(-1) == ref.argmax(-1)) & ~bad.any(-1)).sum())
-            targets = nxt[part]  # the positions of this part that predict a next token
-            picked_p.extend(logp[:targets.numel()].gather(1, targets[:, None]).reshape(-1).tolist())
-            picked_q.extend(logq[:targets.numel()].gather(1, targets[:, None]).reshape(-1).tolist())
+            chunk = _chunk_figures(ref_all[part], got_all[part], nxt[part])
+            nonfinite += chunk.nonfinite
+            kls.extend(chunk.kls)
+            agree += chunk.agree
+            picked_p.extend(chunk.picked_p)
+            picked_q.extend(chunk.picked_q)
         positions += ids.numel()
         nll_p -= float(torch.tensor(picked_p, dtype=torch.float64).sum())
         nll_q -= float(torch.tensor(picked_q, dtype=torch.float64).sum())
