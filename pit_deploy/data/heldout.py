@@ -138,8 +138,8 @@ def kl_parity(driver: Any, reference: Any, blocks: list[list[int]]) -> KLFigures
 
 #: float64 values of one distribution worked on at a time: the KL of a chunk of positions holds
 #: about seven such arrays, so 2^19 values (4 MiB each) keep it near 30 MiB whatever the vocabulary
-#: (2 positions at 262,144 ids, 10 at 49,152); chunks of this size were the fastest measured
-#: (twice as fast as 2^21 at 70,000 and 262,144 ids, benchmarks/results/kl_chunk_size.json)
+#: (2 positions at 262,144 ids, 10 at 49,152); of 2^17 to 2^21 this size was the fastest at 49,152,
+#: 70,000 and 262,144 ids, 1.3-2.5x faster than 2^21 (benchmarks/results/kl_chunk_size.json)
 KL_ELEMENTS = 2**19
 
 
