@@ -227,3 +227,31 @@ def test_standalone_decoder_imports_nothing_of_the_package():
 
     assert llama_cpp_decoder.SPEC_NAME == SPEC_NAME  # the decoder cannot import the target's constant
     assert_self_contained(Path(llama_cpp_decoder.__file__), ("transformers", "torch"))
+
+
+def test_the_decoder_writes_each_positions_logits_once_into_an_array_of_the_callers(tmp_path):
+    """The decoder evaluates through llama.cpp's context and batch, not ``Llama.eval``: a prefill's
+    logits are the caller's own array (a later call leaves it as it was; llama-cpp-python's logits
+    array is not written), ``prefill_last`` is the last row of ``prefill``, and steps continue
+    the cache the way a longer prefill computes the same positions (to rounding: llama.cpp's kernels
+    differ with the number of rows)."""
+    from pit_deploy.targets.gguf.decoder import PREFILL_BATCH, LlamaCppDecoder
+
+    out = _export(tmp_path, "llama", "float32")
+    (art,) = Manifest.read(out).artifacts
+    decoder = LlamaCppDecoder(out / art.path / art.details["file"], threads=1)
+    ids = np.random.default_rng(0).integers(3, decoder.vocab, PREFILL_BATCH + 9)  # two batches
+    whole = decoder.prefill(ids)
+    kept = whole.copy()
+    assert whole.shape == (len(ids), decoder.vocab) and whole.flags.owndata and np.isfinite(whole).all()
+    assert not np.shares_memory(whole, decoder.llm.scores) and decoder.llm.scores.shape[0] == PREFILL_BATCH
+    last = decoder.prefill_last(ids)  # the head on one row: another kernel, the same values to rounding
+    assert np.allclose(last, whole[-1], rtol=1e-5, atol=1e-6) and last.argmax() == whole[-1].argmax()
+    first = decoder.prefill(ids[:5])
+    assert np.array_equal(first, whole[:5]) and np.array_equal(whole, kept)
+    steps = np.stack([decoder.step(int(t), 5 + k) for k, t in enumerate(ids[5:9])])
+    assert np.allclose(steps, whole[5:9], rtol=1e-4, atol=1e-4)
+    assert [int(row.argmax()) for row in steps] == [int(row.argmax()) for row in whole[5:9]]
+    with pytest.raises(ValueError, match="9 tokens are cached"):
+        decoder.step(1, 11)
+    decoder.close()

@@ -82,8 +82,9 @@ def decoder_threads(threads: int | None) -> int:
 
 
 class LlamaCppDecoder:
-    """``llama_cpp.Llama`` with ``logits_all`` (every position's logits kept) and the recorded
-    KV-cache type; ``prefill`` restarts the cache, ``step`` appends one token."""
+    """``llama_cpp.Llama`` with the recorded KV-cache type, evaluated through its context and batch
+    (every position's logits of a prefill read once into the caller's array); ``prefill`` and
+    ``prefill_last`` restart the cache, ``step`` appends one token."""
 
     def __init__(self, path: str | Path, threads: int | None = None, context: int | None = None,
                  kv_cache_type: str | None = None) -> None:
@@ -97,24 +98,60 @@ class LlamaCppDecoder:
         kv = KV_TYPES[self.kv_cache_type]
         threads = decoder_threads(threads)
         self.threads = threads
-        self.llm = Llama(model_path=str(path), n_ctx=context or int(spec.get("context_length", DEFAULT_CONTEXT)), n_batch=PREFILL_BATCH, n_threads=threads,
-                         n_threads_batch=threads, logits_all=True, type_k=kv, type_v=kv, flash_attn=False,
-                         verbose=False)
+        # logits_all=False: llama-cpp-python's context-long logits array is never used (see
+        # _evaluate), so it is made n_batch rows long
+        self.llm = Llama(model_path=str(path), n_ctx=context or int(spec.get("context_length", DEFAULT_CONTEXT)),
+                         n_batch=PREFILL_BATCH, n_threads=threads, n_threads_batch=threads, logits_all=False,
+                         type_k=kv, type_v=kv, flash_attn=False, verbose=False)
         self.vocab = self.llm.n_vocab()
 
     def prefill(self, ids: Any) -> np.ndarray:
-        """Logits ``(S, V)`` of ``ids`` from an empty cache."""
+        """Logits ``(S, V)`` of ``ids`` from an empty cache (an array of the caller's own)."""
         tokens = [int(i) for i in ids]
         self.llm.reset()
-        self.llm.eval(tokens)
-        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+        out = np.empty((len(tokens), self.vocab), dtype=np.float32)
+        self._evaluate(tokens, out)
+        return out
+
+    def prefill_last(self, ids: Any) -> np.ndarray:
+        """Logits ``(V,)`` of the last of ``ids`` from an empty cache: llama.cpp computes the head
+        for that position only, as its own generation does."""
+        tokens = [int(i) for i in ids]
+        self.llm.reset()
+        out = np.empty((1, self.vocab), dtype=np.float32)
+        self._evaluate(tokens, out, every_position=False)
+        return out[0]
 
     def step(self, token: int, pos: int) -> np.ndarray:
         """Logits ``(V,)`` of ``token`` at ``pos`` (the tokens already cached)."""
         if pos != self.llm.n_tokens:
             raise ValueError(f"step at position {pos}, but {self.llm.n_tokens} tokens are cached")
-        self.llm.eval([int(token)])
-        return np.array(self.llm.scores[pos], dtype=np.float32)
+        out = np.empty((1, self.vocab), dtype=np.float32)
+        self._evaluate([int(token)], out)
+        return out[0]
+
+    def _evaluate(self, tokens: list[int], out: np.ndarray, every_position: bool = True) -> None:
+        """Evaluate ``tokens`` after the cached ones, ``PREFILL_BATCH`` at a time, and copy each
+        position's logits (or the last one's) from llama.cpp's output buffer into ``out``.
+
+        Why not ``Llama.eval``: it copies every position's logits into llama-cpp-python's own
+        context-long ``scores`` array, which stays resident, and a caller's array was a second
+        copy (268 MB each for 256 positions at 262,144 ids). This is ``eval``'s loop (the same
+        batches, positions and cache bookkeeping, so the logits are the same) writing once into
+        ``out``."""
+        llm = self.llm
+        llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+        for first in range(0, len(tokens), llm.n_batch):
+            batch = tokens[first:first + llm.n_batch]
+            n_past, n = llm.n_tokens, len(batch)
+            llm._batch.set_batch(batch=batch, n_past=n_past, logits_all=every_position)
+            llm._ctx.decode(llm._batch)
+            llm.input_ids[n_past:n_past + n] = batch
+            llm.n_tokens += n
+            if every_position:
+                out[first:first + n] = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n, self.vocab))
+        if not every_position:
+            out[0] = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(self.vocab,))
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:

@@ -46,6 +46,10 @@ class LlamaCppDriver(Driver):
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill(ids.tolist()))
 
+    def prefill_last(self, ids: torch.Tensor) -> torch.Tensor:
+        """llama.cpp computes the head for the last position only, as in its own generation."""
+        return torch.from_numpy(self.decoder.prefill_last(ids.tolist()))
+
     def step(self, token: int, pos: int) -> torch.Tensor:
         return numpy_step(self.decoder, token, pos)
 
