@@ -131,3 +131,21 @@ def test_cache_off_or_unwritable_falls_back_to_the_file(tmp_path: Path, monkeypa
     blocker.write_text("the cache cannot be a directory under a file")
     monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
     assert converted_gguf(tmp_path / "m.gguf", "ab" * 32, _builder(calls)) is None and not calls
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "F16", "BF16"])
+def test_quantizing_and_dequantizing_by_rows_is_one_call_on_the_whole(kind: str, monkeypatch) -> None:
+    """gguf-py's rounding works row by row: a table done a few rows at a time (here 7 of 30) has
+    the bytes and the values of one call on the whole, the last short part included."""
+    from gguf.quants import dequantize, quantize
+
+    from pit_deploy.io import gguf_files
+
+    monkeypatch.setattr(gguf_files, "GGML_ROWS", 7)
+    qtype = gguf.GGMLQuantizationType[kind]
+    array = np.random.default_rng(0).standard_normal((30, 256)).astype(np.float32)
+    codes = gguf_files.quantize_by_rows(array, qtype)
+    whole = quantize(array, qtype)
+    assert codes.dtype == whole.dtype and np.array_equal(codes, whole)
+    values = gguf_files.dequantize_by_rows(codes, qtype, 256)
+    assert values.dtype == np.float32 and np.array_equal(values, np.asarray(dequantize(whole, qtype), np.float32))

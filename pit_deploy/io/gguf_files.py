@@ -232,18 +232,51 @@ def ggml_type(path: str | Path, info: GGUFTensorInfo) -> Any:
     return kind
 
 
+#: rows gguf-py quantizes or dequantizes at a time: its temporaries for a whole 262k-token table
+#: were half a GB beside the result; every ggml type here rounds each row on its own, so the bytes
+#: and values are those of one call on the whole array
+GGML_ROWS = 8192
+
+
+def dequantize_by_rows(codes: Any, kind: Any, cols: int) -> Any:
+    """gguf-py's ``dequantize`` of ``codes`` (``(n, row bytes)`` uint8 of the ggml type ``kind``)
+    :data:`GGML_ROWS` rows at a time into one float32 ``(n, cols)`` array."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    out = np.empty((len(codes), cols), dtype=np.float32)
+    for start in range(0, len(codes), GGML_ROWS):
+        part = slice(start, start + GGML_ROWS)
+        out[part] = np.asarray(dequantize(np.asarray(codes[part]), kind), dtype=np.float32).reshape(-1, cols)
+    return out
+
+
+def quantize_by_rows(array: Any, kind: Any) -> Any:
+    """gguf-py's ``quantize`` of a 2-D float32 ``array`` to the ggml type ``kind``,
+    :data:`GGML_ROWS` rows at a time into one uint8 array of the whole."""
+    import numpy as np
+    from gguf.quants import quantize
+
+    first = quantize(array[:GGML_ROWS], kind)
+    out = np.empty((len(array), *first.shape[1:]), dtype=first.dtype)
+    out[:len(first)] = first
+    for start in range(GGML_ROWS, len(array), GGML_ROWS):
+        out[start:start + GGML_ROWS] = quantize(array[start:start + GGML_ROWS], kind)
+    return out
+
+
 def gguf_tensor_rows(path: str | Path, info: GGUFTensorInfo, rows: slice | Any = None) -> Any:
     """Rows ``rows`` (a slice or an index array; all where ``None``) of the tensor ``info`` of the
     GGUF file ``path``, ``(n, ne[0])``, dequantized to float32 by gguf-py. Only those rows' bytes
-    are read, through a mapping of the tensor alone that is closed before this returns: a whole
-    262k-token table is never made unless asked for, and no page of the file stays in the process.
+    are read, through a mapping of the tensor alone that is closed before this returns, and
+    dequantized :data:`GGML_ROWS` at a time: a whole 262k-token table is never made unless asked
+    for, then without a second copy, and no page of the file stays in the process.
 
     Raises:
         GGUFFormatError: a type gguf-py does not know, or bytes that run past the end of the file.
     """
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
 
     kind = ggml_type(path, info)
     block_values, block_bytes = GGML_QUANT_SIZES[kind]
@@ -255,10 +288,9 @@ def gguf_tensor_rows(path: str | Path, info: GGUFTensorInfo, rows: slice | Any =
                               "the file")
     mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(count, row_bytes))
     try:
-        part = np.array(mapped if rows is None else mapped[rows])
+        return dequantize_by_rows(mapped if rows is None else mapped[rows], kind, cols)
     finally:
         del mapped  # unmapped: the pages read leave the process with it
-    return np.asarray(dequantize(part, kind), dtype=np.float32).reshape(-1, cols)
 
 
 def gguf_raw_tensor(path: str | Path, name: str) -> tuple[int, bytes]:

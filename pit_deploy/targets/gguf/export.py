@@ -54,7 +54,8 @@ import torch
 from transformers import PreTrainedModel
 
 from ...errors import PitError
-from ...io.gguf_files import ggml_type, gguf_raw_tensor, gguf_tensor_infos, read_gguf_tensors
+from ...io.gguf_files import (dequantize_by_rows, ggml_type, gguf_raw_tensor, gguf_tensor_infos, gguf_tensor_rows,
+                               quantize_by_rows, read_gguf_tensors)
 from ...model.quantized_interface import corrected_table, identity_defect, identity_defect_by_parts, table_parts
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
@@ -417,18 +418,19 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
     or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied model (the
     baseline) is all ``kind``, as llama.cpp makes it."""
     import gguf
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     body_t, head_t = gguf.GGMLQuantizationType[kind], gguf.GGMLQuantizationType[HEAD_TYPE]
-    codes = {name: (quantize(a, body_t), body_t) for name, a in tensors.items() if a.ndim == 2 and name not in (EMBED, HEAD)}
+    codes = {name: (quantize_by_rows(a, body_t), body_t) for name, a in tensors.items()
+             if a.ndim == 2 and name not in (EMBED, HEAD)}
     info: dict[str, Any] = {"head_type": kind, "table_type": kind}
     if HEAD not in tensors:  # tied: llama.cpp's own choice (module docstring)
-        codes[EMBED] = (quantize(tensors[EMBED], body_t), body_t)
+        codes[EMBED] = (quantize_by_rows(tensors[EMBED], body_t), body_t)
     else:
         info["head_type"] = HEAD_TYPE
-        codes[HEAD] = (quantize(tensors[HEAD], head_t), head_t)
-        head = dequantize(codes[HEAD][0], head_t)
-        plain = quantize(tensors[EMBED], body_t)
+        codes[HEAD] = (quantize_by_rows(tensors[HEAD], head_t), head_t)
+        head = dequantize_by_rows(codes[HEAD][0], head_t, tensors[HEAD].shape[1])
+        plain = quantize_by_rows(tensors[EMBED], body_t)
         table = corrected_table(head, scale) if correction else None
         info.update(_table_figures(head, lambda rows: dequantize(plain[rows], body_t), kind, scale, table))
         if table is not None:
@@ -440,6 +442,12 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.
         del head
     write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType[_GGUF_PY_TYPES[kind]])
     return info
+
+
+def _rows_of(path: Path, name: str) -> Callable[[slice], np.ndarray]:
+    """``rows -> those rows of tensor name``, dequantized from the file ``path``."""
+    (info,) = [i for i in gguf_tensor_infos(path) if i.name == name]
+    return lambda rows: gguf_tensor_rows(path, info, rows)
 
 
 def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
@@ -462,22 +470,23 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
         if HEAD not in chosen:  # (tied: llama.cpp's head is its table; nothing to correct)
             first.replace(path)
             return info
-        read = read_gguf_tensors(first, (EMBED, HEAD))
-        table = corrected_table(read[HEAD], scale) if correction else None
-        info.update(_table_figures(read[HEAD], read[EMBED].__getitem__, chosen.get(EMBED), scale, table))
-        del read  # each V×d table is let go once used: five at once are 3 GB at 262k tokens
+        # the head whole (the correction solves with it), the table a part of rows at a time
+        head = read_gguf_tensors(first, (HEAD,))[HEAD]
+        vocab = head.shape[0]
+        table = corrected_table(head, scale) if correction else None
+        info.update(_table_figures(head, _rows_of(first, EMBED), chosen.get(EMBED), scale, table))
         if table is None:
             first.replace(path)
             return info
         write_gguf(f32, model, tokenizer, {**tensors, EMBED: table})
-        del table
+        del table, head
         llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
         if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
             raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
                            "corrected table would not match it")
         info["table_type"] = types(path).get(EMBED)
-        final = read_gguf_tensors(path, (EMBED, HEAD))
-        info["delta_ti_corrected"] = identity_defect(final[EMBED], final[HEAD].T, scale)
+        head = read_gguf_tensors(path, (HEAD,))[HEAD]
+        info["delta_ti_corrected"] = identity_defect_by_parts(head.T, table_parts(_rows_of(path, EMBED), vocab), scale)
     return info
 
 
