@@ -319,3 +319,14 @@ def test_generation_states_give_the_forward_pass_statistics(family):
         assert mine.tokens == theirs.tokens
         for got, want in ((mine.second_moment, theirs.second_moment), (mine.fisher, theirs.fisher)):
             assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_the_calibration_softmax_in_place_is_the_softmax_of_the_whole():
+    """The probabilities are written over the logits a few rows at a time (no second
+    sequence-long tensor at a 262k-token vocabulary): bit for bit one softmax of the whole."""
+    from pit_deploy.converters.preserve import SOFTMAX_ROWS, softmax_in_place
+
+    logits = 4 * torch.randn(2 * SOFTMAX_ROWS + 3, 1001, generator=torch.Generator().manual_seed(0))
+    expected = torch.softmax(logits, dim=-1)
+    got = softmax_in_place(logits)
+    assert got.data_ptr() == logits.data_ptr() and torch.equal(got, expected)

@@ -344,6 +344,21 @@ class _GroupSums:
         return StatGroup(name, self.c / self.count, 0.5 * (fisher + fisher.T), self.count, self.count * multiplier)
 
 
+#: rows of a sequence's logits turned into probabilities at a time (see :func:`softmax_in_place`)
+SOFTMAX_ROWS = 16
+
+
+def softmax_in_place(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(logits, -1)`` of a ``(positions, V)`` tensor, written over ``logits``
+    :data:`SOFTMAX_ROWS` rows at a time, and returned: a sequence's logits and probabilities are
+    256 MiB each at 262k tokens, the peak of a conversion at that vocabulary. Each row's softmax
+    is computed on its own, so the values are those of one call on the whole tensor."""
+    for start in range(0, logits.shape[0], SOFTMAX_ROWS):
+        part = logits[start:start + SOFTMAX_ROWS]
+        part.copy_(torch.softmax(part, dim=-1))
+    return logits
+
+
 @torch.no_grad()
 def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch.Tensor],
                       u: torch.Tensor) -> CalibrationStats:
@@ -370,8 +385,8 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
                 logits = _head_logits(model, state).float()
             x = state.to(torch.float64)
             n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            p = torch.softmax(logits, dim=-1)
-            del logits  # a sequence's logits and probabilities are 256 MiB each at 262k tokens
+            p = softmax_in_place(logits)
+            del logits
             pu = (p @ u32).to(torch.float64)
             labels = position_groups(len(x), prompt_len, shared if seen_chat else 0)
             seen_chat = seen_chat or prompt_len is not None
