@@ -1,4 +1,4 @@
-"""Giving the heap's free pages back between the stages of a check (:mod:`pit_deploy.evaluate.heap`)."""
+"""Giving the heap's free pages back between the stages of a check (:mod:`pit_deploy.io.heap`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from pit_deploy.evaluate import heap
+from pit_deploy.io import heap
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")

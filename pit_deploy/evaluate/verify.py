@@ -52,13 +52,13 @@ from ..errors import PitError, WriteError
 from ..exporters.recipes import MODES, parse_list
 from ..io.checkpoint import load_pit_model
 from ..io.fs import confined, json_text, lock_target, write_json_atomic
+from ..io.heap import give_back_freed_memory
 from ..io.manifest import (MANIFEST_NAME, REFERENCE_DIR, Manifest, artifact_key, check_digests, pin_sha256,
                            read_manifest_json)
 from ..runtime.drivers import driver_class
 from ..schemes import DTYPES, ParityBounds, QuantizedBounds, bounds_for, registered, scheme_names
 from ..targets import VerifyContext, get_target, target_names
 from .bound_checks import agreement_failures, finite_by_rows, kl_failures, logit_failures, max_abs_diff, rel_l2
-from .heap import give_back_freed_memory
 
 log = logging.getLogger(__name__)
 FP32 = bounds_for("float32")

@@ -24,7 +24,7 @@ from ..converters.conversion import convert_model
 from ..model.families import body_linears
 from ..model.inspect import find_interface
 from ..errors import PitError
-from ..evaluate.heap import give_back_freed_memory
+from ..io.heap import give_back_freed_memory
 from .calibrated_rounding import rounding_progress
 from .passes import prepare
 from ..io.manifest import REFERENCE_DIR, Artifact, Manifest, artifact_key, file_table, library_versions

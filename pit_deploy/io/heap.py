@@ -1,4 +1,5 @@
-"""Giving freed memory back to the operating system between the stages of a check.
+"""Giving freed memory back to the operating system between the stages of a command (a check, an
+export).
 
 glibc's allocator serves blocks up to a threshold that it raises as large blocks are freed
 (``M_MMAP_THRESHOLD``, up to 32 MiB on 64-bit systems: mallopt(3)) from its heap, and returns a
