@@ -29,6 +29,7 @@ bash scripts/setup_aarch64.sh
 export HF_HUB_OFFLINE=1
 # Two workers (pytest-xdist), one per core of the CI machine; a test file, and the runtime suite as
 # a whole, stays on one worker, and the slowest groups are handed out first (tests/conftest.py;
-# --no-loadscope-reorder keeps that order). PIT_TEST_WORKERS=0 runs in this process.
+# --no-loadscope-reorder keeps that order), each worker's torch on its share of the cores.
+# PIT_TEST_WORKERS=0 runs in this process.
 # The 25 slowest tests are listed at the end, to show where the suite's time goes.
 exec .venv/bin/python -m pytest -n "${PIT_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --durations=25 ${tier[@]+"${tier[@]}"} ${args[@]+"${args[@]}"}
