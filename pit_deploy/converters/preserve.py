@@ -385,8 +385,7 @@ def calibration_stats(model: PreTrainedModel, calib: CalibrationSet | list[torch
                 logits = _head_logits(model, state).float()
             x = state.to(torch.float64)
             n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            p = softmax_in_place(logits)
-            del logits
+            p = softmax_in_place(logits)  # the logits' own memory now holds the probabilities
             pu = (p @ u32).to(torch.float64)
             labels = position_groups(len(x), prompt_len, shared if seen_chat else 0)
             seen_chat = seen_chat or prompt_len is not None

@@ -265,6 +265,29 @@ def quantize_by_rows(array: Any, kind: Any) -> Any:
     return out
 
 
+def _tensor_layout(path: str | Path, info: GGUFTensorInfo) -> tuple[Any, int, int, int]:
+    """``(ggml type, values a row, rows, bytes a row)`` of the tensor ``info`` (ggml's ``ne[0]`` is
+    the row length), checked to lie within the file ``path``.
+
+    Raises:
+        GGUFFormatError: a type gguf-py does not know, or bytes that run past the end of the file.
+    """
+    from gguf.constants import GGML_QUANT_SIZES
+
+    kind = ggml_type(path, info)
+    block_values, block_bytes = GGML_QUANT_SIZES[kind]
+    cols = int(info.shape[0]) if info.shape else 1
+    count = 1
+    for n in info.shape:
+        count *= int(n)
+    count //= max(cols, 1)
+    row_bytes = cols // block_values * block_bytes
+    if cols % block_values or info.offset + count * row_bytes > os.path.getsize(path):
+        raise GGUFFormatError(f"{path}: tensor {info.name}, {count} rows of {cols} {kind.name} values, does not fit "
+                              "the file")
+    return kind, cols, count, row_bytes
+
+
 def gguf_tensor_rows(path: str | Path, info: GGUFTensorInfo, rows: slice | Any = None) -> Any:
     """Rows ``rows`` (a slice or an index array; all where ``None``) of the tensor ``info`` of the
     GGUF file ``path``, ``(n, ne[0])``, dequantized to float32 by gguf-py. Only those rows' bytes
@@ -276,16 +299,8 @@ def gguf_tensor_rows(path: str | Path, info: GGUFTensorInfo, rows: slice | Any =
         GGUFFormatError: a type gguf-py does not know, or bytes that run past the end of the file.
     """
     import numpy as np
-    from gguf.constants import GGML_QUANT_SIZES
 
-    kind = ggml_type(path, info)
-    block_values, block_bytes = GGML_QUANT_SIZES[kind]
-    cols = int(info.shape[0]) if info.shape else 1
-    count = int(np.prod(info.shape)) // max(cols, 1)
-    row_bytes = cols // block_values * block_bytes
-    if cols % block_values or info.offset + count * row_bytes > os.path.getsize(path):
-        raise GGUFFormatError(f"{path}: tensor {info.name}, {count} rows of {cols} {kind.name} values, does not fit "
-                              "the file")
+    kind, cols, count, row_bytes = _tensor_layout(path, info)
     mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(count, row_bytes))
     try:
         return dequantize_by_rows(mapped if rows is None else mapped[rows], kind, cols)
@@ -299,16 +314,12 @@ def gguf_raw_tensor(path: str | Path, name: str) -> tuple[int, bytes]:
 
     Raises:
         KeyError: the file has no such tensor.
+        GGUFFormatError: its type is one gguf-py does not know, or its bytes run past the file's end.
     """
-    from gguf.constants import GGML_QUANT_SIZES
-
     for info in gguf_tensor_infos(path):
         if info.name == name:
-            block_values, block_bytes = GGML_QUANT_SIZES[ggml_type(path, info)]
-            count = 1
-            for n in info.shape:
-                count *= int(n)
+            _, _, count, row_bytes = _tensor_layout(path, info)
             with open(path, "rb") as fh:
                 fh.seek(info.offset)
-                return info.ggml_type, fh.read(count // block_values * block_bytes)
+                return info.ggml_type, fh.read(count * row_bytes)
     raise KeyError(f"{path} has no tensor {name}")
