@@ -255,3 +255,28 @@ def test_the_decoder_writes_each_positions_logits_once_into_an_array_of_the_call
     with pytest.raises(ValueError, match="9 tokens are cached"):
         decoder.step(1, 11)
     decoder.close()
+
+
+def test_an_export_to_gguf_alone_never_materializes_the_tables(tmp_path, monkeypatch):
+    """The pipeline hands the gguf target a model without its two tables (their rows computed as
+    the file is written) when every target of the mode writes them so, and materializes them
+    once where another target of the same mode needs them whole."""
+    from pit_deploy.exporters import pipeline
+    from pit_deploy.exporters.passes import TABLE_ROWS_ATTR
+
+    asked, prepare = [], pipeline.prepare
+
+    def recorded(model, mode, dtype, tables_by_rows=False):
+        prepared = prepare(model, mode, dtype, tables_by_rows)
+        asked.append((mode, tables_by_rows, hasattr(prepared, TABLE_ROWS_ATTR)))
+        return prepared
+
+    monkeypatch.setattr(pipeline, "prepare", recorded)
+    _export(tmp_path, "llama", "float32")
+    assert asked == [("materialized", True, True)]
+    asked.clear()
+    out = tmp_path / "both"
+    assert main(["export", str(tmp_path / "llama-src"), "--out", str(out), "--runtime", "gguf,onnx",
+                 "--mode", "materialized", "--dtype", "float32"]) == 0
+    assert asked == [("materialized", False, False)]
+    assert {a.target for a in Manifest.read(out).artifacts} == {"gguf", "onnx"}

@@ -221,3 +221,39 @@ def test_quantized_verify_compares_with_the_reference_logits_on_disk(converted, 
         assert a.passed and b.passed and a.heldout_tokens == b.heldout_tokens > 0
     assert alive_at_kl == [False, False]
     assert len(spilled) == 1 and spilled[0]._file.closed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q8_0", "q4_0"])
+def test_a_gguf_file_written_a_part_of_rows_at_a_time_is_the_file_of_the_whole_tables(converted, tmp_path, dtype):
+    """A GGUF export alone computes, rounds and writes the token table and the head 8192 rows at a
+    time from Z and T (never either table whole: 1.3 GB at a 262k-token vocabulary): the file and
+    the recorded delta_ti figures are byte for byte those written from the whole materialized tables."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (bash scripts/setup_llama_cpp.sh)")
+    from transformers import AutoTokenizer
+
+    from pit_deploy.converters.materialize import TableRows
+    from pit_deploy.exporters.passes import materialize, materialize_by_rows
+    from pit_deploy.io.gguf_files import GGML_ROWS
+    from pit_deploy.io.checkpoint import load_pit_model
+    from pit_deploy.schemes import get_scheme
+    from pit_deploy.targets import get_target
+    from pit_deploy.targets.gguf.export import export_gguf
+
+    model, tokenizer = load_pit_model(converted), AutoTokenizer.from_pretrained(converted)
+    get_target("gguf")  # registers llama.cpp's own schemes
+    scheme = get_scheme(dtype)
+    asked: list[int] = []
+    rows_of = TableRows.__getitem__
+
+    def counted(self, rows):
+        asked.append(len(range(*rows.indices(self.shape[0]))))
+        return rows_of(self, rows)
+
+    whole = export_gguf(materialize(model), tmp_path / "whole", tokenizer, scheme)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TableRows, "__getitem__", counted)
+        by_rows = export_gguf(materialize_by_rows(model), tmp_path / "rows", tokenizer, scheme)
+    name = whole["file"]
+    assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "rows" / name).read_bytes()
+    assert whole == by_rows
+    assert asked and max(asked) <= GGML_ROWS and sum(asked) % VOCAB == 0 and sum(asked) >= 2 * VOCAB

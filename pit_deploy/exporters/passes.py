@@ -35,6 +35,9 @@ from .recipes import MODES
 from .residual_rotation import rotation_of
 
 FACTORS_ATTR = "pit_factors"
+#: the attribute of a model materialized without its two tables (:func:`materialize_by_rows`): the
+#: ``(table, head)`` :class:`~pit_deploy.converters.materialize.TableRows` that compute their rows
+TABLE_ROWS_ATTR = "pit_table_rows"
 
 
 def _tracing() -> bool:
@@ -227,12 +230,29 @@ def keep_tied(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> Pre
     return twin
 
 
-def prepare(model: PreTrainedModel, mode: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Apply the pass named ``mode`` (one of :data:`MODES`, or ``tied`` for the baseline)."""
+def materialize_by_rows(model: PreTrainedModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """:func:`materialize` without the two tables: the body as there, the embedding and head
+    weights never written (never resident), and :data:`TABLE_ROWS_ATTR` holding the ``(table,
+    head)`` :class:`~pit_deploy.converters.materialize.TableRows` whose rows are computed as
+    :func:`materialize` computes them. For an exporter that writes the tables a part of rows at a
+    time (a target's ``streams_tables``): at a 262,144-token vocabulary and d = 640 the two tables
+    are 1.3 GB of float32 that the export then never holds. Nothing may run this model's forward."""
+    from ..converters.materialize import TableRows
+
+    _require_pit(model)
+    plain = materialize_model(model, dtype, share_body=True, tables=False)
+    setattr(plain, TABLE_ROWS_ATTR, (TableRows(model, "table", dtype), TableRows(model, "head", dtype)))
+    return plain
+
+
+def prepare(model: PreTrainedModel, mode: str, dtype: torch.dtype = torch.float32,
+            tables_by_rows: bool = False) -> PreTrainedModel:
+    """Apply the pass named ``mode`` (one of :data:`MODES`, or ``tied`` for the baseline);
+    ``tables_by_rows``: a materialized model's tables as :func:`materialize_by_rows` leaves them."""
     if mode == "tied":
         return keep_tied(model, dtype)
     if mode == "materialized":
-        return materialize(model, dtype)
+        return materialize_by_rows(model, dtype) if tables_by_rows else materialize(model, dtype)
     if mode == "factorized":
         return factorize(model, dtype)
     raise PitError(f"unknown export mode {mode!r}; choose from {', '.join(MODES)}")

@@ -128,7 +128,9 @@ def export_model(
             runtimes = [r for r in recipe.runtimes if (r, mode) in wanted]
             if not runtimes:
                 continue
-            prepared = prepare(model, mode, dtype)
+            # the tables a part at a time where every target of this mode writes them so
+            by_rows = mode == "materialized" and all(get_target(r).streams_tables for r in runtimes)
+            prepared = prepare(model, mode, dtype, tables_by_rows=by_rows)
             for runtime in runtimes:
                 target = get_target(runtime)
                 for scheme in schemes:

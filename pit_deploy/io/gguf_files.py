@@ -265,6 +265,91 @@ def quantize_by_rows(array: Any, kind: Any) -> Any:
     return out
 
 
+@dataclass(frozen=True)
+class TensorByRows:
+    """A ``(count, cols)`` tensor that a GGUF file is written from a part of rows at a time:
+    ``rows_of(rows)`` gives float32 rows (a slice of at most :data:`GGML_ROWS`), rounded to the
+    ggml type ``kind`` as they are written (``None``: float32 as they are).
+
+    gguf-py's ``GGUFWriter`` takes it in place of an array (``add_tensor`` with ``raw_shape``
+    :attr:`shape` and ``raw_dtype`` :attr:`kind`, then ``tofile`` while it writes the data): a
+    materialized 262k-token table is computed and written 8192 rows at a time instead of being
+    held whole, 671 MB of float32 at d = 640, and a quantized one never exists in float32. The
+    bytes are those of the whole array: each ggml type rounds each row on its own."""
+
+    rows_of: Callable[[slice], Any]
+    count: int
+    cols: int
+    kind: Any = None
+
+    @property
+    def dtype(self) -> Any:
+        import numpy as np
+
+        return np.dtype(np.uint8 if self.kind is not None else np.float32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The stored shape: ``(count, bytes a row)`` of ``kind``, or ``(count, cols)`` float32s."""
+        if self.kind is None:
+            return self.count, self.cols
+        from gguf.constants import GGML_QUANT_SIZES
+
+        block_values, block_bytes = GGML_QUANT_SIZES[self.kind]
+        return self.count, self.cols // block_values * block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    def parts(self) -> Any:
+        """``(rows, stored values)`` over the whole tensor, :data:`GGML_ROWS` rows at a time."""
+        import numpy as np
+        from gguf.quants import quantize
+
+        for start in range(0, self.count, GGML_ROWS):
+            rows = slice(start, min(self.count, start + GGML_ROWS))
+            values = np.ascontiguousarray(self.rows_of(rows), dtype=np.float32)
+            if values.shape != (rows.stop - start, self.cols):
+                raise ValueError(f"rows {start}:{rows.stop} came as {values.shape}, not {(rows.stop - start, self.cols)}")
+            yield rows, (values if self.kind is None else quantize(values, self.kind))
+
+    def tofile(self, fh: Any) -> None:
+        """Write the stored bytes to the open binary file ``fh``, a part at a time."""
+        for _, values in self.parts():
+            values.tofile(fh)
+
+
+def same_stored_bytes(path_a: str | Path, path_b: str | Path, name: str, block: int = 1 << 24) -> bool:
+    """Whether tensor ``name`` has the same ggml type and stored bytes in the GGUF files
+    ``path_a`` and ``path_b``, compared ``block`` bytes at a time (two 262k-token BF16 heads are
+    335 MB each).
+
+    Raises:
+        KeyError: a file has no such tensor.
+        GGUFFormatError: a type gguf-py does not know, or bytes that run past a file's end.
+    """
+    spans = []
+    for path in (path_a, path_b):
+        infos = [i for i in gguf_tensor_infos(path) if i.name == name]
+        if not infos:
+            raise KeyError(f"{path} has no tensor {name}")
+        _, _, count, row_bytes = _tensor_layout(path, infos[0])
+        spans.append((infos[0].ggml_type, infos[0].offset, count * row_bytes))
+    if spans[0][0] != spans[1][0] or spans[0][2] != spans[1][2]:
+        return False
+    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
+        fa.seek(spans[0][1])
+        fb.seek(spans[1][1])
+        left = spans[0][2]
+        while left:
+            size = min(block, left)
+            if fa.read(size) != fb.read(size):
+                return False
+            left -= size
+    return True
+
+
 def _tensor_layout(path: str | Path, info: GGUFTensorInfo) -> tuple[Any, int, int, int]:
     """``(ggml type, values a row, rows, bytes a row)`` of the tensor ``info`` (ggml's ``ne[0]`` is
     the row length), checked to lie within the file ``path``.
@@ -306,20 +391,3 @@ def gguf_tensor_rows(path: str | Path, info: GGUFTensorInfo, rows: slice | Any =
         return dequantize_by_rows(mapped if rows is None else mapped[rows], kind, cols)
     finally:
         del mapped  # unmapped: the pages read leave the process with it
-
-
-def gguf_raw_tensor(path: str | Path, name: str) -> tuple[int, bytes]:
-    """``(ggml type, stored bytes)`` of tensor ``name`` in the GGUF file ``path``: what two files
-    must share for their tensor to be the very same codes.
-
-    Raises:
-        KeyError: the file has no such tensor.
-        GGUFFormatError: its type is one gguf-py does not know, or its bytes run past the file's end.
-    """
-    for info in gguf_tensor_infos(path):
-        if info.name == name:
-            _, _, count, row_bytes = _tensor_layout(path, info)
-            with open(path, "rb") as fh:
-                fh.seek(info.offset)
-                return info.ggml_type, fh.read(count * row_bytes)
-    raise KeyError(f"{path} has no tensor {name}")

@@ -151,22 +151,54 @@ def table_map(s: Any, t: Any) -> Any:
     return np.linalg.solve(np.asarray(s, np.float64), np.asarray(t, np.float64)).T
 
 
-def corrected_table(head: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """The pseudo-inverse of a (dequantized) head as a float32 token table: ``E = Ŵ (ŴᵀŴ)⁻¹``,
-    in float64 (the Gram matrix by row chunks, ``(ŴᵀŴ)⁻¹`` from its Cholesky factor, the rows by
-    chunks), so ``Ŵᵀ E = I_d`` (``head``: ``(V, d)`` as PyTorch stores it, full column rank).
-    A materialized export whose head is quantized stores this table; a runtime that multiplies
-    the gathered rows by ``scale`` (Gemma's ``√d``) stores ``E / scale``.
+def pseudo_inverse_map(head_rows: Callable[[slice], Any], count: int, scale: float = 1.0) -> np.ndarray:
+    """``(ŴᵀŴ)⁻¹ / scale`` in float64, from a (dequantized) head ``Ŵ`` ``(count, d)`` that arrives
+    a part of rows at a time (``head_rows(rows)``, as :func:`table_parts` reads it): the Gram
+    matrix summed by parts, its inverse from the Cholesky factor. The head's rows times this map
+    are the rows of :func:`corrected_table`.
 
     Raises:
         PitError: the head has lost rank.
     """
-    gram = cross_gram(head, head)
+    gram = None
+    for _, rows in table_parts(head_rows, count):
+        gram = cross_gram(rows, rows, out=gram)
     try:
         chol = np.linalg.cholesky(gram)
     except np.linalg.LinAlgError:
         raise PitError("the quantized head is rank-deficient: no token table can make W_out E = I") from None
     inv = np.linalg.solve(chol.T, np.linalg.solve(chol, np.eye(gram.shape[0])))
-    if scale != 1.0:
-        inv = inv / scale
+    return inv / scale if scale != 1.0 else inv
+
+
+def corrected_rows(head_rows: Callable[[slice], Any], inverse: np.ndarray) -> Callable[[slice], np.ndarray]:
+    """``rows -> those rows of the corrected table``, float32: the head's rows times ``inverse``
+    (:func:`pseudo_inverse_map`) in float64, so that an exporter writes the table a part at a
+    time, the same bytes as :func:`corrected_table` where the parts are :func:`table_parts`'."""
+    inv = torch.from_numpy(inverse)
+    return lambda rows: rotate_rows(torch.from_numpy(np.asarray(head_rows(rows))), inv).numpy()
+
+
+def identity_defect_of_rows(head_rows: Callable[[slice], Any], table_rows: Callable[[slice], Any], count: int,
+                            e_scale: float = 1.0) -> float:
+    """:func:`identity_defect` of a head (``head_rows(rows)``: rows of ``W_outᵀ``, ``(n, d)``, as
+    PyTorch stores a head) and a table that both arrive a part of rows at a time: the same
+    float64 sums, term for term, as :func:`identity_defect_by_parts` of the whole head."""
+    total = None
+    for start, rows in table_parts(table_rows, count):
+        total = cross_gram(np.asarray(head_rows(slice(start, start + len(rows)))), rows, e_scale, out=total)
+    return _off_identity(total)
+
+
+def corrected_table(head: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """The pseudo-inverse of a (dequantized) head as a float32 token table: ``E = Ŵ (ŴᵀŴ)⁻¹``,
+    in float64 (:func:`pseudo_inverse_map`, then the rows by chunks), so ``Ŵᵀ E = I_d``
+    (``head``: ``(V, d)`` as PyTorch stores it, full column rank). A materialized export whose
+    head is quantized stores this table; a runtime that multiplies the gathered rows by
+    ``scale`` (Gemma's ``√d``) stores ``E / scale``.
+
+    Raises:
+        PitError: the head has lost rank.
+    """
+    inv = pseudo_inverse_map(lambda rows: head[rows], len(head), scale)
     return rotate_rows(torch.from_numpy(np.asarray(head)), torch.from_numpy(inv)).numpy()

@@ -167,6 +167,10 @@ class Target:
     #: ``gate_up_proj``) as a tensor of its own, so its recorded codes are by part
     #: (:func:`~pit_deploy.exporters.calibrated_rounding.split_fused`)
     splits_fused: bool = False
+    #: the exporter writes a materialized model's token table and head a part of rows at a time
+    #: from the model's ``pit_table_rows`` (:func:`pit_deploy.exporters.passes.materialize_by_rows`),
+    #: so an export whose every target of the mode does so never holds either table whole
+    streams_tables: bool = False
     modes: tuple[str, ...] = ("materialized", "factorized")
     schemes: tuple[str, ...] | None = None
     #: the quantization schemes only this target writes, as data: :class:`~pit_deploy.schemes.Scheme`'s

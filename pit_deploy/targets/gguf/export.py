@@ -47,20 +47,24 @@ import os
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from ...errors import PitError
-from ...io.gguf_files import (dequantize_by_rows, ggml_type, gguf_raw_tensor, gguf_tensor_infos, gguf_tensor_rows,
-                               quantize_by_rows, read_gguf_tensors)
-from ...model.quantized_interface import corrected_table, identity_defect, identity_defect_by_parts, table_parts
+from ...io.heap import give_back_freed_memory
+from ...io.gguf_files import (TensorByRows, ggml_type, gguf_tensor_infos, gguf_tensor_rows, quantize_by_rows,
+                               same_stored_bytes)
+from ...model.quantized_interface import corrected_rows, identity_defect_of_rows, pseudo_inverse_map
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
 from .decoder import DEFAULT_CONTEXT
 from .vocab import general_name, write_tokenizer
+
+#: a weight as the writer takes it: a float32 array, or a table computed a part of rows at a time
+Tensor = Union[np.ndarray, TensorByRows]
 
 #: the KV-cache type recorded per file type: float32 files are verified against the fp32 bounds,
 #: which llama.cpp's default f16 cache misses on the default model (docs/llama_cpp.md);
@@ -128,14 +132,15 @@ def is_tied(model: PreTrainedModel) -> bool:
 
 
 @torch.no_grad()
-def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
-    """Every weight of ``model`` as float32 under its llama.cpp name.
+def gguf_tensors(model: PreTrainedModel) -> dict[str, Tensor]:
+    """Every weight of ``model`` as float32 under its llama.cpp name; the token table and the head
+    of a model materialized without them (:data:`TABLE_ROWS_ATTR`) as :class:`TensorByRows`.
 
     Raises:
         PitError: a factorized model, a weight llama.cpp's architecture has no place for (a bias,
             a rotary-scaling table), or a family without an architecture here.
     """
-    from ...exporters.passes import FACTORS_ATTR
+    from ...exporters.passes import FACTORS_ATTR, TABLE_ROWS_ATTR
 
     config = model.config
     if getattr(model, FACTORS_ATTR, None) is not None:
@@ -153,12 +158,17 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
     if arch == "gemma3":
         check_gemma3(config)
     names = LAYER_NAMES.get(arch, _LAYER_NAMES)
-    tied = is_tied(model)
+    streamed = getattr(model, TABLE_ROWS_ATTR, None)  # a materialized model without its two tables
+    tied = streamed is None and is_tied(model)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, np.ndarray] = {}
     unplaced = []
+    tables = {} if streamed is None else dict(zip(("model.embed_tokens.weight", "lm_head.weight"), streamed))
     for name, value in model.state_dict().items():
-        array = value.detach().to(torch.float32).cpu().numpy()
+        if name in tables:  # the weight is never written (never resident): its rows are computed as written
+            array = TensorByRows(tables[name].__getitem__, *tables[name].shape)
+        else:
+            array = value.detach().to(torch.float32).cpu().numpy()
         if name == "model.embed_tokens.weight":
             out[EMBED] = array
         elif name == "model.norm.weight":
@@ -278,10 +288,11 @@ def longrope_attention_factor(config: Any) -> float:
     return 1.0 if scale <= 1.0 else math.sqrt(1.0 + math.log(scale) / math.log(original))
 
 
-def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray],
+def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict[str, Tensor],
                quantized: dict[str, tuple[np.ndarray, Any]] | None = None, file_type: int = 0) -> None:
-    """Write ``tensors`` (float32, llama.cpp names) and the model's metadata to ``path``;
-    ``quantized`` holds ``name → (codes, ggml type)`` written instead of their float32 twin."""
+    """Write ``tensors`` (float32 arrays or :class:`TensorByRows`, llama.cpp names) and the
+    model's metadata to ``path``; ``quantized`` holds ``name → (codes, ggml type)`` written
+    instead of their float32 twin."""
     import gguf
 
     config = model.config
@@ -316,6 +327,8 @@ def write_gguf(path: Path, model: PreTrainedModel, tokenizer: Any, tensors: dict
         if name in quantized:
             codes, qtype = quantized[name]
             writer.add_tensor(name, codes, raw_shape=codes.shape, raw_dtype=qtype)
+        elif isinstance(array, TensorByRows):  # computed (and rounded) a part at a time as it is written
+            writer.add_tensor(name, array, raw_shape=array.shape, raw_dtype=array.kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
@@ -361,6 +374,9 @@ def llama_quantize(src: Path, dst: Path, kind: str, table_type: int | None = Non
     # llama-cpp-python's logger; the manifest records the types it chose
     chatter = logging.getLogger("llama-cpp-python")
     level = chatter.level
+    # its buffers for the largest tensor (the float32 table read, and its output) are ~1 GB at a
+    # 262k-token vocabulary: they start from the pages the row-by-row work before it freed
+    give_back_freed_memory()
     chatter.setLevel(logging.CRITICAL)  # (its level table is off by one: warnings arrive as errors)
     try:
         status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
@@ -383,27 +399,39 @@ def table_scale(config: Any) -> np.float32:
     return np.float32(1.0)
 
 
-def _table_figures(head: np.ndarray, plain_rows: Callable[[slice], np.ndarray], table_type: str | None,
-                   scale: np.float32, corrected: np.ndarray | None = None) -> dict[str, Any]:
-    """``delta_ti`` of the dequantized ``head`` with the table quantized as the source
-    (``plain_rows(rows)``: a slice of its rows dequantized, times the graph's ``scale``), and — where
-    gguf-py can round the table's type — with the corrected table (``corrected``, or computed
-    here) rounded to that type: what storing the correction at the file's precision would leave
-    (the reason it is stored in float32). Both by parts of rows (every type here rounds each row
-    on its own): a dequantized 262k-token table and gguf-py's temporaries were 2 GB more."""
+def _rows_of(tensor: Tensor) -> Callable[[slice], np.ndarray]:
+    """``rows -> those rows`` of a float32 array or a :class:`TensorByRows`."""
+    return tensor.rows_of if isinstance(tensor, TensorByRows) else tensor.__getitem__
+
+
+def _file_rows(path: Path, name: str) -> Callable[[slice], np.ndarray]:
+    """``rows -> those rows of tensor name``, dequantized from the file ``path``."""
+    (info,) = [i for i in gguf_tensor_infos(path) if i.name == name]
+    return lambda rows: gguf_tensor_rows(path, info, rows)
+
+
+def _table_figures(head: Callable[[slice], np.ndarray], vocab: int, plain_rows: Callable[[slice], np.ndarray],
+                   table_type: str | None, scale: np.float32,
+                   corrected: Callable[[slice], np.ndarray] | None = None) -> dict[str, Any]:
+    """``delta_ti`` of the dequantized head (``head(rows)``, ``vocab`` rows) with the table
+    quantized as the source (``plain_rows(rows)``: a slice of its rows dequantized, times the
+    graph's ``scale``), and — where gguf-py can round the table's type — with the corrected table
+    (``corrected(rows)``, or computed here) rounded to that type: what storing the correction at
+    the file's precision would leave (the reason it is stored in float32). Every table a part of
+    rows at a time (every type here rounds each row on its own): neither table nor head is held
+    whole."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    vocab = head.shape[0]
-    out = {"delta_ti_uncorrected": identity_defect_by_parts(head.T, table_parts(plain_rows, vocab), scale)}
+    out = {"delta_ti_uncorrected": identity_defect_of_rows(head, plain_rows, vocab, scale)}
     qtype = getattr(gguf.GGMLQuantizationType, table_type or "", None)
     if qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16):
-        table = corrected_table(head, scale) if corrected is None else corrected
+        table = corrected or corrected_rows(head, pseudo_inverse_map(head, vocab, scale))
 
         def rounded(rows: slice) -> np.ndarray:
-            return dequantize(quantize(table[rows], qtype), qtype)
+            return dequantize(quantize(table(rows), qtype), qtype)
 
-        out["delta_ti_corrected_table_rounded"] = identity_defect_by_parts(head.T, table_parts(rounded, vocab), scale)
+        out["delta_ti_corrected_table_rounded"] = identity_defect_of_rows(head, rounded, vocab, scale)
     return out
 
 
@@ -411,49 +439,61 @@ def _table_figures(head: np.ndarray, plain_rows: Callable[[slice], np.ndarray], 
 _GGUF_PY_TYPES = {"Q8_0": "MOSTLY_Q8_0", "F16": "MOSTLY_F16"}
 
 
-def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
+def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, Tensor], path: Path,
                   kind: str, correction: bool, scale: np.float32) -> dict[str, Any]:
     """Q8_0 or F16 by gguf-py: every body weight rounded to ``kind`` (Q8_0: the same rounding as
     ggml's reference ``quantize_row_q8_0``), the head to :data:`HEAD_TYPE`; the table ``kind``,
     or with ``correction`` the float32 pseudo-inverse of the rounded head. A tied model (the
-    baseline) is all ``kind``, as llama.cpp makes it."""
+    baseline) is all ``kind``, as llama.cpp makes it. Only the head's codes are held whole: the
+    table is rounded or corrected a part of rows at a time as it is written."""
     import gguf
     from gguf.quants import dequantize
 
     body_t, head_t = gguf.GGMLQuantizationType[kind], gguf.GGMLQuantizationType[HEAD_TYPE]
     codes = {name: (quantize_by_rows(a, body_t), body_t) for name, a in tensors.items()
-             if a.ndim == 2 and name not in (EMBED, HEAD)}
+             if getattr(a, "ndim", 0) == 2 and name not in (EMBED, HEAD)}
     info: dict[str, Any] = {"head_type": kind, "table_type": kind}
+    plain = TensorByRows(_rows_of(tensors[EMBED]), *_shape(tensors[EMBED]), kind=body_t)
     if HEAD not in tensors:  # tied: llama.cpp's own choice (module docstring)
-        codes[EMBED] = (quantize_by_rows(tensors[EMBED], body_t), body_t)
+        tensors = {**tensors, EMBED: plain}
     else:
         info["head_type"] = HEAD_TYPE
-        codes[HEAD] = (quantize_by_rows(tensors[HEAD], head_t), head_t)
-        head = dequantize_by_rows(codes[HEAD][0], head_t, tensors[HEAD].shape[1])
-        plain = quantize_by_rows(tensors[EMBED], body_t)
-        table = corrected_table(head, scale) if correction else None
-        info.update(_table_figures(head, lambda rows: dequantize(plain[rows], body_t), kind, scale, table))
+        vocab, dim = _shape(tensors[HEAD])
+        rounded_head = TensorByRows(_rows_of(tensors[HEAD]), vocab, dim, head_t)
+        head_codes = np.empty(rounded_head.shape, dtype=np.uint8)
+        for rows, part in rounded_head.parts():
+            head_codes[rows] = part
+        codes[HEAD] = (head_codes, head_t)
+
+        def head(rows: slice) -> np.ndarray:
+            return np.asarray(dequantize(head_codes[rows], head_t), dtype=np.float32).reshape(-1, dim)
+
+        def plain_rows(rows: slice) -> np.ndarray:
+            return np.asarray(dequantize(quantize_by_rows(plain.rows_of(rows), body_t), body_t),
+                              dtype=np.float32).reshape(-1, dim)
+
+        table = corrected_rows(head, pseudo_inverse_map(head, vocab, scale)) if correction else None
+        info.update(_table_figures(head, vocab, plain_rows, kind, scale, table))
         if table is not None:
-            tensors = {**tensors, EMBED: table}
+            tensors = {**tensors, EMBED: TensorByRows(table, vocab, dim)}
             info["table_type"] = "F32"
-            info["delta_ti_corrected"] = identity_defect(table, head.T, scale)
+            info["delta_ti_corrected"] = identity_defect_of_rows(head, table, vocab, scale)
         else:
-            codes[EMBED] = (plain, body_t)
-        del head
+            tensors = {**tensors, EMBED: plain}
     write_gguf(path, model, tokenizer, tensors, codes, file_type=gguf.LlamaFileType[_GGUF_PY_TYPES[kind]])
     return info
 
 
-def _rows_of(path: Path, name: str) -> Callable[[slice], np.ndarray]:
-    """``rows -> those rows of tensor name``, dequantized from the file ``path``."""
-    (info,) = [i for i in gguf_tensor_infos(path) if i.name == name]
-    return lambda rows: gguf_tensor_rows(path, info, rows)
+def _shape(tensor: Tensor) -> tuple[int, int]:
+    """``(rows, values a row)`` of a float32 array or a float32 :class:`TensorByRows`."""
+    return (tensor.count, tensor.cols) if isinstance(tensor, TensorByRows) else tuple(tensor.shape)
 
 
-def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, np.ndarray], path: Path,
+def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, Tensor], path: Path,
                      kind: str, correction: bool, scale: np.float32) -> dict[str, Any]:
     """Q4_0/Q4_K_M by llama.cpp's quantizer, an untied head at :data:`HEAD_TYPE`, with the
-    two-run correction (module docstring); a tied model (the baseline) as llama.cpp makes it."""
+    two-run correction (module docstring); a tied model (the baseline) as llama.cpp makes it.
+    The head and the tables are read from the files a part of rows at a time."""
     import gguf
 
     head_t = int(gguf.GGMLQuantizationType[HEAD_TYPE]) if HEAD in tensors else None
@@ -470,23 +510,21 @@ def _llama_quantized(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, 
         if HEAD not in chosen:  # (tied: llama.cpp's head is its table; nothing to correct)
             first.replace(path)
             return info
-        # the head whole (the correction solves with it), the table a part of rows at a time
-        head = read_gguf_tensors(first, (HEAD,))[HEAD]
-        vocab = head.shape[0]
-        table = corrected_table(head, scale) if correction else None
-        info.update(_table_figures(head, _rows_of(first, EMBED), chosen.get(EMBED), scale, table))
+        vocab, dim = _shape(tensors[HEAD])
+        head = _file_rows(first, HEAD)
+        table = corrected_rows(head, pseudo_inverse_map(head, vocab, scale)) if correction else None
+        info.update(_table_figures(head, vocab, _file_rows(first, EMBED), chosen.get(EMBED), scale, table))
         if table is None:
             first.replace(path)
             return info
-        write_gguf(f32, model, tokenizer, {**tensors, EMBED: table})
-        del table, head
+        write_gguf(f32, model, tokenizer, {**tensors, EMBED: TensorByRows(table, vocab, dim)})
         llama_quantize(f32, path, kind, head_type=head_t, table_type=0)  # GGML_TYPE_F32: the table as computed
-        if gguf_raw_tensor(path, HEAD) != gguf_raw_tensor(first, HEAD):
+        if not same_stored_bytes(path, first, HEAD):
             raise PitError(f"llama.cpp's quantizer rounded the head differently in its second {kind} run; the "
                            "corrected table would not match it")
         info["table_type"] = types(path).get(EMBED)
-        head = read_gguf_tensors(path, (HEAD,))[HEAD]
-        info["delta_ti_corrected"] = identity_defect_by_parts(head.T, table_parts(_rows_of(path, EMBED), vocab), scale)
+        info["delta_ti_corrected"] = identity_defect_of_rows(_file_rows(path, HEAD), _file_rows(path, EMBED), vocab,
+                                                             scale)
     return info
 
 
