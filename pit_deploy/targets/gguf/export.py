@@ -12,6 +12,10 @@ The file is written here with gguf-py's ``GGUFWriter``:
   llama.cpp ties;
 * the tokenizer (:mod:`pit_deploy.targets.gguf.vocab`: byte-level or SentencePiece BPE) and the
   hyper-parameters llama.cpp reads;
+* a model materialized without its tables (the pipeline's ``materialize_by_rows``, when ``gguf``
+  is the mode's only target): the token table and the head are computed from ``Z`` and ``T``,
+  rounded and written 8192 rows at a time (:class:`~pit_deploy.io.gguf_files.TensorByRows`), the
+  same bytes as from the whole tables, which a 262k-token model's export then never holds;
 * for ``gemma3``: every RMS-norm gain as ``1 + w`` (Hugging Face's Gemma norms multiply by
   ``1 + w``, llama.cpp's by the stored gain), the local layers' window, flags and rotary base.
   The table stays the model's stored one; llama.cpp multiplies its rows by ``√d`` as Gemma does.
@@ -161,7 +165,7 @@ def gguf_tensors(model: PreTrainedModel) -> dict[str, Tensor]:
     streamed = getattr(model, TABLE_ROWS_ATTR, None)  # a materialized model without its two tables
     tied = streamed is None and is_tied(model)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Tensor] = {}
     unplaced = []
     tables = {} if streamed is None else dict(zip(("model.embed_tokens.weight", "lm_head.weight"), streamed))
     for name, value in model.state_dict().items():
