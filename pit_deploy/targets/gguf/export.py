@@ -59,8 +59,8 @@ from transformers import PreTrainedModel
 
 from ...errors import PitError
 from ...io.heap import give_back_freed_memory
-from ...io.gguf_files import (TensorByRows, ggml_type, gguf_tensor_infos, gguf_tensor_rows, quantize_by_rows,
-                               same_stored_bytes)
+from ...io.gguf_files import (TensorByRows, dequantize_by_rows, ggml_type, gguf_tensor_infos, gguf_tensor_rows,
+                               quantize_by_rows, same_stored_bytes)
 from ...model.quantized_interface import corrected_rows, identity_defect_of_rows, pseudo_inverse_map
 from ...schemes import Scheme
 from . import ARCHITECTURES, FILE_NAMES, FILE_TYPES, PACKAGE_VERSION, SPEC_NAME
@@ -451,7 +451,6 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, Ten
     baseline) is all ``kind``, as llama.cpp makes it. Only the head's codes are held whole: the
     table is rounded or corrected a part of rows at a time as it is written."""
     import gguf
-    from gguf.quants import dequantize
 
     body_t, head_t = gguf.GGMLQuantizationType[kind], gguf.GGMLQuantizationType[HEAD_TYPE]
     codes = {name: (quantize_by_rows(a, body_t), body_t) for name, a in tensors.items()
@@ -470,11 +469,10 @@ def _gguf_py_file(model: PreTrainedModel, tokenizer: Any, tensors: dict[str, Ten
         codes[HEAD] = (head_codes, head_t)
 
         def head(rows: slice) -> np.ndarray:
-            return np.asarray(dequantize(head_codes[rows], head_t), dtype=np.float32).reshape(-1, dim)
+            return dequantize_by_rows(head_codes[rows], head_t, dim)
 
         def plain_rows(rows: slice) -> np.ndarray:
-            return np.asarray(dequantize(quantize_by_rows(plain.rows_of(rows), body_t), body_t),
-                              dtype=np.float32).reshape(-1, dim)
+            return dequantize_by_rows(quantize_by_rows(plain.rows_of(rows), body_t), body_t, dim)
 
         table = corrected_rows(head, pseudo_inverse_map(head, vocab, scale)) if correction else None
         info.update(_table_figures(head, vocab, plain_rows, kind, scale, table))
