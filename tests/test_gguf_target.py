@@ -259,8 +259,9 @@ def test_the_decoder_writes_each_positions_logits_once_into_an_array_of_the_call
 
 def test_an_export_to_gguf_alone_never_materializes_the_tables(tmp_path, monkeypatch):
     """The pipeline hands the gguf target a model without its two tables (their rows computed as
-    the file is written) when every target of the mode writes them so, and materializes them
-    once where another target of the same mode needs them whole."""
+    the file is written) when every target of the mode writes them so (the float32 ``onnx``
+    target does too), and materializes them once where another target of the same mode needs
+    them whole (``onnx-genai``'s builder reads a checkpoint)."""
     from pit_deploy.exporters import pipeline
     from pit_deploy.exporters.passes import TABLE_ROWS_ATTR
 
@@ -275,8 +276,10 @@ def test_an_export_to_gguf_alone_never_materializes_the_tables(tmp_path, monkeyp
     _export(tmp_path, "llama", "float32")
     assert asked == [("materialized", True, True)]
     asked.clear()
-    out = tmp_path / "both"
-    assert main(["export", str(tmp_path / "llama-src"), "--out", str(out), "--runtime", "gguf,onnx",
-                 "--mode", "materialized", "--dtype", "float32"]) == 0
-    assert asked == [("materialized", False, False)]
-    assert {a.target for a in Manifest.read(out).artifacts} == {"gguf", "onnx"}
+    for other, by_rows in (("onnx", True), ("onnx-genai", False)):
+        out = tmp_path / f"gguf-{other}"
+        assert main(["export", str(tmp_path / "llama-src"), "--out", str(out), "--runtime", f"gguf,{other}",
+                     "--mode", "materialized", "--dtype", "float32"]) == 0
+        assert asked == [("materialized", by_rows, by_rows)], other
+        assert {a.target for a in Manifest.read(out).artifacts} == {"gguf", other}
+        asked.clear()

@@ -249,29 +249,136 @@ def weight_digest(matrix: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(matrix, dtype=np.float32).tobytes()).hexdigest()
 
 
-def save_deduplicated(model, path: Path, data_name: str) -> None:
+#: the external-data ``location`` of an initializer whose bytes a :class:`StoredTable` holds
+PENDING_LOCATION = "pit-pending-table"
+
+
+class StoredTable:
+    """A float32 table an initializer stands for, written a part of rows at a time, so that a
+    671 MB token table is never copied whole into the ``ModelProto``.
+
+    ``source`` is ``(N, C)`` rows (or ``(N,)``): a tensor of any strides (``Zᵀ`` is a transposed
+    view of ``Z``) or a :class:`~pit_deploy.converters.materialize.TableRows`, which computes the
+    rows it is asked for. With ``transposed`` the graph stores ``sourceᵀ`` (a head's
+    ``W_outᵀ``): the parts are the source's rows, each written to its column of the file.
+    Two initializers standing for one source in one layout share a :attr:`key`.
+    """
+
+    #: bytes of one part
+    PART_BYTES = 16 << 20
+
+    def __init__(self, source, transposed: bool = False):
+        self.source, self.transposed = source, transposed
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return id(self.source), self.transposed
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = tuple(self.source.shape)
+        return shape[::-1] if self.transposed else shape
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * int(np.prod(self.shape))
+
+    def _rows(self, source):
+        """``(start, rows)``: ``source``'s rows as float32 arrays, a part at a time."""
+        count = source.shape[0]
+        width = int(np.prod(source.shape[1:])) if len(source.shape) > 1 else 1
+        step = max(1, self.PART_BYTES // (4 * width))
+        for start in range(0, count, step):
+            rows = source[start:start + step]
+            rows = rows.detach().numpy() if hasattr(rows, "detach") else rows
+            yield start, np.ascontiguousarray(rows, dtype=np.float32)
+
+    def write(self, fh) -> None:
+        """Write the stored layout's C-order bytes at ``fh``'s position, which it ends past."""
+        import os
+
+        start = fh.tell()
+        if not self.transposed or len(self.source.shape) == 1 or hasattr(self.source, "detach"):
+            # a tensor's transpose is a view: its rows are read in order like any tensor's
+            layout = self.source.T if self.transposed and len(self.source.shape) > 1 else self.source
+            for _, rows in self._rows(layout):
+                fh.write(rows.data)
+            return
+        fh.flush()
+        count, cols = self.source.shape
+        for first, rows in self._rows(self.source):  # row r of the source is column r of what is stored
+            for j in range(cols):
+                os.pwrite(fh.fileno(), np.ascontiguousarray(rows[:, j]).data, start + 4 * (j * count + first))
+        fh.seek(start + self.nbytes)
+
+    def array(self) -> np.ndarray:
+        """The stored layout, whole."""
+        rows = self.source[0:self.source.shape[0]]
+        rows = rows.detach().numpy() if hasattr(rows, "detach") else rows
+        return np.ascontiguousarray(rows.T if self.transposed else rows, dtype=np.float32)
+
+
+def mark_pending(init, table: StoredTable) -> None:
+    """Make ``init`` stand for ``table``: its dims, no bytes of its own, and the
+    :data:`PENDING_LOCATION` that :func:`save_deduplicated` and :func:`fill_pending` resolve."""
+    import onnx
+
+    init.ClearField("raw_data")
+    del init.dims[:]
+    init.dims.extend(table.shape)
+    init.data_type = onnx.TensorProto.FLOAT
+    del init.external_data[:]
+    init.data_location = onnx.TensorProto.EXTERNAL
+    entry = init.external_data.add()
+    entry.key, entry.value = "location", PENDING_LOCATION
+
+
+def fill_pending(graph, pending: dict[str, StoredTable]) -> None:
+    """Give each initializer :func:`mark_pending` marked its table's bytes, for a rewrite that
+    reads arrays (the quantizers)."""
+    import onnx
+
+    for init in graph.initializer:
+        if init.name in pending:
+            del init.external_data[:]
+            init.data_location = onnx.TensorProto.DEFAULT
+            init.raw_data = pending[init.name].array().tobytes()
+
+
+def save_deduplicated(model, path: Path, data_name: str, pending: dict[str, StoredTable] | None = None) -> None:
     """Save ``model`` with its large initializers in ``data_name``, each distinct byte string
     once: initializers with equal bytes (a shared token table read by two ops under two
     shapes) point at the same range of the data file (ONNX external data ``location`` /
-    ``offset`` / ``length``)."""
+    ``offset`` / ``length``). An initializer marked by :func:`mark_pending` is written from its
+    ``pending`` table a part at a time."""
     import onnx
     from onnx import numpy_helper
 
+    pending = pending or {}
     data_path = path.parent / data_name
     offsets: dict[str, tuple[int, int]] = {}
     with open(data_path, "wb") as fh:
         for init in model.graph.initializer:
-            if init.data_location == onnx.TensorProto.EXTERNAL:
-                raise PitError(f"initializer {init.name} still points at external data; load it first")
-            raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
-            if len(raw) < EXTERNAL_MIN_BYTES:
-                continue
-            digest = hashlib.sha256(raw).hexdigest()
-            if digest not in offsets:
-                pad = (-fh.tell()) % 64  # aligned ranges
-                fh.write(b"\0" * pad)
-                offsets[digest] = (fh.tell(), len(raw))
-                fh.write(raw)
+            table = pending.get(init.name)
+            if table is not None:
+                digest = repr(table.key)  # one source in one layout: written once
+                if digest not in offsets:
+                    fh.write(b"\0" * ((-fh.tell()) % 64))
+                    start = fh.tell()
+                    table.write(fh)
+                    offsets[digest] = (start, fh.tell() - start)
+            else:
+                if init.data_location == onnx.TensorProto.EXTERNAL:
+                    raise PitError(f"initializer {init.name} still points at external data; load it first")
+                raw = init.raw_data if init.HasField("raw_data") else numpy_helper.to_array(init).tobytes()
+                if len(raw) < EXTERNAL_MIN_BYTES:
+                    continue
+                digest = hashlib.sha256(raw).hexdigest()
+                if digest not in offsets:
+                    pad = (-fh.tell()) % 64  # aligned ranges
+                    fh.write(b"\0" * pad)
+                    offsets[digest] = (fh.tell(), len(raw))
+                    fh.write(raw)
             offset, length = offsets[digest]
             for fieldname in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
                 init.ClearField(fieldname)

@@ -245,6 +245,22 @@ def materialize_by_rows(model: PreTrainedModel, dtype: torch.dtype = torch.float
     return plain
 
 
+@torch.no_grad()
+def write_computed_tables(model: PreTrainedModel) -> None:
+    """Give a model of :func:`materialize_by_rows` its two tables whole, computed a part of rows
+    at a time, for an exporter that finds it cannot take them by rows after all; any other model
+    is left as it is."""
+    rows = getattr(model, TABLE_ROWS_ATTR, None)
+    if rows is None:
+        return
+    for module, source in ((model.get_input_embeddings(), rows[0]), (model.get_output_embeddings(), rows[1])):
+        table = torch.empty(source.shape, dtype=module.weight.dtype)
+        for start in range(0, source.shape[0], 8192):
+            table[start:start + 8192] = torch.from_numpy(source[start:start + 8192])
+        module.weight.data = table
+    delattr(model, TABLE_ROWS_ATTR)
+
+
 def prepare(model: PreTrainedModel, mode: str, dtype: torch.dtype = torch.float32,
             tables_by_rows: bool = False) -> PreTrainedModel:
     """Apply the pass named ``mode`` (one of :data:`MODES`, or ``tied`` for the baseline);

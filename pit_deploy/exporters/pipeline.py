@@ -129,7 +129,7 @@ def export_model(
             if not runtimes:
                 continue
             # the tables a part at a time where every target of this mode writes them so
-            by_rows = mode == "materialized" and all(get_target(r).streams_tables for r in runtimes)
+            by_rows = mode == "materialized" and all(get_target(r).streams_tables(schemes) for r in runtimes)
             prepared = prepare(model, mode, dtype, tables_by_rows=by_rows)
             for runtime in runtimes:
                 target = get_target(runtime)

@@ -19,7 +19,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..errors import PitError
 
@@ -167,10 +167,6 @@ class Target:
     #: ``gate_up_proj``) as a tensor of its own, so its recorded codes are by part
     #: (:func:`~pit_deploy.exporters.calibrated_rounding.split_fused`)
     splits_fused: bool = False
-    #: the exporter writes a materialized model's token table and head a part of rows at a time
-    #: from the model's ``pit_table_rows`` (:func:`pit_deploy.exporters.passes.materialize_by_rows`),
-    #: so an export whose every target of the mode does so never holds either table whole
-    streams_tables: bool = False
     modes: tuple[str, ...] = ("materialized", "factorized")
     schemes: tuple[str, ...] | None = None
     #: the quantization schemes only this target writes, as data: :class:`~pit_deploy.schemes.Scheme`'s
@@ -216,6 +212,14 @@ class Target:
     # ----------------------------------------------------------------------------------
     # export
     # ----------------------------------------------------------------------------------
+
+    def streams_tables(self, schemes: Sequence[Any]) -> bool:
+        """Whether the exporter writes a materialized model's token table and head a part of rows
+        at a time from the model's ``pit_table_rows``
+        (:func:`pit_deploy.exporters.passes.materialize_by_rows`) for every one of ``schemes``, so
+        that an export whose every target of the mode does so never holds either table whole.
+        Nothing may run such a model's forward: a scheme rounded by calibration cannot stream."""
+        return False
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Raise :class:`PitError` before any slow work if the model cannot be exported."""

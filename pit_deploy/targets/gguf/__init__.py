@@ -107,10 +107,13 @@ class LlamaCppTarget(Target):
     aarch64_blocker = "llama-cpp-python is built from source for the host's CPU; no aarch64 build of it is set up"
     #: opt-in (``--runtime gguf``): it needs llama-cpp-python and writes materialized Llama/Qwen3 only
     default_export = False
-    #: the tables are computed, rounded and written 8192 rows at a time (``TensorByRows``)
-    streams_tables = True
     #: the quantized schemes read only the PIT correction of the head/table pair
     scheme_settings = ("pit_correction",)
+
+    def streams_tables(self, schemes: Any) -> bool:
+        """Every scheme: the tables are computed, rounded and written 8192 rows at a time
+        (``TensorByRows``), and no scheme calibrates on the model."""
+        return True
 
     def precheck(self, config: Any, recipe: Any) -> None:
         """Refuse, before any slow work: a family llama.cpp has no architecture for here, a

@@ -105,6 +105,12 @@ class OnnxOptimumTarget(Target):
     aarch64_layout = "plain"
     weight_check = "pit_deploy.evaluate.onnx_weights:check_onnx_weights"
 
+    def streams_tables(self, schemes: Any) -> bool:
+        """Float32 exports: the graphs are traced with a few rows of each table and the tables
+        written from their rows (:mod:`pit_deploy.exporters.vocab_standin`). A quantized scheme
+        calibrates on the model and rounds whole tables, so it needs them."""
+        return not any(scheme.quantized for scheme in schemes)
+
     def aarch64_graphs(self, folder: Path) -> tuple[Path, Path]:
         return decoder_file(folder), interface_file(folder)
     scheme_settings = Target.scheme_settings + ("rounding", "head_activations")

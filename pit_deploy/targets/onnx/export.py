@@ -23,18 +23,23 @@ Factorized mode keeps ``Z`` once: the factorized modules (see
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
-from ...exporters.passes import InterfaceProbe
+from ...exporters.passes import InterfaceProbe, write_computed_tables
 from ...io.checkpoint import compact_tokenizer_json, save_tokenizer
 from ...model.inspect import tying_of
 from ...schemes import Scheme
 from . import INTERFACE_NAME, WEB_DTYPES, data_name, decoder_name
+from ...exporters.vocab_standin import VocabStandin, standin_size
 
+log = logging.getLogger(__name__)
 ONNX_TASK = "text-generation-with-past"
+#: the interface graph as traced, before its tables and quantization
+TMP_INTERFACE = ".interface.onnx.tmp"
 
 
 @torch.no_grad()
@@ -53,51 +58,43 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     from functools import partial
 
     import onnx
-    from optimum.exporters.onnx import onnx_export_from_model
 
     from ...exporters.calibrated_rounding import head_moments_array
     from .web_fold import fold_graph
-    from ...exporters.onnx_graph import save_deduplicated
+    from ...exporters.onnx_graph import fill_pending, save_deduplicated
     from ...exporters.quantize_onnx import quantize_graph
 
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
-    # do_validation=False: optimum's check only warns above atol; `pit-deploy verify` fails instead.
-    had_forward = "forward" in vars(model)
-    try:
-        onnx_export_from_model(
-            model, out_dir, task=ONNX_TASK, opset=opset, do_validation=False, preprocessors=None
-        )
-    finally:
-        # optimum's model patcher restores `forward` by assigning it on the instance; left there,
-        # a later torch.export of the same model (the .pte exporter) traces that bound method and
-        # fails on Gemma (its √d constant is built inside the class's forward)
-        if not had_forward:
-            vars(model).pop("forward", None)
+    v, d = model.config.vocab_size, model.config.hidden_size
+    size = standin_size(model, v, d)
+    standin = None if size is None else VocabStandin(model, v, d, size)
+    pending: tuple[dict, dict] = ({}, {})  # each graph's tables, written from the model
+    if standin is not None:
+        _trace_graphs(model, out_dir, opset, standin)
+        decoder, interface = (onnx.load(str(out_dir / f), load_external_data=True) for f in ("model.onnx", TMP_INTERFACE))
+        found = [standin.restore(graph.graph) for graph in (decoder, interface)]
+        if None in found:  # the size shows up where no table is: trace the whole tables
+            log.info("the ONNX graphs could not take their tables back from a %d-row stand-in; "
+                     "exporting them at the full vocabulary", size)
+            del decoder, interface
+            standin = None
+            for traced in (out_dir / "model.onnx", out_dir / TMP_INTERFACE, *out_dir.glob("*.onnx_data")):
+                traced.unlink()  # onnx appends to an existing data file
+        else:
+            standin.fix_config(out_dir)
+            pending = (found[0], found[1])
+    if standin is None:
+        write_computed_tables(model)  # a model materialized by rows, traced whole
+        _trace_graphs(model, out_dir, opset, None)
+        decoder, interface = (onnx.load(str(out_dir / f), load_external_data=True) for f in ("model.onnx", TMP_INTERFACE))
+    (out_dir / "model.onnx").unlink()  # optimum's name, at the top
+    (out_dir / TMP_INTERFACE).unlink()
+    for old in out_dir.glob("*.onnx_data"):
+        old.unlink()
     if tokenizer is not None:
         save_tokenizer(tokenizer, out_dir)
         compact_tokenizer_json(out_dir)  # the web and onnxruntime clients download it with the model
-    probe = InterfaceProbe(model).eval()
-    v, d = model.config.vocab_size, model.config.hidden_size
-    tmp_interface = out_dir / ".interface.onnx.tmp"
-    torch.onnx.export(
-        probe,
-        (torch.arange(4, dtype=torch.long), torch.zeros(4, d)),
-        str(tmp_interface),
-        input_names=["input_ids", "hidden"],
-        output_names=["embeddings", "logits"],
-        dynamic_axes={"input_ids": {0: "n"}, "hidden": {0: "m"}, "embeddings": {0: "n"}, "logits": {0: "m"}},
-        opset_version=opset or 17,
-        # A tied model reads one table for both sides: folding the head's transpose would make
-        # a second, transposed copy that the decoder does not hold. Keep the Transpose node.
-        do_constant_folding=tying_of(model) != "tied",
-        dynamo=False,
-    )
-    exported = out_dir / "model.onnx"  # optimum's name, at the top
-    decoder = onnx.load(str(exported), load_external_data=True)
-    exported.unlink()
-    for old in out_dir.glob("*.onnx_data"):
-        old.unlink()
     name = decoder_name(dtype)
     details: dict = {"task": ONNX_TASK, "decoder": name, "decoder_data": data_name(name),
                      "interface": INTERFACE_NAME, "transformers_js_dtype": WEB_DTYPES[dtype][0]}
@@ -108,19 +105,57 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
         partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
                 table_cache={}, head_int8=head_int8)
     if quantize is not None:
+        fill_pending(decoder.graph, pending[0])  # the quantizers read arrays
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit)
     (out_dir / name).parent.mkdir(exist_ok=True)
-    save_deduplicated(decoder, out_dir / name, data_name(name))
-    del decoder  # the interface graph holds the token table again: one graph in memory at a time
-    interface = onnx.load(str(tmp_interface), load_external_data=True)
-    tmp_interface.unlink()
+    save_deduplicated(decoder, out_dir / name, data_name(name), pending[0])
+    del decoder
     if quantize is not None:
+        fill_pending(interface.graph, pending[1])
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
                                 table_bits=table_bits)
-    details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d)
+    details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d,
+                                                                  pending=pending)
     write_web_config(out_dir, WEB_DTYPES[dtype][0])
     return details
+
+
+def _trace_graphs(model: PreTrainedModel, out_dir: Path, opset: int | None, standin: VocabStandin | None) -> None:
+    """optimum's decoder (``model.onnx`` and its data) and the interface graph
+    (:data:`TMP_INTERFACE`) traced into ``out_dir``; with a ``standin``, of the model's tables cut
+    to its rows (:mod:`.vocab_standin`)."""
+    from contextlib import nullcontext
+
+    from optimum.exporters.onnx import onnx_export_from_model
+
+    d = model.config.hidden_size
+    with standin.applied() if standin is not None else nullcontext():
+        # do_validation=False: optimum's check only warns above atol; `pit-deploy verify` fails instead.
+        had_forward = "forward" in vars(model)
+        try:
+            onnx_export_from_model(
+                model, out_dir, task=ONNX_TASK, opset=opset, do_validation=False, preprocessors=None
+            )
+        finally:
+            # optimum's model patcher restores `forward` by assigning it on the instance; left there,
+            # a later torch.export of the same model (the .pte exporter) traces that bound method and
+            # fails on Gemma (its √d constant is built inside the class's forward)
+            if not had_forward:
+                vars(model).pop("forward", None)
+        torch.onnx.export(
+            InterfaceProbe(model).eval(),
+            (torch.arange(4, dtype=torch.long), torch.zeros(4, d)),
+            str(out_dir / TMP_INTERFACE),
+            input_names=["input_ids", "hidden"],
+            output_names=["embeddings", "logits"],
+            dynamic_axes={"input_ids": {0: "n"}, "hidden": {0: "m"}, "embeddings": {0: "n"}, "logits": {0: "m"}},
+            opset_version=opset or 17,
+            # A tied model reads one table for both sides: folding the head's transpose would make
+            # a second, transposed copy that the decoder does not hold. Keep the Transpose node.
+            do_constant_folding=tying_of(model) != "tied",
+            dynamo=False,
+        )
 
 
 def calibrated_codes(model: PreTrainedModel) -> dict:
@@ -152,7 +187,8 @@ def write_web_config(out_dir: Path, web_dtype: str) -> None:
         tok_config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def share_interface_weights(decoder_path: Path, interface, min_elements: int) -> list[str]:
+def share_interface_weights(decoder_path: Path, interface, min_elements: int,
+                            pending: tuple[dict, dict] = ({}, {})) -> list[str]:
     """Write the interface graph beside ``decoder_path`` reading its large weights from the
     decoder's external data file.
 
@@ -169,6 +205,7 @@ def share_interface_weights(decoder_path: Path, interface, min_elements: int) ->
     from onnx import numpy_helper
     from onnx.external_data_helper import ExternalDataInfo
 
+    from ...exporters.onnx_graph import fill_pending
     from ...runtime.onnx_shared_weights import range_digest
 
     decoder = onnx.load(str(decoder_path), load_external_data=False)
@@ -184,15 +221,24 @@ def share_interface_weights(decoder_path: Path, interface, min_elements: int) ->
             r = ranges[init.name]
             digest = range_digest(folder / r["location"], int(r["offset"]), int(r["length"]))
             by_digest[(digest, init.data_type, tuple(init.dims))] = r
+    # the tables both graphs take from the model (.vocab_standin): the decoder's range of each
+    by_table = {table.key: ranges[name] for name, table in pending[0].items() if name in ranges}
     shared = []
     for init in interface.graph.initializer:
-        arr = numpy_helper.to_array(init)
-        if arr.size < min_elements:
-            continue
-        key = (hashlib.sha256(arr.tobytes()).hexdigest(), init.data_type, tuple(init.dims))
-        target = by_digest.get(key)
-        if target is None:
-            continue
+        table = pending[1].get(init.name)
+        if table is not None:
+            target = by_table.get(table.key)
+            if target is None:
+                fill_pending(interface.graph, {init.name: table})
+                continue
+        else:
+            arr = numpy_helper.to_array(init)
+            if arr.size < min_elements:
+                continue
+            key = (hashlib.sha256(arr.tobytes()).hexdigest(), init.data_type, tuple(init.dims))
+            target = by_digest.get(key)
+            if target is None:
+                continue
         init.ClearField("raw_data")
         del init.external_data[:]
         init.data_location = onnx.TensorProto.EXTERNAL

@@ -45,6 +45,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ...errors import PitError
+from ...exporters.vocab_standin import VocabStandin, standin_size
 from ...io.checkpoint import compact_tokenizer_json, save_model
 from ...model.core import row_chunks
 from ...model.families import FUSED_PROJECTIONS
@@ -474,19 +475,35 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
         extra["windowed_kv_cache"] = "false"
     # beside the artifact: inside an export's partial directory, which the next export removes if
     # this process is killed (a copy in the system temp folder would stay there for good)
-    with tempfile.TemporaryDirectory(prefix=".pit-genai-", dir=out_dir.parent) as tmp:
-        twin = _plain_twin(model)
-        with _table_for_builder(twin):
-            hf_dir = builder_checkpoint(twin, tokenizer, Path(tmp) / "hf")
-        del twin  # the builder reads the checkpoint; a factorized model's twin holds two V×d tables
-        run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
-    compacted = compact_tokenizer_json(out_dir)  # the builder saves it indented
+    # the builder's token tables are replaced when the graph is factorized: it builds the body
+    # of a few-row stand-in (pit_deploy.exporters.vocab_standin), never the V×d tables
+    v, d = int(model.config.vocab_size), int(model.config.hidden_size)
+    size = standin_size(model, v, d) if factorized else None
     # the builder splits Phi-3's gate_up_proj into gate_proj and up_proj nodes
     calibrated = split_fused(rounded_weights(model)) if dtype != "float32" else {}
-    if factorized:  # the codes go in while the interface is rewritten: the decoder is read and written once
-        rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size,
-                                  table_bits, pit_correction, head_moments, calibrated, head_int8)
-    else:
+    for standin in ([VocabStandin(model, v, d, size)] if size is not None else []) + [None]:
+        with tempfile.TemporaryDirectory(prefix=".pit-genai-", dir=out_dir.parent) as tmp:
+            with standin.applied() if standin is not None else contextlib.nullcontext():
+                twin = _plain_twin(model)
+                with _table_for_builder(twin):
+                    hf_dir = builder_checkpoint(twin, tokenizer, Path(tmp) / "hf")
+                del twin  # the builder reads the checkpoint; a factorized model's twin holds two V×d tables
+            run_builder(hf_dir, out_dir, PRECISIONS[dtype], Path(tmp) / "cache", extra, target)
+        if not factorized:
+            break
+        try:  # the codes go in while the interface is rewritten: the decoder is read and written once
+            rewrite = factorize_graph(out_dir, getattr(model, FACTORS_ATTR), model.config, dtype, group_size,
+                                      table_bits, pit_correction, head_moments, calibrated, head_int8,
+                                      standin_rows=None if standin is None else standin.size)
+        except StandinShows:
+            for built in (out_dir / DECODER_NAME, out_dir / BUILDER_DATA):
+                built.unlink()
+            continue
+        if standin is not None:
+            _genai_config_vocab(out_dir, standin.size, v)
+        break
+    compacted = compact_tokenizer_json(out_dir)  # the builder saves it indented
+    if not factorized:
         rewrite = {}
         if calibrated:
             decoder = onnx.load(str(out_dir / DECODER_NAME), load_external_data=True)
@@ -518,7 +535,7 @@ def export_genai(model: PreTrainedModel, out_dir: Path, tokenizer: Any = None, d
 def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_size: int = 32,
                     table_bits: int | None = None, pit_correction: bool = True,
                     head_moments: Any = None, codes: dict[str, Any] | None = None,
-                    head_int8: bool = False) -> dict[str, Any]:
+                    head_int8: bool = False, standin_rows: int | None = None) -> dict[str, Any]:
     """Replace the builder's embedding and head weights by one ``Zᵀ`` and two ``d×d`` factors
     (and, with ``codes``, its body's rounding by a calibrated model's: :func:`write_calibrated_body`).
 
@@ -544,15 +561,22 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     A quantized table holds the rows of ``Z R``, with ``T R`` and ``Rᵀ T⁻¹`` beside it: the
     rotation both ONNX targets give their factorized tables (:func:`pit_deploy.exporters.onnx_tables.rotate_table`).
 
+    ``standin_rows``: the builder read a twin whose tables were cut to that many rows
+    (:mod:`pit_deploy.exporters.vocab_standin`); the shapes are given the real vocabulary and
+    ``Zᵀ`` is written from the model a part at a time.
+
     Raises:
         PitError: a graph whose embedding/head is not the plain ``Gather``/``MatMul`` expected.
+        StandinShows: ``standin_rows`` appears in the graph other than in the tables replaced.
     """
     import onnx
     from onnx import helper, numpy_helper
 
     from ...model.families import adapter_for
-    from ...exporters.onnx_graph import delete_initializers, save_deduplicated
+    from ...exporters.onnx_graph import (StoredTable, delete_initializers, fill_pending, mark_pending,
+                                         save_deduplicated)
     from ...exporters.quantize_onnx import quantize_graph
+    from ...exporters.vocab_standin import give_vocab
 
     path = folder / DECODER_NAME
     model = onnx.load(str(path), load_external_data=True)
@@ -574,7 +598,11 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     m = factors.T_inv.detach().to(torch.float64) / a
     th = factors.T.detach().to(torch.float64) / b
     names = {"Zt": "pit.Zt", "M": "pit.M", "T": "pit.T"}
-    for key, value in (("Zt", zt), ("M", m), ("T", th)):
+    pending = {names["Zt"]: StoredTable(zt)}  # written a part at a time, never copied into the graph
+    zt_init = graph.initializer.add()
+    zt_init.name = names["Zt"]
+    mark_pending(zt_init, pending[names["Zt"]])
+    for key, value in (("M", m), ("T", th)):
         graph.initializer.append(numpy_helper.from_array(value.to(torch.float32).numpy(), names[key]))
     del zt
     emb_out, logits = gather.output[0], head.output[0]
@@ -603,11 +631,16 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     graph.node.extend(nodes)
     delete_initializers(graph, dropped - still_read)
     v, d = factors.vocab_size, factors.hidden_size
+    if standin_rows is not None:
+        if not give_vocab(graph, standin_rows, v):
+            raise StandinShows(f"{standin_rows} appears in the builder's graph beside its token tables")
     details: dict[str, Any] = {"replaced": sorted(dropped),
                                "embedding": "Gather(Zt, axis=1) -> Transpose -> MatMul(M = T^-1 / emb_mult)",
                                "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}
     quant_details: dict[str, Any] | None = None
     if dtype != "float32":
+        fill_pending(graph, pending)  # the quantizer rounds the whole table
+        pending = {}
         model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
                                       table_bits=table_bits, head_moments=head_moments, head_int8=head_int8)
         if quant.get("pit_correction") and a * b != 1.0:
@@ -620,11 +653,8 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
         quant["body"] = (f"{'GPTQ codes (asymmetric) in ' if codes else ''}the builder's MatMulNBits ({dtype}, "
                          f"{'' if codes else 'symmetric, '}block {group_size}, accuracy_level 4)")
         quant_details = quant
-    if dtype != "float32":
-        (folder / BUILDER_DATA).unlink()
-        save_deduplicated(model, path, BUILDER_DATA)  # the gather's and the head's table: one byte range
-    else:
-        save_decoder(model, folder)
+    (folder / BUILDER_DATA).unlink()
+    save_deduplicated(model, path, BUILDER_DATA, pending)  # the gather's and the head's table: one byte range
     saved = onnx.load(str(path), load_external_data=False)
     # the tensors the embedding's gathers (input 0) and the head's matmuls (input 1) read as the
     # token table, and the byte ranges of the data file they occupy: one per table plane
@@ -641,6 +671,19 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     if quant_details is not None:
         out["quantization"] = quant_details  # where verify reads pit_correction / interface_exact
     return out
+
+
+class StandinShows(Exception):
+    """The builder's graph of a stand-in twin cannot be given the real vocabulary back."""
+
+
+def _genai_config_vocab(folder: Path, size: int, vocab: int) -> None:
+    """The builder wrote the stand-in twin's vocabulary size into ``genai_config.json``."""
+    path = folder / CONFIG_NAME
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("model", {}).get("vocab_size") == size:
+        config["model"]["vocab_size"] = vocab
+        path.write_text(json.dumps(config, indent=4), encoding="utf-8")  # as the builder writes it
 
 
 def export_artifact(model: PreTrainedModel, out_dir: Path, *, tokenizer: Any = None, recipe: Any = None,
