@@ -281,6 +281,24 @@ def test_the_cache_key_changes_with_every_input_of_the_rounding():
     assert codes_key(model, blocks, "int4 g64") != key
 
 
+@pytest.mark.parametrize("shape, transpose", [((300, 7, 5), (0, 1)), ((40, 64), (0, 1)), ((), None), ((9,), None)])
+def test_the_cache_key_reads_a_tensor_by_slices_as_its_whole_bytes(shape, transpose):
+    """The key hashes a tensor a slice of its first axis at a time (a factorized model's ``Zᵀ``,
+    a transposed view, is never copied whole): the same digest as its C-order bytes at once,
+    for views, a 0-d tensor and parts that do not divide the axis."""
+    import hashlib
+
+    from pit_deploy.exporters.gptq_cache import _hash_bytes
+
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    t = t.transpose(*transpose) if transpose else t
+    whole = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    for part_bytes in (1, 100, 16 << 20):
+        h = hashlib.sha256()
+        _hash_bytes(h, t, part_bytes)
+        assert h.hexdigest() == whole, part_bytes
+
+
 def test_a_second_export_reads_the_codes_from_the_cache(tmp_path, monkeypatch, capsys):
     """The same checkpoint exported twice with GPTQ: the second export reads the codes of the
     first from the cache instead of calibrating again, and writes the very same artifact."""
