@@ -61,10 +61,18 @@ def gather_axis(node) -> int:
     return 0
 
 
-def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
+def find_graph_interface(graph, vocab: int, hidden: int, tables: dict[str, StoredTable] | None = None) -> Interface:
     """The embedding Gather and the head MatMul of ``graph`` (a tied head may read ``Eᵀ``
-    through a ``Transpose`` node)."""
+    through a ``Transpose`` node). An initializer that stands for one of ``tables``
+    (:func:`mark_pending`) is read from it: one copy of the rows, not the graph's bytes and then
+    their transpose."""
     from onnx import numpy_helper
+
+    def rows(init, transpose: bool) -> np.ndarray:
+        if tables and init.name in tables and is_pending(init):
+            return tables[init.name].array(transpose)
+        arr = numpy_helper.to_array(init)
+        return np.ascontiguousarray(arr.T if transpose else arr)
 
     inits = initializers(graph)
     gathers, head = [], None
@@ -85,16 +93,14 @@ def find_graph_interface(graph, vocab: int, hidden: int) -> Interface:
     if gather is None or head is None:
         raise PitError("the exported graph has no recognizable embedding Gather and head MatMul; "
                        "cannot quantize its token interface")
-    table = numpy_helper.to_array(inits[gather.input[0]])
-    embed_rows = np.ascontiguousarray(table.T if gather_axis(gather) == 1 else table)
-    del table
+    embed_rows = rows(inits[gather.input[0]], gather_axis(gather) == 1)
     b = head.input[1]
     if b == gather.input[0] and gather_axis(gather) == 1:  # factorized: both read the one Zᵀ
         head_rows = embed_rows  # one array (a 262k-token table is 671 MB a copy)
     elif b in inits:
-        head_rows = np.ascontiguousarray(numpy_helper.to_array(inits[b]).T)
+        head_rows = rows(inits[b], True)
     else:  # a tied head: MatMul(h, Transpose(E))
-        head_rows = np.ascontiguousarray(numpy_helper.to_array(inits[producer(graph, b).input[0]]))
+        head_rows = rows(inits[producer(graph, b).input[0]], False)
     iface = Interface(gather, head, embed_rows, head_rows)
     # factorized: Gather(Zt, axis=1) -> Transpose -> MatMul(., T_inv); head = MatMul(MatMul(h, T), Zt)
     first = producer(graph, head.input[0])
@@ -311,11 +317,13 @@ class StoredTable:
                 os.pwrite(fh.fileno(), np.ascontiguousarray(rows[:, j]).data, start + 4 * (j * count + first))
         fh.seek(start + self.nbytes)
 
-    def array(self) -> np.ndarray:
-        """The stored layout, whole."""
+    def array(self, transpose: bool = False) -> np.ndarray:
+        """The stored layout (its transpose with ``transpose``), whole: a copy of its own, which
+        a quantizer may write into."""
         rows = self.source[0:self.source.shape[0]]
         rows = rows.detach().numpy() if hasattr(rows, "detach") else rows
-        return np.ascontiguousarray(rows.T if self.transposed else rows, dtype=np.float32)
+        layout = rows.T if self.transposed != transpose and rows.ndim > 1 else rows
+        return np.array(layout, dtype=np.float32, order="C", copy=True)
 
 
 def mark_pending(init, table: StoredTable) -> None:
@@ -333,13 +341,22 @@ def mark_pending(init, table: StoredTable) -> None:
     entry.key, entry.value = "location", PENDING_LOCATION
 
 
+def is_pending(init) -> bool:
+    """Whether ``init`` still stands for a :class:`StoredTable` (:func:`mark_pending`), not
+    replaced since by values of its own."""
+    import onnx
+
+    return init.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == PENDING_LOCATION for e in init.external_data)
+
+
 def fill_pending(graph, pending: dict[str, StoredTable]) -> None:
     """Give each initializer :func:`mark_pending` marked its table's bytes, for a rewrite that
     reads arrays (the quantizers)."""
     import onnx
 
     for init in graph.initializer:
-        if init.name in pending:
+        if init.name in pending and is_pending(init):
             del init.external_data[:]
             init.data_location = onnx.TensorProto.DEFAULT
             init.raw_data = pending[init.name].array().tobytes()
@@ -359,7 +376,7 @@ def save_deduplicated(model, path: Path, data_name: str, pending: dict[str, Stor
     offsets: dict[str, tuple[int, int]] = {}
     with open(data_path, "wb") as fh:
         for init in model.graph.initializer:
-            table = pending.get(init.name)
+            table = pending.get(init.name) if is_pending(init) else None
             if table is not None:
                 digest = repr(table.key)  # one source in one layout: written once
                 if digest not in offsets:

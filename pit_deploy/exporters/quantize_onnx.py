@@ -44,6 +44,7 @@ from .onnx_graph import (
     add_initializer,
     consumers,
     ensure_ms_domain,
+    fill_pending,
     find_graph_interface,
     gather_axis,
     gemm_to_matmul,
@@ -304,19 +305,24 @@ def quantize_graph(model, dtype: str, block: int, vocab: int, hidden: int, corre
                    body: bool, table_bits: int | None = None,
                    keep_8bit: tuple[str, ...] = (), codes: dict[str, Any] | None = None,
                    head_moments: np.ndarray | None = None,
-                   table_cache: dict[str, Any] | None = None, head_int8: bool = False) -> tuple[Any, dict[str, Any]]:
+                   table_cache: dict[str, Any] | None = None, head_int8: bool = False,
+                   tables: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Quantize one exported graph in memory: its token interface (``table_bits``, default
     the dtype's bits; ``head_moments``, ``table_cache``: see :func:`rewrite_interface`) and, with ``body``, every
-    other weight matrix (``keep_8bit``, ``codes``: see :func:`quantize_body`).
+    other weight matrix (``keep_8bit``, ``codes``: see :func:`quantize_body`). ``tables``: the
+    :class:`~pit_deploy.exporters.onnx_graph.StoredTable` of each initializer that stands for one
+    (:func:`~pit_deploy.exporters.onnx_graph.find_graph_interface` reads them from it).
 
     Returns:
         ``(model, details)``.
     """
     bits = table_bits or BITS[dtype]
-    iface = find_graph_interface(model.graph, vocab, hidden)
+    iface = find_graph_interface(model.graph, vocab, hidden, tables)
     keep_fp32 = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
                  {iface.t_name, iface.t_inv_name}]
     details = rewrite_interface(model, iface, bits, block, correct, head_moments, table_cache, head_int8)
+    iface.embed_rows = iface.head_rows = None  # the tables' rows are in the graph now, rounded
+    fill_pending(model.graph, tables or {})  # a table the rewrite left in the graph: what the body reads
     kept = 0
     if body:
         model, kept = quantize_body(model, dtype, block, keep_fp32, keep_8bit, codes)

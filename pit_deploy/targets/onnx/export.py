@@ -104,17 +104,21 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     quantize = None if dtype == "float32" else fold_graph if fold_at_load else \
         partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
                 table_cache={}, head_int8=head_int8)
+    if fold_at_load:  # the web fold reads the graphs' arrays; the quantizer reads the model's tables
+        fill_pending(decoder.graph, pending[0])
+        fill_pending(interface.graph, pending[1])
+        pending = ({}, {})
+    tables = ({}, {}) if fold_at_load else ({"tables": pending[0]}, {"tables": pending[1]})
     if quantize is not None:
-        fill_pending(decoder.graph, pending[0])  # the quantizers read arrays
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
-                                                    body=True, table_bits=table_bits, keep_8bit=keep_8bit)
+                                                    body=True, table_bits=table_bits, keep_8bit=keep_8bit,
+                                                    **tables[0])
     (out_dir / name).parent.mkdir(exist_ok=True)
     save_deduplicated(decoder, out_dir / name, data_name(name), pending[0])
     del decoder
     if quantize is not None:
-        fill_pending(interface.graph, pending[1])
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
-                                table_bits=table_bits)
+                                table_bits=table_bits, **tables[1])
     details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d,
                                                                   pending=pending)
     write_web_config(out_dir, WEB_DTYPES[dtype][0])

@@ -573,8 +573,7 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
     from onnx import helper, numpy_helper
 
     from ...model.families import adapter_for
-    from ...exporters.onnx_graph import (StoredTable, delete_initializers, fill_pending, mark_pending,
-                                         save_deduplicated)
+    from ...exporters.onnx_graph import StoredTable, delete_initializers, mark_pending, save_deduplicated
     from ...exporters.quantize_onnx import quantize_graph
     from ...exporters.vocab_standin import give_vocab
 
@@ -639,10 +638,9 @@ def factorize_graph(folder: Path, factors: Any, config: Any, dtype: str, group_s
                                "head": "MatMul(T / logits_mult) -> MatMul(Zt)"}
     quant_details: dict[str, Any] | None = None
     if dtype != "float32":
-        fill_pending(graph, pending)  # the quantizer rounds the whole table
-        pending = {}
         model, quant = quantize_graph(model, dtype, group_size, v, d, pit_correction, body=False,
-                                      table_bits=table_bits, head_moments=head_moments, head_int8=head_int8)
+                                      table_bits=table_bits, head_moments=head_moments, head_int8=head_int8,
+                                      tables=pending)
         if quant.get("pit_correction") and a * b != 1.0:
             # quantize_graph's M = (ẐᵀẐ)⁻¹ (T/b)⁻¹ = b (ẐᵀẐ)⁻¹ T⁻¹; the graph needs (ẐᵀẐ)⁻¹ T⁻¹ / a
             init = next(i for i in model.graph.initializer if i.name == names["M"])
