@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -57,37 +58,15 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     """
     from functools import partial
 
-    import onnx
-
     from ...exporters.calibrated_rounding import head_moments_array
     from .web_fold import fold_graph
-    from ...exporters.onnx_graph import fill_pending, save_deduplicated
+    from ...exporters.onnx_graph import save_deduplicated
     from ...exporters.quantize_onnx import quantize_graph
 
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     v, d = model.config.vocab_size, model.config.hidden_size
-    size = standin_size(model, v, d)
-    standin = None if size is None else VocabStandin(model, v, d, size)
-    pending: tuple[dict, dict] = ({}, {})  # each graph's tables, written from the model
-    if standin is not None:
-        _trace_graphs(model, out_dir, opset, standin)
-        decoder, interface = (onnx.load(str(out_dir / f), load_external_data=True) for f in ("model.onnx", TMP_INTERFACE))
-        found = [standin.restore(graph.graph) for graph in (decoder, interface)]
-        if None in found:  # the size shows up where no table is: trace the whole tables
-            log.info("the ONNX graphs could not take their tables back from a %d-row stand-in; "
-                     "exporting them at the full vocabulary", size)
-            del decoder, interface
-            standin = None
-            for traced in (out_dir / "model.onnx", out_dir / TMP_INTERFACE, *out_dir.glob("*.onnx_data")):
-                traced.unlink()  # onnx appends to an existing data file
-        else:
-            standin.fix_config(out_dir)
-            pending = (found[0], found[1])
-    if standin is None:
-        write_computed_tables(model)  # a model materialized by rows, traced whole
-        _trace_graphs(model, out_dir, opset, None)
-        decoder, interface = (onnx.load(str(out_dir / f), load_external_data=True) for f in ("model.onnx", TMP_INTERFACE))
+    decoder, interface, pending = _traced_graphs(model, out_dir, opset)
     (out_dir / "model.onnx").unlink()  # optimum's name, at the top
     (out_dir / TMP_INTERFACE).unlink()
     for old in out_dir.glob("*.onnx_data"):
@@ -104,25 +83,51 @@ def export_onnx(model: PreTrainedModel, out_dir: Path, tokenizer=None, opset: in
     quantize = None if dtype == "float32" else fold_graph if fold_at_load else \
         partial(quantize_graph, codes=calibrated_codes(model), head_moments=head_moments_array(model),
                 table_cache={}, head_int8=head_int8)
-    if fold_at_load:  # the web fold reads the graphs' arrays; the quantizer reads the model's tables
-        fill_pending(decoder.graph, pending[0])
-        fill_pending(interface.graph, pending[1])
-        pending = ({}, {})
-    tables = ({}, {}) if fold_at_load else ({"tables": pending[0]}, {"tables": pending[1]})
-    if quantize is not None:
+    if quantize is not None:  # the quantizers read the tables from the model (one copy of their rows)
         decoder, details["quantization"] = quantize(decoder, dtype, group_size, v, d, pit_correction,
                                                     body=True, table_bits=table_bits, keep_8bit=keep_8bit,
-                                                    **tables[0])
+                                                    tables=pending[0])
     (out_dir / name).parent.mkdir(exist_ok=True)
     save_deduplicated(decoder, out_dir / name, data_name(name), pending[0])
     del decoder
     if quantize is not None:
         interface, _ = quantize(interface, dtype, group_size, v, d, pit_correction, body=False,
-                                table_bits=table_bits, **tables[1])
+                                table_bits=table_bits, tables=pending[1])
     details["interface_tensors_shared"] = share_interface_weights(out_dir / name, interface, min_elements=d * d,
                                                                   pending=pending)
     write_web_config(out_dir, WEB_DTYPES[dtype][0])
     return details
+
+
+def _traced_graphs(model: PreTrainedModel, out_dir: Path, opset: int | None) -> tuple[Any, Any, tuple[dict, dict]]:
+    """The decoder and the interface graph, loaded, and each one's tables to write from the model:
+    traced with a few-row stand-in of the tables (:mod:`pit_deploy.exporters.vocab_standin`), or
+    with the whole tables where the vocabulary is small or a stand-in's graph cannot take its
+    tables back."""
+    import onnx
+
+    def load() -> tuple[Any, Any]:
+        return (onnx.load(str(out_dir / "model.onnx"), load_external_data=True),
+                onnx.load(str(out_dir / TMP_INTERFACE), load_external_data=True))
+
+    v, d = model.config.vocab_size, model.config.hidden_size
+    size = standin_size(model, v, d)
+    if size is not None:
+        standin = VocabStandin(model, v, d, size)
+        _trace_graphs(model, out_dir, opset, standin)
+        decoder, interface = load()
+        tables, interface_tables = standin.restore(decoder.graph), standin.restore(interface.graph)
+        if tables is not None and interface_tables is not None:
+            standin.fix_config(out_dir)
+            return decoder, interface, (tables, interface_tables)
+        log.info("the ONNX graphs could not take their tables back from a %d-row stand-in; "
+                 "exporting them at the full vocabulary", size)
+        del decoder, interface
+        for traced in (out_dir / "model.onnx", out_dir / TMP_INTERFACE, *out_dir.glob("*.onnx_data")):
+            traced.unlink()  # onnx appends to an existing data file
+    write_computed_tables(model)  # a model materialized by rows, traced whole
+    _trace_graphs(model, out_dir, opset, None)
+    return (*load(), ({}, {}))
 
 
 def _trace_graphs(model: PreTrainedModel, out_dir: Path, opset: int | None, standin: VocabStandin | None) -> None:

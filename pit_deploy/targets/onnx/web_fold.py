@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...exporters.onnx_graph import (
+    fill_pending,
     find_graph_interface,
     gather_axis,
     gemm_to_matmul,
@@ -51,11 +52,14 @@ def _fold(graph, init, rows: np.ndarray, bits: int, block: int, transpose: bool)
 
 
 def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: bool, body: bool,
-               table_bits: int | None = None, keep_8bit: tuple[str, ...] = ()) -> tuple[Any, dict[str, Any]]:
+               table_bits: int | None = None, keep_8bit: tuple[str, ...] = (),
+               tables: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Store ``model``'s token tables (``table_bits``, default the dtype's bits) and, with
     ``body``, every other constant 2-D ``MatMul`` weight (``BITS[dtype]``; for int4 the linears
     named by ``keep_8bit`` at 8 bits) as folded codes; in factorized mode with ``correct``,
-    replace ``T⁻¹`` by ``M``. ``T`` and ``T⁻¹`` stay float32.
+    replace ``T⁻¹`` by ``M``. ``T`` and ``T⁻¹`` stay float32. ``tables``: the tables the graph's
+    initializers stand for (:func:`~pit_deploy.exporters.onnx_graph.mark_pending`), given to the
+    graph first: the fold rewrites initializers in place.
 
     Returns:
         ``(model, details)`` for the manifest.
@@ -63,6 +67,7 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     from onnx import numpy_helper
 
     graph = model.graph
+    fill_pending(graph, tables or {})
     gemm_to_matmul(graph)
     iface = find_graph_interface(graph, vocab, hidden)
     bits = table_bits or BITS[dtype]
@@ -71,16 +76,16 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
     # the tensor each side reads: the factorized Zᵀ (d, V) and a tied E (V, d) are one tensor for both
     head_source = head_b if head_b in inits else None  # None: a tied head reads Transpose(E)
     folded: list = []
-    tables: dict[str, BlockTable] = {}
+    codes: dict[str, BlockTable] = {}
     # Gather(Zᵀ, axis=1) reads the table as (d, V): fold it back to that shape
-    tables[gather_table], nodes = _fold(graph, inits[gather_table], iface.embed_rows, bits, block,
+    codes[gather_table], nodes = _fold(graph, inits[gather_table], iface.embed_rows, bits, block,
                                         transpose=gather_axis(iface.gather) == 1)
     folded += nodes
     if head_source is not None and head_source != gather_table:
-        tables[head_source], nodes = _fold(graph, inits[head_source], iface.head_rows, bits, block, transpose=True)
+        codes[head_source], nodes = _fold(graph, inits[head_source], iface.head_rows, bits, block, transpose=True)
         folded += nodes
     shared = head_source is None or head_source == gather_table
-    head_q = tables[gather_table if shared else head_source]
+    head_q = codes[gather_table if shared else head_source]
     details: dict[str, Any] = {"storage": STORAGE, "token_table_shared": bool(shared), "table_bits": bits,
                                "group_size": block, "head_activations": "float32",
                                "interface_exact": iface.t_inv_name is not None and correct}
@@ -88,7 +93,7 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
         details["pit_correction"] = bool(correct)
         if correct:
             t = numpy_helper.to_array(inits[iface.t_name]).astype(np.float64)
-            m = correction_matrix(head_q.dequantize(), tables[gather_table].dequantize(), t)
+            m = correction_matrix(head_q.dequantize(), codes[gather_table].dequantize(), t)
             inits[iface.t_inv_name].CopyFrom(numpy_helper.from_array(m.astype(np.float32), iface.t_inv_name))
     kept_fp32 = {n for n in (iface.t_name, iface.t_inv_name) if n}
     counts = {4: 0, 8: 0}
@@ -96,13 +101,13 @@ def fold_graph(model, dtype: str, block: int, vocab: int, hidden: int, correct: 
         eight = set(layer_matmuls(graph, keep_8bit)) if dtype == "int4" else set()
         for node in list(graph.node):
             weight = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else None
-            if weight is None or weight not in inits or weight in kept_fp32 or weight in tables:
+            if weight is None or weight not in inits or weight in kept_fp32 or weight in codes:
                 continue
             array = numpy_helper.to_array(inits[weight])
             if array.ndim != 2:
                 continue
             width = 8 if node.name in eight else BITS[dtype]
-            tables[weight], nodes = _fold(graph, inits[weight], np.ascontiguousarray(array.T), width, block,
+            codes[weight], nodes = _fold(graph, inits[weight], np.ascontiguousarray(array.T), width, block,
                                           transpose=True)
             folded += nodes
             counts[width] += 1
