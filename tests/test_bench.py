@@ -196,3 +196,18 @@ def test_standalone_runtime_imports_nothing_of_the_package():
     from pit_deploy.runtime import standalone
 
     assert_self_contained(Path(standalone.__file__), ("transformers", "optimum"))
+
+
+def test_the_torch_driver_gives_the_callers_thread_count_back():
+    """``--threads`` sizes torch's pool, which is the whole process's: closing the driver puts the
+    caller's size back (a later computation in the same process keeps its own reduction order)."""
+    import torch
+
+    from pit_deploy.runtime.torch_driver import TorchDriver
+    from pit_deploy.tiny import tiny_model
+
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    with TorchDriver(threads=other, model=tiny_model("llama")):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before

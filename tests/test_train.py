@@ -107,7 +107,13 @@ def test_train_z_stays_on_stiefel(tmp_path, assets):
 
 
 def _run_worker(script, expect_signal=None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # the child computes with as many threads as this process (a reduction's order depends on it),
+    # so that its metrics can be compared bit for bit with an in-process run's
+    import torch
+
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": threads,
+           "MKL_NUM_THREADS": threads}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     if expect_signal is None:
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,6 +19,8 @@ class TorchDriver(Driver):
 
     def __init__(self, folder: str | Path | None = None, threads: int | None = None, model=None) -> None:
         super().__init__(folder or ".", threads)
+        # torch's pool is the process's: the caller's size comes back on close
+        self._caller_threads = torch.get_num_threads()
         if threads is not None:
             torch.set_num_threads(threads)
         if model is None:
@@ -53,3 +55,4 @@ class TorchDriver(Driver):
     def close(self) -> None:
         self.model = None
         self.past = None
+        torch.set_num_threads(self._caller_threads)
