@@ -92,8 +92,8 @@ class VocabStandin:
 
     def __init__(self, model: nn.Module, vocab: int, hidden: int, size: int):
         self.model, self.vocab, self.hidden, self.size = model, vocab, hidden, size
-        #: id of an original tensor -> (the rows it stands for, its vocabulary axis, the stand-in)
-        self.tables: dict[int, tuple[Any, int, torch.Tensor]] = {}
+        #: id of an original tensor -> (the rows it stands for, the stand-in)
+        self.tables: dict[int, tuple[Any, torch.Tensor]] = {}
         #: id of a table weight never written (:func:`~pit_deploy.exporters.passes.materialize_by_rows`)
         #: -> the rows that compute it
         self.computed: dict[int, Any] = {}
@@ -105,14 +105,11 @@ class VocabStandin:
         self._padding: list[tuple[nn.Module, int]] = []
 
     def _axis(self, tensor: torch.Tensor) -> int | None:
+        """The vocabulary axis of a vocabulary-sized tensor, else ``None``."""
         shape = tuple(tensor.shape)
-        if shape == (self.vocab,):
+        if shape in ((self.vocab,), (self.vocab, self.hidden)):
             return 0
-        if shape == (self.vocab, self.hidden):
-            return 0
-        if shape == (self.hidden, self.vocab):
-            return 1
-        return None
+        return 1 if shape == (self.hidden, self.vocab) else None
 
     @contextmanager
     def applied(self) -> Iterator["VocabStandin"]:
@@ -134,8 +131,8 @@ class VocabStandin:
                         cut = torch.from_numpy(np.ascontiguousarray(source[0:self.size])).to(tensor.dtype)
                     if isinstance(tensor, nn.Parameter):
                         cut = nn.Parameter(cut, requires_grad=False)
-                    self.tables[id(tensor)] = (source if source is not tensor else tensor.detach(), axis, cut)
-                getattr(module, kind)[name] = self.tables[id(tensor)][2]
+                    self.tables[id(tensor)] = (source if source is not tensor else tensor.detach(), cut)
+                getattr(module, kind)[name] = self.tables[id(tensor)][1]
                 self._swapped.append((module, kind, name, tensor))
             for module in self.model.modules():
                 padding = getattr(module, "padding_idx", None)
@@ -175,7 +172,7 @@ class VocabStandin:
 
     def _match(self, stored: np.ndarray) -> StoredTable | None:
         """The model's tensor whose stand-in ``stored`` is, in the layout the graph stores."""
-        for source, axis, cut in self.tables.values():
+        for source, cut in self.tables.values():
             small = cut.detach().numpy()
             if stored.shape == small.shape and np.array_equal(stored, small):
                 return StoredTable(source)
@@ -223,7 +220,7 @@ def _holds(init, value: int) -> bool:
 def _in_nodes(graph, value: int) -> bool:
     """Whether ``value`` is an integer attribute or an integer ``Constant`` of some node,
     subgraphs included."""
-    from onnx import AttributeProto, numpy_helper
+    from onnx import AttributeProto, TensorProto, numpy_helper
 
     for node in graph.node:
         for attr in node.attribute:
@@ -231,7 +228,7 @@ def _in_nodes(graph, value: int) -> bool:
                 return True
             if attr.type == AttributeProto.INTS and value in attr.ints:
                 return True
-            if attr.type == AttributeProto.TENSOR and attr.t.data_type in (6, 7):  # INT32, INT64
+            if attr.type == AttributeProto.TENSOR and attr.t.data_type in (TensorProto.INT32, TensorProto.INT64):
                 if np.any(numpy_helper.to_array(attr.t) == value):
                     return True
             for sub in [attr.g] * attr.HasField("g") + list(attr.graphs):
